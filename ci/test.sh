@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Run the lint and the whole CPU test suite (Triton kernels under TRITON_INTERPRET=1).
+# The default model's safetensors conversion is cached in $PAGED_SERVE_CACHE (./.cache here).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PAGED_SERVE_CACHE="${PAGED_SERVE_CACHE:-$PWD/.cache}"
+.venv/bin/ruff check engine kernels server tests perf
+.venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"
+# perf/ is GPU-only: on a CPU it must skip cleanly (pytest exits 5 when everything is skipped
+# or nothing is collected, which is the expected outcome here).
+set +e
+.venv/bin/python -m pytest -q -p no:cacheprovider perf
+rc=$?
+set -e
+if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then exit "$rc"; fi

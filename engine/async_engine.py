@@ -1,0 +1,249 @@
+"""The asyncio-facing engine: ``add_request`` returns an async iterator of outputs.
+
+The synchronous ``LLMEngine`` runs in its own thread so a forward pass never blocks the event
+loop. Requests and aborts reach that thread through a locked inbox; outputs come back to each
+request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``. Validation (tokenizing, length
+and capacity checks, the waiting-queue limit) happens in the caller, so a bad request raises
+before any stream starts.
+
+If the engine loop itself dies, every stream in flight ends with ``EngineDeadError`` and
+``is_alive`` turns False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_loader import LoadedModel
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped; no request can make progress."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than ``max_waiting`` allows."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """Gauges for /metrics, read under the engine lock."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached: int
+    num_preemptions: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+
+
+class AsyncEngine:
+    """Owns an LLMEngine and the thread that steps it."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        loaded: LoadedModel | None = None,
+        max_waiting: int | None = None,
+    ):
+        self.engine = LLMEngine(config, loaded=loaded)
+        self.max_waiting = max_waiting
+        self._lock = threading.Lock()  # guards the inbox and the streams; held only briefly
+        self._wake = threading.Condition(self._lock)
+        self._state_lock = threading.Lock()  # held by the engine thread while it steps
+        self._adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._stopping = False
+        self.dead: BaseException | None = None
+        self._snapshot = self._take_snapshot()
+        self._thread = threading.Thread(target=self._run, name="paged-serve-engine", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- public API
+    @property
+    def is_alive(self) -> bool:
+        return self.dead is None and self._thread.is_alive()
+
+    @property
+    def tokenizer(self) -> object | None:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        return self.engine.tokenize(prompt)
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Validate and queue a request; iterate the result for its outputs.
+
+        Raises ValueError (bad request), QueueFullError or EngineDeadError before streaming.
+        Leaving the iteration early (or cancelling it) aborts the request.
+        """
+        if not self.is_alive:
+            raise EngineDeadError("the engine loop is not running")
+        ids = self.engine.tokenize(prompt)
+        self.engine.validate(ids, params)
+        request_id = request_id or self.new_request_id()
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            waiting = self.engine.num_waiting + len(self._adds)
+            if self.max_waiting is not None and waiting >= self.max_waiting:
+                raise QueueFullError(
+                    f"{waiting} requests are already waiting (limit {self.max_waiting})"
+                )
+            self._streams[request_id] = stream
+            self._adds.append((request_id, ids, params))
+            self._wake.notify()
+        return self._iterate(request_id, stream)
+
+    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its blocks are freed before the next step runs."""
+        with self._lock:
+            if request_id in self._streams:
+                self._aborts.append(request_id)
+                self._wake.notify()
+
+    def snapshot(self) -> EngineSnapshot:
+        """The gauges as of the end of the last step (never waits for a running step)."""
+        snap = self._snapshot
+        with self._lock:
+            pending = len(self._adds)
+        return replace(snap, num_waiting=snap.num_waiting + pending)
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        e = self.engine
+        usage = e.block_manager.usage()
+        return EngineSnapshot(
+            num_running=e.num_running,
+            num_waiting=e.num_waiting,
+            kv_blocks_total=e.block_manager.num_blocks,
+            kv_blocks_used=usage.used_blocks,
+            kv_blocks_cached=usage.cached_blocks,
+            num_preemptions=e.scheduler.num_preemptions,
+            prefix_query_tokens=e.scheduler.prefix_query_tokens,
+            prefix_hit_tokens=e.scheduler.prefix_hit_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        """Check the block pool between steps (raises AssertionError on a leak or bad count)."""
+        with self._state_lock:
+            self.engine.block_manager.check_integrity()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort everything in flight and stop the loop thread."""
+        with self._lock:
+            self._stopping = True
+            self._aborts.extend(self._streams)
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    # ----------------------------------------------------------------- the loop
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        if isinstance(item, BaseException) or item.finished:
+            del self._streams[request_id]
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the client's event loop is closed: nobody is listening
+            pass
+
+    def _apply(
+        self, adds: list[tuple[str, list[int], SamplingParams]], aborts: list[str]
+    ) -> list[tuple[str, RequestOutput | BaseException]]:
+        """Add and abort requests in the engine (engine thread, state lock held)."""
+        replies: list[tuple[str, RequestOutput | BaseException]] = []
+        for request_id, ids, params in adds:
+            try:
+                self.engine.add_request(ids, params, request_id)
+            except ValueError as exc:
+                replies.append((request_id, exc))
+        for request_id in aborts:
+            out = self.engine.abort(request_id)
+            if out is not None:
+                replies.append((request_id, out))
+        return replies
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not (self._adds or self._aborts or self.engine.has_unfinished):
+                        if self._stopping:
+                            return
+                        self._wake.wait()
+                    adds, self._adds = self._adds, []
+                    aborts, self._aborts = self._aborts, []
+                    stopping = self._stopping
+                with self._state_lock:
+                    replies = self._apply(adds, aborts)
+                    if not (stopping and not self.engine.has_unfinished):
+                        replies += [(o.request_id, o) for o in self.engine.step()]
+                    self._snapshot = self._take_snapshot()
+                with self._lock:
+                    for request_id, item in replies:
+                        self._deliver(request_id, item)
+                    for request_id in aborts:  # aborted before the engine knew it
+                        self._streams.pop(request_id, None)
+                if stopping and not self.engine.has_unfinished:
+                    return
+        except BaseException as exc:  # the loop is dead: fail every stream rather than hang
+            logger.exception("engine loop died")
+            self.dead = exc
+            with self._lock:
+                for request_id in list(self._streams):
+                    self._deliver(request_id, EngineDeadError(f"engine loop died: {exc!r}"))

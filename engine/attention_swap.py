@@ -1,0 +1,88 @@
+"""Swap a Hugging Face model's attention for paged attention, without forking modeling code.
+
+transformers looks attention up by name (``config._attn_implementation``) in its
+``AttentionInterface``; we register ``paged_serve`` there, plus a mask function that returns
+None so no ``[T, T]`` mask is ever built. The function receives the projected, rotated
+``query [1, Hq, T, D]``, ``key``/``value [1, Hkv, T, D]`` of the flat ragged batch, writes the new
+K/V at the step's ``slot_mapping``, and attends over each sequence's blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface
+
+from engine.attention_context import current_attention_context
+
+ATTN_NAME = "paged_serve"
+
+# Architectures whose attention modules call the attention interface with RoPE already applied
+# and expose ``layer_idx``; others are refused at load rather than silently computed wrong.
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: returns ``([1, T, Hq, D], None)``."""
+    ctx = current_attention_context()
+    if query.shape[0] != 1:
+        raise ValueError(f"paged attention takes one flat batch, got batch size {query.shape[0]}")
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    k = key[0].transpose(0, 1)  # [T, Hkv, D]
+    v = value[0].transpose(0, 1)
+    k_cache, v_cache = ctx.kv_cache.layer(module.layer_idx)
+    ctx.backend.write_kv(k, v, k_cache, v_cache, slot_mapping=ctx.slot_mapping)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = ctx.backend.attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables=ctx.block_tables,
+        seq_lens=ctx.seq_lens,
+        cu_seqlens_q=ctx.cu_seqlens_q,
+        scale=scale,
+        max_seqlen_q=ctx.max_seqlen_q,
+        max_seqlen_k=ctx.max_seqlen_k,
+        sliding_window=sliding_window,
+    )
+    return out.unsqueeze(0), None
+
+
+def _no_mask(*args: object, **kwargs: object) -> None:
+    """Paged attention derives causality from the metadata: no dense mask is built."""
+    return None
+
+
+AttentionInterface.register(ATTN_NAME, paged_attention_forward)
+AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+
+
+def check_supported(model: PreTrainedModel) -> None:
+    """Raise ValueError unless ``model`` is one of the architectures the swap is tested on."""
+    name = type(model).__name__
+    if name not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {name}: paged-serve runs "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
+def install_paged_attention(model: PreTrainedModel) -> None:
+    """Point every attention layer of ``model`` at the paged attention function."""
+    check_supported(model)
+    model.set_attn_implementation(ATTN_NAME)

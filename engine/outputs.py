@@ -1,0 +1,70 @@
+"""What the engine hands back: per-step deltas and per-request results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's logprob and the top alternatives (token id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """Timings in seconds. TPOT is the mean gap between output tokens after the first."""
+
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    ttft: float
+    tpot: float
+    e2e_latency: float
+    num_preemptions: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One step's news for one request: the new tokens and the text safe to emit.
+
+    ``finished`` is set on the last output of a request, with ``finish_reason`` in
+    ``stop`` / ``length`` / ``abort`` and its ``metrics``.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob] | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass(slots=True)
+class CompletionResult:
+    """A finished request, as ``LLM.generate`` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    metrics: RequestMetrics | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.token_ids += out.new_token_ids
+        self.text += out.new_text
+        if out.new_logprobs is not None:
+            self.logprobs = (self.logprobs or []) + out.new_logprobs
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.metrics = out.metrics

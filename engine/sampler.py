@@ -1,0 +1,84 @@
+"""Turn last-token logits into tokens: the fused Triton sampler or the eager reference.
+
+Every row carries a seed (the request's, or one the engine drew for it) and a step (how many
+tokens the request has produced), so a row's draw depends only on (seed, step) and its logits,
+never on its row index or on the rest of the batch, and survives preemption unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import reference
+
+_SEED_MASK = (1 << 63) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingBatch:
+    """Per-row parameters as tensors on the logits' device (see ``kernels.reference``)."""
+
+    temperature: torch.Tensor  # [B] fp32
+    top_k: torch.Tensor  # [B] int32
+    top_p: torch.Tensor  # [B] fp32
+    min_p: torch.Tensor  # [B] fp32
+    seeds: torch.Tensor  # [B] int64
+    steps: torch.Tensor  # [B] int64
+    all_greedy: bool
+
+
+def row_uniforms(seed: int, step: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The eager path's random numbers for one row: a generator keyed by (seed, step)."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(hash((seed, step)) & _SEED_MASK)
+    u = torch.rand(vocab_size, generator=gen, dtype=torch.float32)
+    return u.to(device)
+
+
+class Sampler:
+    """Samples one token per row. ``backend`` is ``torch`` or ``triton``."""
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        self._triton_sample = None
+        if backend == "triton":
+            from kernels.sampling import sample
+
+            self._triton_sample = sample
+
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: ``[B, V]``; returns (token ids ``[B]`` int64, logprobs ``[B]`` fp32)."""
+        logits = logits.float()
+        if batch.all_greedy:
+            tokens = logits.argmax(dim=-1)
+            logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+            return tokens, logprobs
+        if self._triton_sample is not None:
+            return self._triton_sample(
+                logits,
+                temperature=batch.temperature,
+                top_k=batch.top_k,
+                top_p=batch.top_p,
+                min_p=batch.min_p,
+                seeds=batch.seeds,
+                steps=batch.steps,
+            )
+        vocab = logits.shape[1]
+        uniforms = torch.stack(
+            [
+                row_uniforms(int(s), int(t), vocab, logits.device)
+                for s, t in zip(batch.seeds.tolist(), batch.steps.tolist())
+            ]
+        )
+        return reference.sample_ref(
+            logits,
+            temperature=batch.temperature,
+            top_k=batch.top_k,
+            top_p=batch.top_p,
+            min_p=batch.min_p,
+            uniforms=uniforms,
+        )

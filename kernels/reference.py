@@ -1,0 +1,220 @@
+"""Eager PyTorch references for every kernel family (fp32 math).
+
+These are the ground truth the Triton kernels are tested and benchmarked against, and the
+engine's `torch` backend (the CPU default) runs them directly, so they are vectorised rather
+than written as per-token loops.
+
+Shared conventions (the kernels follow them exactly):
+
+* KV cache: one tensor per layer and side, ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+  Token ``t`` of a sequence lives in block ``block_tables[s, t // block_size]`` at offset
+  ``t % block_size``; its flat *slot* is ``block * block_size + offset``.
+* Ragged queries: the step's query tokens are concatenated, sequence by sequence;
+  ``cu_seqlens_q [S + 1]`` gives each sequence's slice. ``seq_lens [S]`` is each sequence's
+  context length *including* the new tokens, so the ``i``-th of ``q_len`` new tokens sits at
+  position ``seq_len - q_len + i`` and attends to every key at a position ``<=`` its own
+  (causal inside the chunk, full over the cached prefix).
+* GQA: query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)`` (HF's repeat_kv).
+* Sampling keeps a token when it passes all of top-k, top-p and min-p, defined on the
+  temperature-scaled distribution ``p = softmax(logits / temperature)``:
+    - top-k (``k > 0``): ``z_i >= k-th largest z`` (ties at the boundary are kept);
+    - top-p (``p < 1``): ``sum(p_j for j in K if p_j > p_i) < top_p * sum(p_j for j in K)``,
+      where ``K`` is the top-k set, i.e. nucleus on the top-k-renormalised distribution;
+    - min-p (``m > 0``): ``p_i >= m * max(p)``.
+  The draw is the exponential race ``argmax_i p_i / E_i`` with ``E_i = -log(u_i)`` over the kept
+  tokens, which picks ``i`` with probability ``p_i / sum(kept p)``. Rows with temperature 0 are
+  argmax of the raw logits (lowest index on ties). The returned logprob is
+  ``log_softmax(logits)`` (unscaled) at the chosen token, as vLLM and OpenAI report it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Gather each sequence's first ``max_len`` cached tokens into a dense tensor.
+
+    cache: ``[num_blocks, block_size, H, D]``; block_tables: ``[S, max_blocks]`` int.
+    Returns ``[S, max_len, H, D]`` (positions past a sequence's length hold whatever the
+    cache holds there, possibly NaN: callers mask them).
+    """
+    block_size = cache.shape[1]
+    num_blocks_needed = (max_len + block_size - 1) // block_size
+    blocks = block_tables[:, :num_blocks_needed].long()  # [S, nb]
+    dense = cache[blocks]  # [S, nb, block_size, H, D]
+    s, nb, bs, h, d = dense.shape
+    return dense.reshape(s, nb * bs, h, d)[:, :max_len]
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+) -> torch.Tensor:
+    """Attention of ragged query chunks over the paged KV cache, in fp32.
+
+    q: ``[T, Hq, D]``; k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``;
+    block_tables: ``[S, max_blocks]`` int32; seq_lens: ``[S]`` int32 (context incl. new tokens);
+    cu_seqlens_q: ``[S + 1]`` int32. ``sliding_window`` w (if set) limits each query to the
+    ``w`` most recent positions (its own included), as HF's Mistral does.
+    ``max_seqlen_q`` / ``max_seqlen_k`` may be passed to avoid a device-to-host sync.
+    Returns ``[T, Hq, D]`` in ``q.dtype``.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
+    device = q.device
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    seq_lens_l = seq_lens.long()
+    if max_seqlen_q is None:
+        max_seqlen_q = int(q_lens.max()) if num_seqs else 0
+    if max_seqlen_k is None:
+        max_seqlen_k = int(seq_lens_l.max()) if num_seqs else 0
+    if num_tokens == 0:
+        return q.new_empty(q.shape)
+
+    # Scatter the flat queries into a padded [S, Lq, Hq, D] batch.
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
+    idx_in_seq = torch.arange(num_tokens, device=device) - cu_seqlens_q[:-1].long()[seq_of_token]
+    q_pad = q.new_zeros(num_seqs, max_seqlen_q, num_q_heads, head_dim, dtype=torch.float32)
+    q_pad[seq_of_token, idx_in_seq] = q.float()
+
+    k = gather_context(k_cache, block_tables, max_seqlen_k).float()  # [S, Lk, Hkv, D]
+    v = gather_context(v_cache, block_tables, max_seqlen_k).float()
+
+    # [S, Hkv, G, Lq, D] x [S, Hkv, Lk, D] -> [S, Hkv, G, Lq, Lk]
+    qg = q_pad.view(num_seqs, max_seqlen_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    kt = k.permute(0, 2, 1, 3)
+    scores = torch.matmul(qg, kt.unsqueeze(2).transpose(-1, -2)) * scale
+
+    q_pos = (seq_lens_l - q_lens)[:, None] + torch.arange(max_seqlen_q, device=device)[None, :]
+    k_pos = torch.arange(max_seqlen_k, device=device)
+    allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Lq, Lk]
+    allowed &= k_pos[None, None, :] < seq_lens_l[:, None, None]
+    if sliding_window is not None:
+        allowed &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    mask = allowed[:, None, None]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # Padded query rows have no allowed key: their NaN rows are never gathered back.
+    probs = probs.masked_fill(~mask, 0.0)
+    vt = v.permute(0, 2, 1, 3).unsqueeze(2)  # [S, Hkv, 1, Lk, D]
+    # masked_fill above zeroes the weights, but 0 * NaN (a poisoned slot) is still NaN.
+    vt = torch.nan_to_num(vt, nan=0.0, posinf=0.0, neginf=0.0)
+    out = torch.matmul(probs, vt)  # [S, Hkv, G, Lq, D]
+    out = out.permute(0, 3, 1, 2, 4).reshape(num_seqs, max_seqlen_q, num_q_heads, head_dim)
+    return out[seq_of_token, idx_in_seq].to(q.dtype)
+
+
+def write_kv_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter ``key``/``value`` ``[T, Hkv, D]`` into the caches at ``slot_mapping [T]`` (int64).
+
+    Slot ``-1`` means "do not write". In place, exact.
+    """
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    num_blocks, block_size = k_cache.shape[:2]
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+
+
+def copy_blocks_ref(kv_caches: torch.Tensor, *, block_mapping: torch.Tensor) -> None:
+    """Copy whole blocks for every layer and side at once.
+
+    kv_caches: ``[num_layers, 2, num_blocks, block_size, Hkv, D]`` (the engine's one allocation);
+    block_mapping: ``[N, 2]`` int64 rows of ``(src_block, dst_block)``. In place, exact.
+    Destinations must be distinct and never also a source in the same call.
+    """
+    if block_mapping.numel() == 0:
+        return
+    src = block_mapping[:, 0].long()
+    dst = block_mapping[:, 1].long()
+    kv_caches[:, :, dst] = kv_caches[:, :, src]
+
+
+def sampling_keep_mask(
+    logits: torch.Tensor,
+    *,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The set of drawable tokens per row, and the temperature-scaled probabilities.
+
+    logits: ``[B, V]`` fp32; temperature, top_p, min_p: ``[B]`` fp32; top_k: ``[B]`` int
+    (``<= 0`` or ``>= V`` disables it). Rows with temperature 0 are treated as temperature 1 here
+    (the caller takes argmax for them). Returns ``(keep [B, V] bool, probs [B, V] fp32)``.
+    """
+    vocab = logits.shape[1]
+    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    z = logits.float() / temp[:, None]
+    probs = torch.softmax(z, dim=-1)
+
+    k = top_k.long().clamp(min=0)
+    k = torch.where((k <= 0) | (k >= vocab), torch.full_like(k, vocab), k)
+    sorted_z, _ = torch.sort(z, dim=-1, descending=True)
+    kth = sorted_z.gather(1, (k - 1)[:, None])
+    keep = z >= kth
+
+    # Nucleus on the top-k set: mass strictly above each token, compared with top_p * mass(K).
+    p_k = torch.where(keep, probs, torch.zeros_like(probs))
+    sorted_p, _ = torch.sort(p_k, dim=-1, descending=True)
+    # For each token: mass of tokens with strictly larger probability.
+    csum = torch.cumsum(sorted_p, dim=-1)
+    first_ge = torch.searchsorted(-sorted_p.contiguous(), -p_k.contiguous(), side="left")
+    above = torch.where(
+        first_ge > 0,
+        csum.gather(1, (first_ge - 1).clamp(min=0)),
+        torch.zeros_like(p_k),
+    )
+    total_k = p_k.sum(dim=-1, keepdim=True)
+    keep &= above < top_p[:, None] * total_k
+
+    keep &= probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return keep, probs
+
+
+def sample_ref(
+    logits: torch.Tensor,
+    *,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row (see the module docstring for the exact rule).
+
+    logits: ``[B, V]`` fp32; uniforms: ``[B, V]`` fp32 in (0, 1), the random numbers of the
+    exponential race (the caller decides how they are seeded). Returns
+    ``(token_ids [B] int64, logprobs [B] fp32)``.
+    """
+    logits = logits.float()
+    keep, probs = sampling_keep_mask(
+        logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
+    )
+    exp = -torch.log(uniforms.clamp(min=torch.finfo(torch.float32).tiny))
+    race = torch.where(keep, probs / exp, torch.full_like(probs, -1.0))
+    drawn = race.argmax(dim=-1)
+    greedy = logits.argmax(dim=-1)
+    tokens = torch.where(temperature > 0, drawn, greedy)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    return tokens, logprobs
