@@ -1,0 +1,118 @@
+"""Shared fixtures: tiny random-weight models of each supported family, the default model,
+and the Hugging Face greedy reference every equality test compares against."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+
+# Kernels run under Triton's interpreter when there is no GPU; this must be set before triton
+# is first imported anywhere in the test session.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from transformers import (  # noqa: E402
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from engine.block_manager import BlockManager  # noqa: E402
+from engine.model_loader import LoadedModel  # noqa: E402
+
+TINY_VOCAB = 512
+TINY_FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+
+def tiny_model(family: str, seed: int = 0) -> PreTrainedModel:
+    """A 2-layer GQA model (4 query heads, 2 KV heads, head_dim 64) with random weights.
+
+    initializer_range is larger than a real model's so the logits are peaked: near-ties between
+    the two best tokens would make greedy comparisons hinge on float rounding.
+    """
+    config_cls, model_cls = TINY_FAMILIES[family]
+    config = config_cls(
+        vocab_size=TINY_VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return model_cls(config).eval()
+
+
+def loaded(model: PreTrainedModel, name: str = "tiny") -> LoadedModel:
+    """Wrap a private copy of ``model`` for the engine (the swap must not touch the reference)."""
+    return LoadedModel(
+        model=copy.deepcopy(model),
+        tokenizer=None,
+        name=name,
+        eos_token_ids=(),
+        max_model_len=int(model.config.max_position_embeddings),
+        load_seconds=0.0,
+    )
+
+
+@torch.inference_mode()
+def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Hugging Face ``generate`` greedy tokens for one prompt, alone, no EOS stop."""
+    ids = torch.tensor([prompt])
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, len(prompt) :].tolist()
+
+
+def random_prompts(lengths: list[int], seed: int = 0, vocab: int = TINY_VOCAB) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def assert_pool_clean(bm: BlockManager) -> None:
+    """After a scenario: the pool is consistent and no live request holds a block."""
+    bm.check_integrity()
+    assert bm.usage().used_blocks == 0
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_FAMILIES))
+def tiny_family(request: pytest.FixtureRequest) -> tuple[str, PreTrainedModel]:
+    return request.param, tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def default_model() -> LoadedModel:
+    """SmolLM2-135M-Instruct in fp32 (converted once into $PAGED_SERVE_CACHE)."""
+    from engine.model_loader import load_model
+
+    return load_model(None, dtype=torch.float32, device=torch.device("cpu"))
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model: LoadedModel):
+    return default_model.tokenizer

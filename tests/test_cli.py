@@ -1,0 +1,46 @@
+"""``paged-generate`` on the default model: completion on stdout, stats on stderr."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "engine.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_generate_chat_with_stats(default_model):  # the fixture makes sure the cache exists
+    proc = run_cli(
+        "--prompt",
+        "What is the capital of France?",
+        "--chat",
+        "--max-tokens",
+        "12",
+        "--show-stats",
+        "--kv-cache-memory",
+        str(64 << 20),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    for field in (
+        "prompt tokens:",
+        "generated tokens:",
+        "TTFT:",
+        "TPOT:",
+        "tokens/s:",
+        "KV blocks used:",
+    ):
+        assert field in proc.stderr
+
+
+def test_bad_arguments_exit_2_with_a_message(default_model):
+    proc = run_cli("--prompt", "hi", "--max-tokens", "0", "--kv-cache-memory", str(64 << 20))
+    assert proc.returncode == 2
+    assert "max_tokens must be an integer >= 1" in proc.stderr

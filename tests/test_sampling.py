@@ -1,0 +1,110 @@
+"""Engine sampling: seeded draws reproducible and batch-independent, top_k=1 is greedy,
+logprobs, stop strings and stop token ids."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.conftest import assert_pool_clean, loaded, random_prompts, tiny_model
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(loaded=loaded(tiny_model("llama")), kv_cache_memory=4 << 20)
+
+
+PROMPTS = random_prompts([3, 9, 17, 30], seed=5)
+
+
+def test_seeded_draws_do_not_depend_on_the_batch(llm):
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = llm.generate([PROMPTS[1]], seeded)[0].token_ids
+    others = SamplingParams(max_tokens=12, temperature=0.8, ignore_eos=True)
+    batch = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [others, seeded, others])
+    reordered = llm.generate([PROMPTS[2], PROMPTS[1]], [others, seeded])
+    assert batch[1].token_ids == alone == reordered[1].token_ids
+    assert_pool_clean(llm.engine.block_manager)
+
+
+def test_different_seeds_differ(llm):
+    runs = {
+        tuple(
+            llm.generate(
+                [PROMPTS[0]],
+                SamplingParams(max_tokens=12, temperature=1.5, seed=s, ignore_eos=True),
+            )[0].token_ids
+        )
+        for s in range(4)
+    }
+    assert len(runs) > 1
+
+
+def test_top_k_1_equals_greedy(llm):
+    greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    top1 = llm.generate(
+        PROMPTS, SamplingParams(max_tokens=10, temperature=1.3, top_k=1, seed=3, ignore_eos=True)
+    )
+    assert [r.token_ids for r in greedy] == [r.token_ids for r in top1]
+
+
+def test_logprobs_are_reported_and_consistent(llm):
+    [r] = llm.generate(
+        [PROMPTS[2]], SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True)
+    )
+    assert len(r.logprobs) == 6
+    for tok, entry in zip(r.token_ids, r.logprobs):
+        assert entry.token_id == tok
+        assert len(entry.top) == 3
+        # Greedy: the chosen token is the best alternative, and logprobs are <= 0 and sorted.
+        assert entry.top[0][0] == tok
+        assert math.isclose(entry.top[0][1], entry.logprob, abs_tol=1e-6)
+        assert all(a[1] >= b[1] for a, b in zip(entry.top, entry.top[1:]))
+        assert entry.logprob <= 0
+
+
+def test_stop_token_ids_finish_with_stop(llm):
+    [free] = llm.generate(
+        [PROMPTS[3]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    )
+    stop_at = free.token_ids[3]
+    [r] = llm.generate(
+        [PROMPTS[3]],
+        SamplingParams(max_tokens=8, temperature=0, stop_token_ids=(stop_at,), ignore_eos=True),
+    )
+    first = free.token_ids.index(stop_at)
+    assert r.token_ids == free.token_ids[: first + 1]
+    assert r.finish_reason == "stop"
+
+
+def test_eos_stops_unless_ignored():
+    model = tiny_model("qwen2")
+    [free] = LLM(loaded=loaded(model), kv_cache_memory=4 << 20).generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    )
+    eos = free.token_ids[2]
+    handle = dataclasses.replace(loaded(model), eos_token_ids=(eos,))
+    llm = LLM(loaded=handle, kv_cache_memory=4 << 20)
+    [stopped] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0))
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[: free.token_ids.index(eos) + 1]
+    [ignored] = llm.generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    )
+    assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"
+
+
+def test_stop_strings_cut_the_text_exactly(default_model):
+    llm = LLM(loaded=default_model, kv_cache_memory=64 << 20)
+    params = SamplingParams(max_tokens=12, temperature=0)
+    [free] = llm.generate(["The capital of France is"], params)
+    assert "Paris" in free.text
+    [cut] = llm.generate(
+        ["The capital of France is"], SamplingParams(max_tokens=12, temperature=0, stop=("aris",))
+    )
+    assert cut.text == free.text[: free.text.index("aris")]
+    assert cut.finish_reason == "stop"
+    assert_pool_clean(llm.engine.block_manager)
