@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, sample_ids
+from engine.metrics import EngineStats
 from engine.model_loader import LoadedModel
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -98,6 +99,16 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block (the cache holds ``snapshot().kv_blocks_total`` of them)."""
+        return self.engine.block_manager.block_size
+
+    @property
+    def stats(self) -> EngineStats:
+        """Counters and latency histograms since start (read histograms under ``stats.lock``)."""
+        return self.engine.stats
+
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         return self.engine.tokenize(prompt)
 
@@ -112,42 +123,45 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Validate and queue a request; iterate the result for its outputs.
 
+        With ``params.n > 1`` the outputs of all ``n`` samples arrive on the one iterator
+        (``RequestOutput.index`` tells them apart) until every sample has finished.
         Raises ValueError (bad request), QueueFullError or EngineDeadError before streaming.
-        Leaving the iteration early (or cancelling it) aborts the request.
+        Leaving the iteration early (or cancelling it) aborts every sample.
         """
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
         ids = self.engine.tokenize(prompt)
         self.engine.validate(ids, params)
         request_id = request_id or self.new_request_id()
+        group = sample_ids(request_id, params.n)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
-            if request_id in self._streams:
+            if any(rid in self._streams for rid in group):
                 raise ValueError(f"request id {request_id!r} is already in use")
             waiting = self.engine.num_waiting + len(self._adds)
             if self.max_waiting is not None and waiting >= self.max_waiting:
                 raise QueueFullError(
                     f"{waiting} requests are already waiting (limit {self.max_waiting})"
                 )
-            self._streams[request_id] = stream
+            for rid in group:
+                self._streams[rid] = stream
             self._adds.append((request_id, ids, params))
             self._wake.notify()
-        return self._iterate(request_id, stream)
+        return self._iterate(group, stream)
 
-    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
-        finished = False
+    async def _iterate(self, group: list[str], stream: _Stream) -> AsyncIterator[RequestOutput]:
+        unfinished = set(group)
         try:
-            while True:
+            while unfinished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                if item.finished:
+                    unfinished.discard(item.request_id)
                 yield item
-                if finished:
-                    return
         finally:
-            if not finished:
-                self.abort(request_id)
+            for rid in unfinished:
+                self.abort(rid)
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks are freed before the next step runs."""

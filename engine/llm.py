@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, sample_ids
 from engine.model_loader import LoadedModel
 from engine.outputs import CompletionResult
 from engine.sampling_params import SamplingParams
@@ -31,7 +31,10 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[CompletionResult]:
-        """Generate for every prompt (all batched together); results in prompt order."""
+        """Generate for every prompt (all batched together); results in prompt order.
+
+        A prompt with ``n > 1`` contributes its ``n`` samples, consecutively.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None:
@@ -45,8 +48,9 @@ class LLM:
             for prompt, p in zip(prompts, param_list):
                 ids = self.engine.tokenize(prompt)
                 rid = self.engine.add_request(ids, p)
-                results[rid] = CompletionResult(rid, ids)
-                order.append(rid)
+                for sample_id in sample_ids(rid, p.n):
+                    results[sample_id] = CompletionResult(sample_id, ids)
+                    order.append(sample_id)
             while self.engine.has_unfinished:
                 for out in self.engine.step():
                     results[out.request_id].add(out)

@@ -28,7 +28,7 @@ from engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,11 @@ logger = logging.getLogger(__name__)
 class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer
+
+
+def sample_ids(request_id: str, n: int) -> list[str]:
+    """The ids of the ``n`` samples of a request: its own id, then ``id.1`` ... ``id.(n-1)``."""
+    return [request_id] + [f"{request_id}.{i}" for i in range(1, n)]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -163,21 +168,38 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
     ) -> str:
-        """Queue a request and return its id. Raises ValueError for a request that cannot run."""
+        """Queue a request and return its id. Raises ValueError for a request that cannot run.
+
+        With ``params.n > 1`` the prompt is prefilled once and forked into ``n`` samples sharing its
+        blocks (copy-on-write); their ids are ``sample_ids(request_id, params.n)``, and sample ``i``
+        draws with seed ``params.seed + i`` when a seed is given, so it equals a single request
+        with that seed.
+        """
         ids = self.tokenize(prompt)
         self.validate(ids, params)
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
-        if request_id in self._tracked:
+        all_ids = sample_ids(request_id, params.n)
+        if any(rid in self._tracked for rid in all_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        request = Request(request_id, ids, params, seed=seed)
-        detok = IncrementalDetokenizer(
-            self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop
-        )
-        self._tracked[request_id] = _Tracked(request, detok)
-        self.scheduler.add(request)
+        samples = []
+        for index, rid in enumerate(all_ids):
+            seed = params.seed + index if params.seed is not None else self._rng.getrandbits(63)
+            request = Request(rid, ids, params, seed=seed, index=index)
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+            )
+            self._tracked[rid] = _Tracked(request, detok)
+            samples.append(request)
+        parent = samples[0]
+        parent.pending_forks = samples[1:]
+        for child in parent.pending_forks:
+            child.fork_parent = parent
+        self.scheduler.add(parent)
         self.stats.prompt_tokens_total += len(ids)
         return request_id
 
@@ -213,7 +235,21 @@ class LLMEngine:
             req = sched.request
             req.num_computed_tokens = sched.end
             bm.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
+        self._fork_pending(batch)
         return self._process(result)
+
+    def _fork_pending(self, batch: ScheduledBatch) -> None:
+        """Samples 1..n-1 of a request join it once its prompt is computed, sharing its blocks."""
+        for sched in batch.requests:
+            parent = sched.request
+            if not (sched.samples and parent.pending_forks):
+                continue
+            for child in parent.pending_forks:
+                self.block_manager.fork(parent.request_id, child.request_id)
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.num_cached_tokens = parent.num_cached_tokens
+                self.scheduler.add_running(child)
+            parent.pending_forks = []
 
     def _process(self, result: StepResult) -> list[RequestOutput]:
         now = time.monotonic()
@@ -256,6 +292,7 @@ class LLMEngine:
         req = tracked.request
         return RequestOutput(
             request_id=req.request_id,
+            index=req.index,
             new_token_ids=tokens,
             new_text=tracked.detokenizer.take_delta(finished=False),
             new_logprobs=logprobs,
@@ -274,6 +311,15 @@ class LLMEngine:
         stop_reason: str | int | None = None,
     ) -> RequestOutput:
         req = tracked.request
+        if req.fork_parent is not None and req in req.fork_parent.pending_forks:
+            req.fork_parent.pending_forks.remove(req)
+        if req.pending_forks:  # aborted before its prompt was computed: an heir takes over
+            heir, *rest = req.pending_forks
+            heir.pending_forks, heir.fork_parent = rest, None
+            for child in rest:
+                child.fork_parent = heir
+            req.pending_forks = []
+            self.scheduler.waiting.appendleft(heir)
         self.scheduler.finish(req, reason)
         del self._tracked[req.request_id]
         req.finish_time = now
@@ -302,6 +348,7 @@ class LLMEngine:
                 self.stats.tpot.observe(tpot)
         return RequestOutput(
             request_id=req.request_id,
+            index=req.index,
             new_token_ids=tokens,
             new_text=tracked.detokenizer.take_delta(finished=True),
             new_logprobs=logprobs,

@@ -15,6 +15,7 @@ import torch
 from engine.attention_backend import AttentionBackend
 from engine.attention_context import AttentionContext, attention_context
 from engine.kv_cache import KVCache
+from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import ScheduledBatch
 
@@ -75,7 +76,8 @@ class ModelRunner:
             cu.append(cu[-1] + sched.num_new_tokens)
             seq_lens.append(sched.end)
             if sched.samples:
-                last_indices.append(cu[-1] - 1)
+                # Pending forks (n > 1) sample their first token from the same logits row.
+                last_indices += [cu[-1] - 1] * (1 + len(request.pending_forks))
         width = max(len(t) for t in block_tables)
         padded = [t + [0] * (width - len(t)) for t in block_tables]
         ctx = AttentionContext(
@@ -95,8 +97,16 @@ class ModelRunner:
             last_indices,
         )
 
-    def sampling_batch(self, batch: ScheduledBatch) -> SamplingBatch:
-        rows = [s.request for s in batch.requests if s.samples]
+    @staticmethod
+    def sampling_rows(batch: ScheduledBatch) -> list[Request]:
+        """The requests that sample this step, each followed by its pending forks."""
+        rows: list[Request] = []
+        for s in batch.requests:
+            if s.samples:
+                rows += [s.request, *s.request.pending_forks]
+        return rows
+
+    def sampling_batch(self, rows: list[Request]) -> SamplingBatch:
         params = [r.params for r in rows]
         return SamplingBatch(
             temperature=self._tensor([p.temperature for p in params], torch.float32),
@@ -115,7 +125,7 @@ class ModelRunner:
             mapping = self._tensor([list(p) for p in batch.block_copies], torch.int64)
             self.backend.copy_blocks(self.kv_cache.tensor, block_mapping=mapping)
         input_ids, position_ids, ctx, last_indices = self.build_context(batch, block_tables)
-        sampled = [s.request for s in batch.requests if s.samples]
+        sampled = self.sampling_rows(batch)
         if not sampled:
             with attention_context(ctx):
                 self.model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
@@ -129,7 +139,7 @@ class ModelRunner:
                 logits_to_keep=keep,
             )
         logits = out.logits[0].float()  # [num_sampled, V]
-        tokens, logprobs = self.sampler(logits, self.sampling_batch(batch))
+        tokens, logprobs = self.sampler(logits, self.sampling_batch(sampled))
         k = max((r.params.logprobs or 0) for r in sampled)
         top: list[list[tuple[int, float]]] = [[] for _ in sampled]
         if k > 0:

@@ -46,6 +46,7 @@ class RequestOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     metrics: RequestMetrics | None = None
+    index: int = 0  # which of the request's n samples this is
 
 
 @dataclass(slots=True)

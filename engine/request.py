@@ -19,6 +19,7 @@ class RequestStatus(enum.Enum):
 class Request:
     """One sequence being generated.
 
+    ``index`` is the sample's position among the ``n`` samples of one request.
     ``num_computed_tokens`` counts the tokens whose K/V are in the cache; the tokens still to
     run through the model are ``all_token_ids[num_computed_tokens:]``. After a preemption it
     drops to 0 and the prompt plus the outputs so far are recomputed.
@@ -29,6 +30,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int
+    index: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -40,6 +42,9 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
+    # n > 1: samples waiting for this request's prompt to be computed, then forked from it.
+    pending_forks: list[Request] = field(default_factory=list)
+    fork_parent: Request | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_N = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,10 +16,13 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0 disables top-k; top_p 1 and min_p 0 disable theirs.
     seed makes the draws reproducible whatever else is batched with the request.
     stop strings are matched on the detokenized text and excluded from it.
+    n: how many independent samples share the prompt (forked after one prefill; sample i uses
+    seed + i when a seed is given).
     logprobs: how many top alternatives to report per token (None: no logprobs at all).
     """
 
     max_tokens: int = 16
+    n: int = 1
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -37,6 +41,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:

@@ -72,6 +72,11 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def add_running(self, request: Request) -> None:
+        """Join a request whose blocks are already allocated (a fork) to the running set."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

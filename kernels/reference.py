@@ -47,6 +47,45 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
     return dense.reshape(s, nb * bs, h, d)[:, :max_len]
 
 
+def _attend_uniform(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Attention for ``S`` sequences that all bring ``Lq`` new tokens.
+
+    q: ``[S, Lq, Hq, D]``; returns ``[S, Lq, Hq, D]`` in fp32.
+    """
+    num_seqs, q_len, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    device = q.device
+    max_len = max(seq_lens)
+    k = gather_context(k_cache, block_tables, max_len).float()  # [S, Lk, Hkv, D]
+    v = gather_context(v_cache, block_tables, max_len).float()
+
+    # [S, Hkv, G, Lq, D] x [S, Hkv, 1, D, Lk] -> [S, Hkv, G, Lq, Lk]
+    qg = q.float().view(num_seqs, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1).unsqueeze(2)) * scale
+
+    lens = torch.tensor(seq_lens, device=device)
+    q_pos = (lens - q_len)[:, None] + torch.arange(q_len, device=device)[None, :]  # [S, Lq]
+    k_pos = torch.arange(max_len, device=device)
+    allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Lq, Lk]; also bounds seq_len
+    if sliding_window is not None:
+        allowed &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    mask = allowed[:, None, None]
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    # Cache slots past a sequence's length may hold NaN: 0 * NaN is NaN, so zero them first.
+    vt = torch.nan_to_num(v.permute(0, 2, 1, 3).unsqueeze(2), nan=0.0, posinf=0.0, neginf=0.0)
+    out = torch.matmul(probs, vt)  # [S, Hkv, G, Lq, D]
+    return out.permute(0, 3, 1, 2, 4).reshape(num_seqs, q_len, num_q_heads, head_dim)
+
+
 def paged_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -66,54 +105,39 @@ def paged_attention_ref(
     block_tables: ``[S, max_blocks]`` int32; seq_lens: ``[S]`` int32 (context incl. new tokens);
     cu_seqlens_q: ``[S + 1]`` int32. ``sliding_window`` w (if set) limits each query to the
     ``w`` most recent positions (its own included), as HF's Mistral does.
-    ``max_seqlen_q`` / ``max_seqlen_k`` may be passed to avoid a device-to-host sync.
+    ``max_seqlen_q`` / ``max_seqlen_k`` are accepted for interface parity with the kernel.
     Returns ``[T, Hq, D]`` in ``q.dtype``.
+
+    Decode sequences (one new token) run as one batch; each prefill chunk runs on its own, so
+    no sequence is padded to another's query length.
     """
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    num_seqs = seq_lens.shape[0]
-    device = q.device
-    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    seq_lens_l = seq_lens.long()
-    if max_seqlen_q is None:
-        max_seqlen_q = int(q_lens.max()) if num_seqs else 0
-    if max_seqlen_k is None:
-        max_seqlen_k = int(seq_lens_l.max()) if num_seqs else 0
-    if num_tokens == 0:
-        return q.new_empty(q.shape)
-
-    # Scatter the flat queries into a padded [S, Lq, Hq, D] batch.
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
-    idx_in_seq = torch.arange(num_tokens, device=device) - cu_seqlens_q[:-1].long()[seq_of_token]
-    q_pad = q.new_zeros(num_seqs, max_seqlen_q, num_q_heads, head_dim, dtype=torch.float32)
-    q_pad[seq_of_token, idx_in_seq] = q.float()
-
-    k = gather_context(k_cache, block_tables, max_seqlen_k).float()  # [S, Lk, Hkv, D]
-    v = gather_context(v_cache, block_tables, max_seqlen_k).float()
-
-    # [S, Hkv, G, Lq, D] x [S, Hkv, Lk, D] -> [S, Hkv, G, Lq, Lk]
-    qg = q_pad.view(num_seqs, max_seqlen_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    kt = k.permute(0, 2, 1, 3)
-    scores = torch.matmul(qg, kt.unsqueeze(2).transpose(-1, -2)) * scale
-
-    q_pos = (seq_lens_l - q_lens)[:, None] + torch.arange(max_seqlen_q, device=device)[None, :]
-    k_pos = torch.arange(max_seqlen_k, device=device)
-    allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Lq, Lk]
-    allowed &= k_pos[None, None, :] < seq_lens_l[:, None, None]
-    if sliding_window is not None:
-        allowed &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    mask = allowed[:, None, None]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    # Padded query rows have no allowed key: their NaN rows are never gathered back.
-    probs = probs.masked_fill(~mask, 0.0)
-    vt = v.permute(0, 2, 1, 3).unsqueeze(2)  # [S, Hkv, 1, Lk, D]
-    # masked_fill above zeroes the weights, but 0 * NaN (a poisoned slot) is still NaN.
-    vt = torch.nan_to_num(vt, nan=0.0, posinf=0.0, neginf=0.0)
-    out = torch.matmul(probs, vt)  # [S, Hkv, G, Lq, D]
-    out = out.permute(0, 3, 1, 2, 4).reshape(num_seqs, max_seqlen_q, num_q_heads, head_dim)
-    return out[seq_of_token, idx_in_seq].to(q.dtype)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    decode = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]
+    if decode:
+        rows = torch.tensor([cu[i] for i in decode], device=q.device)
+        out[rows] = _attend_uniform(
+            q[rows].unsqueeze(1),
+            k_cache,
+            v_cache,
+            block_tables[decode],
+            [lens[i] for i in decode],
+            scale,
+            sliding_window,
+        ).squeeze(1)
+    for i in range(len(lens)):
+        if cu[i + 1] - cu[i] > 1:
+            out[cu[i] : cu[i + 1]] = _attend_uniform(
+                q[cu[i] : cu[i + 1]].unsqueeze(0),
+                k_cache,
+                v_cache,
+                block_tables[i : i + 1],
+                [lens[i]],
+                scale,
+                sliding_window,
+            ).squeeze(0)
+    return out.to(q.dtype)
 
 
 def write_kv_ref(

@@ -77,3 +77,27 @@ def test_finish_frees_blocks_wherever_the_request_is():
     assert a.finish_reason == "abort" and a.is_finished
     bm.check_integrity()
     assert bm.usage().used_blocks == 0
+
+
+def test_a_preempted_request_resumes_from_its_cached_blocks():
+    bm = BlockManager(4, 4, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    a = make("a", 8)
+    b = Request("b", list(range(11, 19)), SamplingParams(max_tokens=100), seed=0)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(2):  # a grows past its 2 blocks: b is preempted and its blocks freed
+        for s in sched.schedule().requests:
+            s.request.num_computed_tokens = s.end
+            bm.commit(s.request.request_id, s.request.all_token_ids, s.end)
+            if s.samples:
+                s.request.output_token_ids.append(7)
+    # a took b's leaf block (evicted first); b's first block stays cached.
+    assert b.num_preemptions == 1 and bm.usage().cached_blocks == 1
+    sched.finish(a, "stop")
+    batch = sched.schedule()
+    [resumed] = [s for s in batch.requests if s.request is b]
+    # b's prompt+output is 9 tokens: its cached first block is reused, the rest recomputed.
+    assert (resumed.start, resumed.num_new_tokens) == (4, 5)
+    assert sched.prefix_hit_tokens == 4
+    bm.check_integrity()
