@@ -256,22 +256,38 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for i, request_id in enumerate(result.request_ids):
             tracked = self._tracked[request_id]
-            req = tracked.request
-            token = result.token_ids[i]
-            req.output_token_ids.append(token)
-            self.stats.generation_tokens_total += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
-            logprob = None
-            if req.params.logprobs is not None:
-                top = result.top_logprobs[i][: req.params.logprobs]
-                logprob = [TokenLogprob(token, result.logprobs[i], top)]
-            reason, stop_reason = self._stop_reason(tracked, token)
-            if reason is None:
-                outputs.append(self._delta(tracked, [token], logprob))
-            else:
-                outputs.append(self._finish(tracked, reason, [token], logprob, now, stop_reason))
+            try:
+                outputs.append(self._process_token(tracked, result, i, now))
+            except Exception as exc:  # one request's fault must not stop the others
+                logger.exception("request %s failed while processing its output", request_id)
+                outputs.append(self._fail(tracked, exc, now))
         return outputs
+
+    def _process_token(
+        self, tracked: _Tracked, result: StepResult, i: int, now: float
+    ) -> RequestOutput:
+        """Append the sampled token, detokenize, and decide whether the request is done."""
+        req = tracked.request
+        token = result.token_ids[i]
+        req.output_token_ids.append(token)
+        self.stats.generation_tokens_total += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        logprob = None
+        if req.params.logprobs is not None:
+            top = result.top_logprobs[i][: req.params.logprobs]
+            logprob = [TokenLogprob(token, result.logprobs[i], top)]
+        reason, stop_reason = self._stop_reason(tracked, token)
+        if reason is None:
+            return self._delta(tracked, [token], logprob)
+        return self._finish(tracked, reason, [token], logprob, now, stop_reason)
+
+    def _fail(self, tracked: _Tracked, exc: Exception, now: float) -> RequestOutput:
+        """Finish a request whose processing raised: ``finish_reason="error"``, blocks freed."""
+        tracked.detokenizer = IncrementalDetokenizer(None, [])  # never touch the broken one
+        return self._finish(
+            tracked, "error", [], None, now, error=f"internal error: {type(exc).__name__}"
+        )
 
     def _stop_reason(self, tracked: _Tracked, token: int) -> tuple[str | None, str | int | None]:
         req = tracked.request
@@ -309,6 +325,7 @@ class LLMEngine:
         logprobs: list[TokenLogprob] | None,
         now: float,
         stop_reason: str | int | None = None,
+        error: str | None = None,
     ) -> RequestOutput:
         req = tracked.request
         if req.fork_parent is not None and req in req.fork_parent.pending_forks:
@@ -321,7 +338,7 @@ class LLMEngine:
             req.pending_forks = []
             self.scheduler.waiting.appendleft(heir)
         self.scheduler.finish(req, reason)
-        del self._tracked[req.request_id]
+        self._tracked.pop(req.request_id, None)
         req.finish_time = now
         tracked.detokenizer.flush()
         n_out = len(req.output_token_ids)
@@ -359,4 +376,5 @@ class LLMEngine:
             finish_reason=reason,
             stop_reason=stop_reason,
             metrics=metrics,
+            error=error,
         )

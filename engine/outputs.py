@@ -32,7 +32,7 @@ class RequestOutput:
     """One step's news for one request: the new tokens and the text safe to emit.
 
     ``finished`` is set on the last output of a request, with ``finish_reason`` in
-    ``stop`` / ``length`` / ``abort`` and its ``metrics``.
+    ``stop`` / ``length`` / ``abort`` / ``error`` and its ``metrics``.
     """
 
     request_id: str
@@ -47,6 +47,7 @@ class RequestOutput:
     stop_reason: str | int | None = None
     metrics: RequestMetrics | None = None
     index: int = 0  # which of the request's n samples this is
+    error: str | None = None  # set with finish_reason "error": processing this request failed
 
 
 @dataclass(slots=True)
