@@ -1,0 +1,159 @@
+"""The aiohttp application: routes, the error and auth middlewares, shutdown, the runner.
+
+Routes::
+
+    GET  /v1/models                   GET  /v1/models/{model}
+    POST /v1/completions              POST /v1/chat/completions
+    POST /v1/responses                GET|DELETE /v1/responses/{response_id}
+    GET  /health                      GET  /metrics
+
+Every failure leaves as the OpenAI error object (``server.errors``): the error middleware
+catches our APIError, aiohttp's HTTP exceptions (unknown route 404, wrong method 405, body over
+``client_max_size`` 413) and anything unexpected (500 with a generic message; the traceback goes
+to the log, never to the client). With API keys set, every ``/v1`` route needs
+``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open.
+
+The runner cancels a handler whose client disconnects (``handler_cancellation``), which aborts
+its engine requests; on shutdown every request in flight is aborted so its stream ends with a
+final frame before the server closes.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+import msgspec
+from aiohttp import web
+
+from engine.async_engine import AsyncEngine
+from server.chat import create_chat_completion
+from server.completions import create_completion
+from server.errors import SERVER_ERROR, APIError, error_response, from_http_exception
+from server.metrics import metrics
+from server.response_store import ResponseStore
+from server.responses import create_response, delete_response, retrieve_response
+from server.sse import internal_error
+from server.state import OWNER, STATE, ServerState, key_hash
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_STORED_RESPONSES = 1000
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(from_http_exception(exc))
+    except Exception:
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(internal_error())
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    hashes = request.app[STATE].api_key_hashes
+    if hashes and request.path.startswith("/v1"):
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        given = key_hash(key.strip()) if scheme.lower() == "bearer" else ""
+        # compare against every key so the time taken does not say which one matched
+        matches = [hmac.compare_digest(given, h) for h in hashes]
+        if not any(matches):
+            raise APIError(
+                401,
+                "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+        request[OWNER] = given
+    return await handler(request)
+
+
+def _model_card(state: ServerState) -> dict:
+    return {
+        "id": state.served_model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "paged-serve",
+        "max_model_len": state.context_limit,
+    }
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return _json({"object": "list", "data": [_model_card(state)]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.check_model(request.match_info["model"])
+    return _json(_model_card(state))
+
+
+async def health(request: web.Request) -> web.Response:
+    if not request.app[STATE].engine.is_alive:
+        raise APIError(503, "the engine loop is not running", type=SERVER_ERROR, code="engine_dead")
+    return _json({"status": "ok"})
+
+
+def _json(data: dict) -> web.Response:
+    return web.Response(body=msgspec.json.encode(data), content_type="application/json")
+
+
+async def _abort_in_flight(app: web.Application) -> None:
+    """On shutdown: refuse new work and abort every request in flight (streams end with a final
+    frame, non-streaming calls get 503)."""
+    state = app[STATE]
+    state.shutting_down = True
+    if state.in_flight:
+        logger.info("aborting %d request(s) in flight", len(state.in_flight))
+    for request_id in list(state.in_flight):
+        state.engine.abort(request_id)
+
+
+def create_app(
+    engine: AsyncEngine,
+    *,
+    served_model_name: str | None = None,
+    api_keys: Sequence[str] = (),
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> web.Application:
+    """The app serving ``engine``. The caller owns the engine (and shuts it down)."""
+    if any(not key for key in api_keys):
+        raise ValueError("API keys must be non-empty strings")
+    app = web.Application(
+        middlewares=[error_middleware, auth_middleware], client_max_size=max_body_bytes
+    )
+    app[STATE] = ServerState(
+        engine=engine,
+        served_model_name=served_model_name or engine.model_name,
+        store=ResponseStore(max_stored_responses),
+        api_key_hashes=tuple(key_hash(k) for k in api_keys),
+    )
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", retrieve_model)
+    app.router.add_post("/v1/completions", create_completion)
+    app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", retrieve_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.on_shutdown.append(_abort_in_flight)
+    return app
+
+
+def make_runner(app: web.Application, *, shutdown_timeout: float = 10.0) -> web.AppRunner:
+    """A runner that cancels the handler of a client that disconnects (aiohttp does not by
+    default since 3.7), so its engine requests are aborted at once."""
+    return web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout)

@@ -1,0 +1,136 @@
+"""``paged-serve``: load the model and serve the OpenAI-compatible API until SIGINT/SIGTERM.
+
+On a signal the server stops accepting connections, aborts the requests in flight (their
+streams get a final error frame), waits for the handlers to finish, stops the engine and
+exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from aiohttp import web
+
+from engine.async_engine import AsyncEngine
+from engine.cli import add_engine_args, engine_kwargs
+from engine.config import EngineConfig
+from server.app import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_STORED_RESPONSES,
+    create_app,
+    make_runner,
+)
+from server.state import STATE
+
+logger = logging.getLogger("server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paged-serve", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument(
+        "--served-model-name", default=None, help="the model id clients use (default: the model's)"
+    )
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=None,
+        help="refuse new requests with 503 while this many are waiting (default: no limit)",
+    )
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="require 'Authorization: Bearer KEY' on /v1 routes (repeat for several keys)",
+    )
+    parser.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=DEFAULT_MAX_STORED_RESPONSES,
+        help="size of the in-memory LRU store behind GET /v1/responses/{id}",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body accepted (413 beyond)",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    add_engine_args(parser)
+    return parser
+
+
+async def serve(engine: AsyncEngine, args: argparse.Namespace) -> None:
+    """Serve until SIGINT or SIGTERM, then shut down cleanly."""
+    app = create_app(
+        engine,
+        served_model_name=args.served_model_name,
+        api_keys=args.api_key,
+        max_stored_responses=args.max_stored_responses,
+        max_body_bytes=args.max_request_bytes,
+    )
+    runner = make_runner(app)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await web.TCPSite(runner, args.host, args.port).start()
+        snap = engine.snapshot()
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens; max model len %d",
+            snap.kv_blocks_total,
+            engine.block_size,
+            snap.kv_blocks_total * engine.block_size,
+            engine.max_model_len,
+        )
+        host, port = runner.addresses[0][:2]
+        host = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
+        logger.info("serving %s at http://%s:%d/v1", app[STATE].served_model_name, host, port)
+        await stop.wait()
+        logger.info("shutting down")
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.max_waiting is not None and args.max_waiting < 0:
+        parser.error("--max-waiting must be >= 0")
+    if args.max_stored_responses < 0:
+        parser.error("--max-stored-responses must be >= 0")
+    if args.max_request_bytes < 1:
+        parser.error("--max-request-bytes must be >= 1")
+    if any(not key for key in args.api_key):
+        parser.error("--api-key must not be empty")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = EngineConfig(model=args.model, **engine_kwargs(args))
+        engine = AsyncEngine(config, max_waiting=args.max_waiting)
+    except (ValueError, OSError) as exc:
+        logger.error("cannot start the engine: %s", exc)
+        return 2
+    try:
+        asyncio.run(serve(engine, args))
+    except OSError as exc:  # the address is in use, or not ours to bind
+        logger.error("cannot serve on %s:%d: %s", args.host, args.port, exc)
+        return 1
+    finally:
+        engine.shutdown()
+    logger.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

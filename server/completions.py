@@ -1,0 +1,132 @@
+"""``POST /v1/completions``: text completion of one or several prompts, n samples each.
+
+Choice ``index`` = prompt_index * n + sample_index. ``echo`` puts the prompt text in front of
+each choice's text (in a stream, as the first chunk of each choice).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator
+
+import msgspec
+from aiohttp import web
+
+from server.generation import Generation, Job, start_generation
+from server.logprobs import completion_logprobs
+from server.prompts import tokenize_prompt
+from server.protocol import CompletionRequest, decode
+from server.sampling import build_params, output_limit
+from server.sse import frame, respond
+from server.state import STATE, ServerState
+
+
+async def create_completion(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = decode(await request.read(), CompletionRequest)
+    body.check()
+    state.check_model(body.model)
+    prompts = body.prompts()
+    prompt_ids = [tokenize_prompt(state.engine, p, "prompt") for p in prompts]
+    for ids in prompt_ids:
+        output_limit(state.context_limit, len(ids), body.max_tokens, "prompt")
+    params = build_params(
+        max_tokens=body.max_tokens,
+        n=body.n,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        seed=body.seed,
+        stop=body.stop_strings,
+        ignore_eos=body.ignore_eos,
+        logprobs=body.logprobs,
+    )
+    n = body.n
+    jobs = [Job(p * n, ids, params) for p, ids in enumerate(prompt_ids)]
+    echoes = {}
+    if body.echo:
+        tokenizer = state.engine.tokenizer
+        for p, prompt in enumerate(prompts):
+            text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids[p])
+            echoes.update({p * n + i: text for i in range(n)})
+    reply = _Reply(state, body, f"cmpl-{uuid.uuid4().hex}", sum(map(len, prompt_ids)), echoes)
+    with start_generation(state, reply.id, jobs, "prompt") as generation:
+        if body.stream:
+            return await respond(request, reply.stream(generation))
+        return await reply.complete(generation)
+
+
+class _Reply:
+    """Builds the Completion object, or the stream of Completion chunks."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        body: CompletionRequest,
+        completion_id: str,
+        prompt_tokens: int,
+        echoes: dict[int, str],
+    ):
+        self.state = state
+        self.body = body
+        self.id = completion_id
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens
+        self.echoes = echoes
+
+    def _object(self, choices: list[dict]) -> dict:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.state.served_model_name,
+            "choices": choices,
+            "system_fingerprint": None,
+        }
+
+    async def complete(self, generation: Generation) -> web.Response:
+        tokenizer = self.state.engine.tokenizer
+        choices = []
+        for c in await generation.collect():
+            logprobs = None
+            if self.body.logprobs is not None:
+                logprobs = completion_logprobs(tokenizer, c.logprobs)
+            choices.append(
+                {
+                    "index": c.index,
+                    "text": self.echoes.get(c.index, "") + c.text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                }
+            )
+        out = self._object(choices)
+        out["usage"] = generation.usage(self.prompt_tokens)
+        return web.Response(body=msgspec.json.encode(out), content_type="application/json")
+
+    def _chunk(self, index: int, text: str, logprobs: dict | None, finish: str | None) -> bytes:
+        out = self._object(
+            [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]
+        )
+        if self.body.include_usage:
+            out["usage"] = None
+        return frame(out)
+
+    async def stream(self, generation: Generation) -> AsyncGenerator[bytes, None]:
+        tokenizer = self.state.engine.tokenizer
+        for index, text in sorted(self.echoes.items()):
+            yield self._chunk(index, text, None, None)
+        offsets: dict[int, int] = {}
+        async for index, out in generation.outputs():
+            logprobs = None
+            if self.body.logprobs is not None and out.new_logprobs:
+                logprobs = completion_logprobs(tokenizer, out.new_logprobs, offsets.get(index, 0))
+                offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+            if out.new_text or logprobs or out.finished:
+                finish = out.finish_reason if out.finished else None
+                yield self._chunk(index, out.new_text, logprobs, finish)
+        if self.body.include_usage:
+            out = self._object([])
+            out["usage"] = generation.usage(self.prompt_tokens)
+            yield frame(out)

@@ -1,0 +1,96 @@
+"""The OpenAI error object, and the exception every handler raises to produce one.
+
+Every failure the server reports has the same body, whatever its status::
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": null}}
+
+``APIError`` carries that object plus the HTTP status; the error middleware in ``server.app``
+turns it (and aiohttp's own HTTP exceptions, msgspec decode errors and unexpected exceptions)
+into a JSON response. Streams that already sent their headers send the same object as an SSE
+frame instead.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+from aiohttp import web
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+
+# msgspec reports where a value failed as a JSONPath suffix: "... - at `$.messages[0].content`".
+_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
+
+
+class APIError(Exception):
+    """A failure to report to the client as the OpenAI error object with ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        """The ``{"error": {...}}`` object."""
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(
+    message: str, *, type: str = INVALID_REQUEST, param: str | None = None, code: str | None = None
+) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(err: APIError) -> web.Response:
+    return web.Response(
+        status=err.status, body=msgspec.json.encode(err.body()), content_type="application/json"
+    )
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_decode_error(exc: msgspec.DecodeError) -> APIError:
+    """400 for a body msgspec could not decode; ``param`` names the offending field if known."""
+    if not isinstance(exc, msgspec.ValidationError):
+        return bad_request(f"the request body is not valid JSON: {exc}")
+    message = str(exc)
+    path = ""
+    match = _PATH.search(message)
+    if match:
+        path = match.group("path")
+        message = message[: match.start()]
+    missing = _MISSING.search(message)
+    if missing:
+        path = f"{path}.{missing.group('field')}"
+    param = path.lstrip(".") or None
+    if param and not missing:
+        message = f"invalid value for {param}: {message}"
+    return bad_request(message, param=param)
+
+
+def from_http_exception(exc: web.HTTPException) -> APIError:
+    """aiohttp's own 4xx/5xx (unknown route, wrong method, body too large) as our object."""
+    if exc.status == 404:
+        message = "no such route"
+    elif exc.status == 405:
+        message = "method not allowed"
+    else:
+        message = exc.text or exc.reason
+    kind = SERVER_ERROR if exc.status >= 500 else INVALID_REQUEST
+    return APIError(exc.status, message, type=kind)

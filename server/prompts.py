@@ -1,0 +1,66 @@
+"""Prompts to token ids: plain prompts through the engine's tokenizer, conversations through
+the tokenizer's chat template.
+
+Message content is a string or a list of text parts; the parts' texts are joined with newlines
+(as vLLM does). The ``developer`` role is the newer name of ``system``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jinja2
+
+from engine.async_engine import AsyncEngine
+from server.errors import bad_request
+from server.protocol import ContentPart
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+TEXT_PARTS = {"text", "input_text", "output_text"}
+
+
+def tokenize_prompt(engine: AsyncEngine, prompt: str | Sequence[int], param: str) -> list[int]:
+    """Token ids of a completions prompt; bad ids or a missing tokenizer -> 400."""
+    try:
+        return engine.tokenize(prompt)
+    except ValueError as exc:
+        raise bad_request(str(exc), param) from None
+
+
+def message_text(content: str | list[ContentPart] | None, param: str) -> str:
+    """The text of a message's content (None counts as empty, as for assistant tool calls)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for i, part in enumerate(content):
+        if part.type not in TEXT_PARTS or part.text is None:
+            raise bad_request(
+                f"content part type {part.type!r} is not supported (text parts only)",
+                f"{param}[{i}]",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def chat_message(role: str, content: str | list[ContentPart] | None, param: str) -> dict:
+    """A ``{"role", "content"}`` dict for the chat template; unknown roles -> 400."""
+    if role not in ROLES:
+        raise bad_request(
+            f"role {role!r} is not supported; use one of {sorted(ROLES)}", f"{param}.role"
+        )
+    return {"role": ROLES[role], "content": message_text(content, f"{param}.content")}
+
+
+def chat_prompt_ids(engine: AsyncEngine, messages: list[dict], param: str) -> list[int]:
+    """Apply the chat template (with the generation prompt) and tokenize without adding
+    special tokens again (the template already has them)."""
+    tokenizer = engine.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions", param)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except (ValueError, jinja2.TemplateError) as exc:
+        raise bad_request(f"the chat template rejected the messages: {exc}", param) from None
+    return list(tokenizer(text, add_special_tokens=False).input_ids)

@@ -1,0 +1,228 @@
+"""Request bodies as msgspec Structs: decoding them is the first layer of validation.
+
+Field names follow the OpenAI API reference (plus vLLM's ``top_k``, ``min_p`` and
+``ignore_eos``). Unknown fields are ignored, as OpenAI does. Range constraints live here, as
+``msgspec.Meta``, so a bad value is reported with the exact field name; cross-field rules
+(``stop`` count, prompt shape, unsupported options) are checked by ``check()`` methods.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+
+from engine.sampling_params import MAX_N
+from server.errors import bad_request, from_decode_error
+
+MAX_STOP = 4
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, msgspec.Meta(ge=-1)]
+MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+NumChoices = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
+# sample i of n runs with seed + i, which must stay a signed 64-bit integer
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - MAX_N)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+
+T = TypeVar("T")
+
+
+def decode(body: bytes, type: type[T]) -> T:
+    """Decode a JSON body into ``type``; raises APIError (400) naming the bad field."""
+    try:
+        return msgspec.json.decode(body, type=type)
+    except msgspec.DecodeError as exc:
+        raise from_decode_error(exc) from None
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """The sampling fields completions and chat share.
+
+    Fields OpenAI documents as nullable accept ``null`` and take their default
+    (``__post_init__`` fills it in, so code past decoding never sees None there).
+    """
+
+    model: str | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: NumChoices | None = 1
+    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extras
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    ignore_eos: bool | None = False
+
+    def __post_init__(self) -> None:
+        self.n = 1 if self.n is None else self.n
+        self.stream = bool(self.stream)
+        self.ignore_eos = bool(self.ignore_eos)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def check_sampling(self) -> None:
+        """Rules msgspec cannot express; raises APIError (400)."""
+        stops = self.stop_strings
+        if len(stops) > MAX_STOP:
+            raise bad_request(f"at most {MAX_STOP} stop sequences are allowed", "stop")
+        if any(s == "" for s in stops):
+            raise bad_request("stop sequences must be non-empty strings", "stop")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise bad_request(f"{name} is not supported by this server", name)
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported by this server", "logit_bias")
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    """``POST /v1/completions``. ``prompt``: a string, strings, token ids, or token-id lists."""
+
+    prompt: str | list[str | int | list[int]]
+    max_tokens: PositiveInt | None = 16
+    echo: bool | None = False
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    suffix: str | None = None
+    best_of: PositiveInt | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        self.echo = bool(self.echo)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list; raises APIError (400) for an empty or mixed list."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        items = self.prompt
+        if not items:
+            raise bad_request("prompt must not be empty", "prompt")
+        if all(isinstance(p, str) for p in items):
+            return list(items)
+        if all(isinstance(p, int) for p in items):
+            return [list(items)]
+        if all(isinstance(p, list) for p in items):
+            if any(not p for p in items):
+                raise bad_request("a token-id prompt must not be empty", "prompt")
+            return list(items)
+        raise bad_request(
+            "prompt must be a string, a list of strings, a list of token ids "
+            "or a list of token-id lists",
+            "prompt",
+        )
+
+    def check(self) -> None:
+        self.check_sampling()
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of other than n is not supported by this server", "best_of")
+        if self.echo and self.logprobs is not None:
+            raise bad_request(
+                "echo with logprobs needs prompt logprobs, which this server does not compute",
+                "logprobs",
+            )
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    """A message content part; only text parts are supported."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.logprobs = bool(self.logprobs)
+
+    @property
+    def output_limit(self) -> int | None:
+        """max_completion_tokens wins over the older max_tokens."""
+        return self.max_completion_tokens or self.max_tokens
+
+    def check(self) -> None:
+        self.check_sampling()
+        if not self.messages:
+            raise bad_request("messages must not be empty", "messages")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        if self.tools:
+            raise bad_request("tools are not supported by this server", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request(
+                "only the text response_format is supported by this server", "response_format"
+            )
+
+
+class InputItem(msgspec.Struct, kw_only=True):
+    """A Responses API input message (``type`` "message"; content a string or text parts)."""
+
+    role: str
+    content: str | list[ContentPart]
+    type: str = "message"
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    """``POST /v1/responses``."""
+
+    input: str | list[InputItem]
+    model: str | None = None
+    instructions: str | None = None
+    max_output_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    store: bool | None = True
+    stream: bool | None = False
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    tools: list[Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.store = self.store is not False
+        self.stream = bool(self.stream)
+
+    def check(self) -> None:
+        if isinstance(self.input, list) and not self.input:
+            raise bad_request("input must not be empty", "input")
+        if self.tools:
+            raise bad_request("tools are not supported by this server", "tools")

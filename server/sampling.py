@@ -1,0 +1,70 @@
+"""From request fields to engine ``SamplingParams``: OpenAI's defaults and the context check.
+
+With n > 1 the engine runs sample ``i`` of a request with ``seed`` s at seed ``s + i``, so each
+sample is reproducible on its own and equals a single request with that seed.
+"""
+
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+from server.errors import bad_request
+
+
+def output_limit(
+    context_limit: int, prompt_len: int, requested: int | None, prompt_param: str
+) -> int:
+    """The max_tokens to run with: the requested one if it fits, else the rest of the context.
+
+    Raises APIError (400, ``context_length_exceeded``) with the numbers when it does not fit.
+    """
+    if requested is None:
+        if prompt_len >= context_limit:
+            raise bad_request(
+                f"This model's maximum context length is {context_limit} tokens. However, your "
+                f"prompt has {prompt_len} tokens, which leaves no room for a completion.",
+                prompt_param,
+                "context_length_exceeded",
+            )
+        return context_limit - prompt_len
+    if prompt_len + requested > context_limit:
+        raise bad_request(
+            f"This model's maximum context length is {context_limit} tokens. However, you "
+            f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+            f"{requested} for the completion). Please reduce the prompt or the completion length.",
+            prompt_param,
+            "context_length_exceeded",
+        )
+    return requested
+
+
+def build_params(
+    *,
+    max_tokens: int,
+    n: int = 1,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    seed: int | None = None,
+    stop: tuple[str, ...] = (),
+    ignore_eos: bool = False,
+    logprobs: int | None = None,
+) -> SamplingParams:
+    """SamplingParams with OpenAI's defaults (temperature 1, top_p 1); ValueError -> 400."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            n=n,
+            temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p,
+            top_k=0 if top_k is None else top_k,
+            min_p=0.0 if min_p is None else min_p,
+            seed=seed,
+            stop=stop,
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        # SamplingParams' messages start with the field name ("top_p must be ...").
+        field = str(exc).split(" ", 1)[0]
+        raise bad_request(str(exc), field if field.isidentifier() else None) from None

@@ -1,0 +1,60 @@
+"""What every handler shares: the engine, the served model name, the response store, and the
+ids of the engine requests in flight (so shutdown can abort them)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from engine.async_engine import AsyncEngine
+from server.errors import APIError
+from server.response_store import ResponseStore
+
+
+@dataclass(slots=True)
+class ServerState:
+    """One per app. ``api_key_hashes`` is empty when the server runs without ``--api-key``."""
+
+    engine: AsyncEngine
+    served_model_name: str
+    store: ResponseStore
+    api_key_hashes: tuple[str, ...] = ()
+    created: int = field(default_factory=lambda: int(time.time()))
+    in_flight: set[str] = field(default_factory=set)
+    shutting_down: bool = False
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless ``model`` is absent or the served name."""
+        if model is not None and model != self.served_model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves "
+                f"{self.served_model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    @property
+    def context_limit(self) -> int:
+        """The longest sequence (prompt plus output) a request may ask for, in tokens: the
+        model's context, or the whole KV cache if that is smaller."""
+        engine = self.engine
+        capacity = engine.snapshot().kv_blocks_total * engine.block_size
+        return min(engine.max_model_len, capacity)
+
+
+def key_hash(key: str) -> str:
+    """What the server keeps of an API key (to scope stored responses to the key)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+STATE = web.AppKey("paged_serve_state", ServerState)
+
+# Request storage key: the hash of the API key that authenticated the request (absent without
+# keys). web.RequestKey is new in aiohttp 3.12; older versions take a plain string.
+OWNER = (
+    web.RequestKey("paged_serve_owner", str) if hasattr(web, "RequestKey") else "paged_serve_owner"
+)

@@ -1,0 +1,120 @@
+"""The ``paged-serve`` command: flags, the ready log line, and a clean SIGTERM shutdown that
+ends the streams in flight with a final frame and exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from tests.server.conftest import http, metric_values
+
+READY = re.compile(r"serving (?P<model>\S+) at (?P<url>http://\S+)/v1")
+START_DEADLINE_S = 120.0
+
+
+class ServerProcess:
+    """A ``paged-serve`` subprocess whose log lines are collected by a reader thread."""
+
+    def __init__(self, args: list[str]):
+        script = Path(sys.executable).with_name("paged-serve")
+        command = [str(script)] if script.exists() else [sys.executable, "-m", "server.cli"]
+        self.proc = subprocess.Popen(
+            command + args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.put(line)
+
+    def wait_for(self, pattern: re.Pattern[str], deadline_s: float) -> re.Match[str]:
+        end = time.monotonic() + deadline_s
+        while True:
+            remaining = end - time.monotonic()
+            if remaining <= 0 or self.proc.poll() is not None and self.lines.empty():
+                raise AssertionError(f"no line matching {pattern.pattern!r}:\n{''.join(self.log)}")
+            try:
+                line = self.lines.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            self.log.append(line)
+            match = pattern.search(line)
+            if match:
+                return match
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[ServerProcess, str]]:
+    server = ServerProcess(
+        [
+            "--port", "0",
+            "--kv-cache-memory", str(32 << 20),
+            "--max-model-len", "512",
+            "--served-model-name", "smol",
+            "--log-level", "info",
+        ]
+    )  # fmt: skip
+    try:
+        ready = server.wait_for(READY, START_DEADLINE_S)
+        yield server, ready.group("url")
+    finally:
+        server.stop()
+
+
+def test_serves_under_the_given_name(served: tuple[ServerProcess, str]):
+    server, url = served
+    assert any("KV cache:" in line for line in server.log)  # the capacity is logged
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["smol"]
+    out = client.completions.create(model="smol", prompt="Hello", max_tokens=2)
+    assert out.model == "smol"
+    assert metric_values(url)["paged_serve_kv_blocks_used"] == 0
+
+
+async def _stream_through_sigterm(url: str, proc: subprocess.Popen) -> list[str]:
+    """Start a long stream, SIGTERM the server after two frames, read the stream to its end."""
+    body = {"prompt": "Once upon a time", "max_tokens": 256, "ignore_eos": True, "stream": True}
+    frames: list[str] = []
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            async for line in resp.content:
+                if line.startswith(b"data: "):
+                    frames.append(line[len("data: ") :].decode().strip())
+                    if len(frames) == 2:
+                        proc.send_signal(signal.SIGTERM)
+    return frames
+
+
+def test_sigterm_ends_streams_with_a_final_frame_and_exits_0(served: tuple[ServerProcess, str]):
+    server, url = served
+    frames = asyncio.run(_stream_through_sigterm(url, server.proc))
+    assert frames[-1] == "[DONE]"
+    final = json.loads(frames[-2])
+    assert final["error"]["code"] == "request_aborted"
+    assert "shutting down" in final["error"]["message"]
+    assert len(frames) < 256
+    assert server.proc.wait(timeout=30) == 0
+    server.wait_for(re.compile("stopped"), 5.0)
+    with pytest.raises(aiohttp.ClientConnectionError):
+        http("GET", f"{url}/health")

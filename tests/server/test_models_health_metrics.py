@@ -1,0 +1,103 @@
+"""GET /v1/models, /health and /metrics."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from engine.async_engine import AsyncEngine
+from tests.server.conftest import MAX_MODEL_LEN, assert_error, http, metric_values
+
+GAUGES = [
+    "paged_serve_requests_running",
+    "paged_serve_requests_waiting",
+    "paged_serve_kv_blocks_total",
+    "paged_serve_kv_blocks_used",
+    "paged_serve_kv_blocks_cached",
+]
+COUNTERS = [
+    "paged_serve_prefix_cache_hit_tokens_total",
+    "paged_serve_prefix_cache_query_tokens_total",
+    "paged_serve_preemptions_total",
+    "paged_serve_generation_tokens_total",
+    "paged_serve_prompt_tokens_total",
+]
+HISTOGRAMS = [
+    "paged_serve_time_to_first_token_seconds",
+    "paged_serve_time_per_output_token_seconds",
+]
+
+
+def test_models_list_and_retrieve(client: openai.OpenAI, model_name: str):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [model_name]
+    [model] = models.data
+    assert model.object == "model"
+    assert model.owned_by == "paged-serve"
+    assert isinstance(model.created, int) and model.created > 0
+    assert client.models.retrieve(model_name).id == model_name
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("no-such-model")
+    assert info.value.body["code"] == "model_not_found"
+
+
+def test_models_raw_shape(base_url: str, model_name: str):
+    body = http("GET", f"{base_url}/v1/models").json()
+    assert body["object"] == "list"
+    assert body["data"][0]["id"] == model_name
+    assert body["data"][0]["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_health(base_url: str, engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch):
+    reply = http("GET", f"{base_url}/health")
+    assert reply.status == 200
+    assert reply.json() == {"status": "ok"}
+    monkeypatch.setattr(AsyncEngine, "is_alive", property(lambda self: False))
+    assert_error(http("GET", f"{base_url}/health"), 503, code="engine_dead")
+
+
+def test_metrics_format_and_names(base_url: str):
+    reply = http("GET", f"{base_url}/metrics")
+    assert reply.status == 200
+    assert reply.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    text = reply.body.decode()
+    for name, kind in (
+        [(g, "gauge") for g in GAUGES]
+        + [(c, "counter") for c in COUNTERS]
+        + [(h, "histogram") for h in HISTOGRAMS]
+    ):
+        assert f"# HELP {name} " in text
+        assert f"# TYPE {name} {kind}\n" in text
+    values = metric_values(base_url)
+    for name in GAUGES + COUNTERS:
+        assert name in values
+    for name in HISTOGRAMS:
+        assert f'{name}_bucket{{le="+Inf"}}' in values
+        assert values[f'{name}_bucket{{le="+Inf"}}'] == values[f"{name}_count"]
+        assert f"{name}_sum" in values
+    assert values["paged_serve_kv_blocks_total"] > 0
+    assert values["paged_serve_kv_blocks_used"] == 0  # idle
+
+
+def test_metrics_count_a_request(base_url: str, client: openai.OpenAI, model_name: str):
+    before = metric_values(base_url)
+    out = client.completions.create(
+        model=model_name,
+        prompt="Counting tokens:",
+        max_tokens=4,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    after = metric_values(base_url)
+    assert out.usage.completion_tokens == 4
+    generated = "paged_serve_generation_tokens_total"
+    assert after[generated] - before[generated] == 4
+    prompt = "paged_serve_prompt_tokens_total"
+    assert after[prompt] - before[prompt] == out.usage.prompt_tokens
+    ttft = "paged_serve_time_to_first_token_seconds_count"
+    assert after[ttft] - before[ttft] == 1
+    tpot = "paged_serve_time_per_output_token_seconds_count"
+    assert after[tpot] - before[tpot] == 1
+    assert after["paged_serve_kv_blocks_used"] == 0
+    query = "paged_serve_prefix_cache_query_tokens_total"
+    assert 0 < after[query] - before[query] <= out.usage.prompt_tokens
