@@ -1,0 +1,328 @@
+"""Fused sampling: temperature, top-k, top-p, min-p and the draw, without sorting the vocabulary.
+
+Semantics are exactly those of :func:`kernels.reference.sample_ref` (keep rule in
+``sampling_keep_mask``): a token is drawable when it passes top-k, top-p (nucleus on the
+top-k-renormalised distribution) and min-p on ``p = softmax(logits / temperature)``, and the
+draw is the exponential race ``argmax_i p_i / E_i``, ``E_i = -log(u_i)``, over kept tokens.
+Temperature-0 rows are argmax of the raw logits (lowest index on ties). The logprob is
+``log_softmax(logits)`` (unscaled) at the chosen token.
+
+Algorithm (per row; all passes stream the row in chunks of ``BLOCK_V``)
+--------------------------------------------------------------------
+1. max and argmax of the raw logits (greedy token); ``max z = max logits / temperature``
+   exactly, since division by a positive number is monotone.
+2. ``sum exp(x - max x)`` (for the logprob) and ``sum exp(z - max z)`` (for ``p``).
+3. top-k threshold, only if some row in the tile uses top-k: a radix select of the k-th
+   largest ``z``. ``z`` is mapped to a uint32 key that sorts like the float (-0.0 folded into
+   +0.0); 8 passes each build a 16-bin histogram of the next 4 key bits among the keys that
+   match the prefix found so far, and pick the bin holding the k-th largest. The result is the
+   exact key of the k-th largest value, so ``z >= kth`` keeps ties as the reference does.
+4. top-p threshold, only if some row uses ``top_p < 1``: the same radix walk over the keys of
+   ``p`` (non-negative floats, so their bits already sort), restricted to the top-k set, with
+   per-bin probability mass next to per-bin counts. It finds the smallest value ``t`` such that
+   the mass strictly above ``t`` is ``< top_p * mass(top-k set)``: bin ``d`` holds a kept value
+   iff it is non-empty and (mass above the prefix) + (mass of higher bins) < target, and we
+   descend into the lowest such bin. Tokens with ``p >= t`` are exactly the reference's
+   nucleus (ties included, since "above" is strict).
+5. min-p: ``p >= min_p * max p`` with ``max p = 1 / sum``.
+6. the race over kept tokens with ``u = tl.rand(seed, (step << 32) + token)``: Triton's Philox
+   with the row's 64-bit seed as key and counter words (token, step mod 2^32, 0, 0). A seeded
+   row therefore draws the same uniforms -- and token -- whatever its row index, batch size
+   or neighbours. ``u`` is clamped to the smallest normal float, as in the reference.
+
+Grid: ``(cdiv(B, BLOCK_B),)``. Each program handles ``BLOCK_B`` rows as a ``[BLOCK_B,
+BLOCK_V]`` tile (``BLOCK_V`` = vocab rounded up to a power of two, at most 1024; ``BLOCK_B *
+BLOCK_V`` = 1024 on CUDA, 65536 under the interpreter, where per-op overhead dominates). Both
+depend on the vocabulary size only, never on the batch, so a row's arithmetic (reduction order
+included) is batch-independent.
+Cost: 3 + (8 if any top-k) + (8 if any top-p) streaming passes over the row, no sort.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_MAX_BLOCK_V = 1024
+_TILE_CUDA = 1024
+_TILE_INTERPRET = 65536
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _ordered_key(x):
+    """uint32 key with the same order as the float32 ``x`` (-0.0 and +0.0 map to one key)."""
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = tl.full(bits.shape, 0x80000000, tl.uint32)
+    return tl.where((bits & sign) != 0, ~bits, bits | sign)
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr,
+    temperature_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    seeds_ptr,
+    steps_ptr,
+    tokens_ptr,
+    logprobs_ptr,
+    num_rows,
+    vocab_size,
+    stride_row,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    row_mask = rows < num_rows
+    row_ptr = logits_ptr + rows * stride_row
+    cols = tl.arange(0, BLOCK_V)
+    digits = tl.arange(0, 16)
+
+    temperature = tl.load(temperature_ptr + rows, mask=row_mask, other=1.0)
+    temp = tl.where(temperature > 0.0, temperature, 1.0)  # greedy rows: keep rule at T=1
+    top_k = tl.load(top_k_ptr + rows, mask=row_mask, other=0)
+    top_p = tl.load(top_p_ptr + rows, mask=row_mask, other=1.0)
+    min_p = tl.load(min_p_ptr + rows, mask=row_mask, other=0.0)
+    k_on = row_mask & (top_k > 0) & (top_k < vocab_size)
+    p_on = row_mask & (top_p < 1.0)
+
+    # -- pass 1: max and first argmax of the raw logits
+    x_max = tl.full([BLOCK_B], float("-inf"), dtype=tl.float32)
+    greedy = tl.zeros([BLOCK_B], dtype=tl.int32)
+    for v0 in range(0, vocab_size, BLOCK_V):
+        idx = v0 + cols
+        mask = row_mask[:, None] & (idx < vocab_size)[None, :]
+        x = tl.load(row_ptr[:, None] + idx[None, :], mask=mask, other=float("-inf"))
+        c_max = tl.max(x, 1)
+        c_arg = tl.argmax(x, 1, tie_break_left=True)
+        greedy = tl.where(c_max > x_max, v0 + c_arg, greedy)  # strict: earlier chunk wins ties
+        x_max = tl.maximum(x_max, c_max)
+    x_ref = tl.where(x_max == float("-inf"), 0.0, x_max)
+    z_max = x_ref / temp
+
+    # -- pass 2: softmax denominators of the raw logits and of z = logits / temperature
+    sum_x = tl.zeros([BLOCK_B], dtype=tl.float32)
+    sum_z = tl.zeros([BLOCK_B], dtype=tl.float32)
+    for v0 in range(0, vocab_size, BLOCK_V):
+        idx = v0 + cols
+        mask = row_mask[:, None] & (idx < vocab_size)[None, :]
+        x = tl.load(row_ptr[:, None] + idx[None, :], mask=mask, other=float("-inf"))
+        sum_x += tl.sum(tl.exp(x - x_ref[:, None]), 1)
+        sum_z += tl.sum(tl.exp(x / temp[:, None] - z_max[:, None]), 1)
+    sum_z = tl.where(sum_z > 0.0, sum_z, 1.0)
+
+    # -- passes 3..10: top-k threshold = exact key of the k-th largest z (radix select)
+    k_key = tl.zeros([BLOCK_B], dtype=tl.uint32)  # key 0 keeps every token
+    if tl.max(k_on.to(tl.int32), 0) > 0:
+        prefix = tl.zeros([BLOCK_B], dtype=tl.uint32)
+        k_rem = tl.where(k_on, top_k, 1)  # rank still to find among keys matching the prefix
+        for r in tl.static_range(8):
+            hist = tl.zeros([BLOCK_B, 16], dtype=tl.int32)
+            for v0 in range(0, vocab_size, BLOCK_V):
+                idx = v0 + cols
+                mask = row_mask[:, None] & (idx < vocab_size)[None, :]
+                x = tl.load(row_ptr[:, None] + idx[None, :], mask=mask, other=float("-inf"))
+                key = _ordered_key(x / temp[:, None])
+                if r > 0:
+                    mask = mask & ((key >> (32 - 4 * r)) == (prefix >> (32 - 4 * r))[:, None])
+                digit = ((key >> (28 - 4 * r)) & 15).to(tl.int32)
+                onehot = (digit[:, :, None] == digits[None, None, :]) & mask[:, :, None]
+                hist += tl.sum(onehot.to(tl.int32), 1)
+            # at_or_above[d] = matching keys whose digit is >= d; the k-th largest is in the
+            # highest bin where that count reaches k.
+            at_or_above = tl.sum(hist, 1)[:, None] - tl.cumsum(hist, 1) + hist
+            d_sel = tl.max(tl.where(at_or_above >= k_rem[:, None], digits[None, :], 0), 1)
+            k_rem -= tl.sum(tl.where(digits[None, :] > d_sel[:, None], hist, 0), 1)
+            prefix = prefix | (d_sel.to(tl.uint32) << (28 - 4 * r))
+        k_key = tl.where(k_on, prefix, k_key)
+
+    # -- passes 11..18: top-p threshold = smallest p whose strictly-greater mass < target
+    p_key = tl.zeros([BLOCK_B], dtype=tl.uint32)
+    p_empty = tl.zeros([BLOCK_B], dtype=tl.int1)  # top_p <= 0 keeps nothing (as the reference)
+    if tl.max(p_on.to(tl.int32), 0) > 0:
+        prefix = tl.zeros([BLOCK_B], dtype=tl.uint32)
+        mass_above = tl.zeros([BLOCK_B], dtype=tl.float32)  # mass of keys above the prefix
+        target = tl.zeros([BLOCK_B], dtype=tl.float32)
+        for r in tl.static_range(8):
+            count = tl.zeros([BLOCK_B, 16], dtype=tl.int32)
+            mass = tl.zeros([BLOCK_B, 16], dtype=tl.float32)
+            for v0 in range(0, vocab_size, BLOCK_V):
+                idx = v0 + cols
+                mask = row_mask[:, None] & (idx < vocab_size)[None, :]
+                x = tl.load(row_ptr[:, None] + idx[None, :], mask=mask, other=float("-inf"))
+                z = x / temp[:, None]
+                mask = mask & (_ordered_key(z) >= k_key[:, None])  # nucleus of the top-k set
+                p = tl.exp(z - z_max[:, None]) / sum_z[:, None]
+                key = _ordered_key(p)
+                if r > 0:
+                    mask = mask & ((key >> (32 - 4 * r)) == (prefix >> (32 - 4 * r))[:, None])
+                digit = ((key >> (28 - 4 * r)) & 15).to(tl.int32)
+                onehot = (digit[:, :, None] == digits[None, None, :]) & mask[:, :, None]
+                count += tl.sum(onehot.to(tl.int32), 1)
+                mass += tl.sum(tl.where(onehot, p[:, :, None], 0.0), 1)
+            cum = tl.cumsum(mass, 1)
+            total = tl.sum(tl.where(digits[None, :] == 15, cum, 0.0), 1)
+            if r == 0:
+                target = top_p * total
+            # Mass strictly above the largest key of bin d. Computing it as total - cum keeps
+            # the chosen bin's value bit-identical to the next level's mass_above.
+            above = mass_above[:, None] + (total[:, None] - cum)
+            holds_kept = (count > 0) & (above < target[:, None])
+            d_sel = tl.min(tl.where(holds_kept, digits[None, :], 16), 1)
+            p_empty = p_empty | (d_sel == 16)
+            d_sel = tl.minimum(d_sel, 15)
+            mass_above = tl.sum(tl.where(digits[None, :] == d_sel[:, None], above, 0.0), 1)
+            prefix = prefix | (d_sel.to(tl.uint32) << (28 - 4 * r))
+        p_key = tl.where(p_on, prefix, p_key)
+        p_empty = p_on & p_empty
+
+    # -- final pass: keep mask and exponential race (lowest index wins ties)
+    seed = tl.load(seeds_ptr + rows, mask=row_mask, other=0)
+    counter_hi = tl.load(steps_ptr + rows, mask=row_mask, other=0) << 32
+    min_p_rel = min_p * (1.0 / sum_z)  # min_p * max p
+    best = tl.full([BLOCK_B], float("-inf"), dtype=tl.float32)
+    drawn = tl.zeros([BLOCK_B], dtype=tl.int32)
+    for v0 in range(0, vocab_size, BLOCK_V):
+        idx = v0 + cols
+        mask = row_mask[:, None] & (idx < vocab_size)[None, :]
+        x = tl.load(row_ptr[:, None] + idx[None, :], mask=mask, other=float("-inf"))
+        z = x / temp[:, None]
+        p = tl.exp(z - z_max[:, None]) / sum_z[:, None]
+        keep = (_ordered_key(z) >= k_key[:, None]) & (_ordered_key(p) >= p_key[:, None])
+        keep = keep & (p >= min_p_rel[:, None]) & ~p_empty[:, None]
+        u = tl.rand(seed[:, None], counter_hi[:, None] + idx[None, :].to(tl.int64))
+        race = p / -tl.log(tl.maximum(u, 1.1754943508222875e-38))
+        race = tl.where(mask, tl.where(keep, race, -1.0), float("-inf"))
+        c_best = tl.max(race, 1)
+        c_arg = tl.argmax(race, 1, tie_break_left=True)
+        drawn = tl.where(c_best > best, v0 + c_arg, drawn)
+        best = tl.maximum(best, c_best)
+
+    token = tl.where(temperature > 0.0, drawn, greedy)
+    x_tok = tl.load(row_ptr + token, mask=row_mask, other=0.0)
+    logprob = x_tok - x_ref - tl.log(tl.where(sum_x > 0.0, sum_x, 1.0))
+    tl.store(tokens_ptr + rows, token.to(tl.int64), mask=row_mask)
+    tl.store(logprobs_ptr + rows, logprob, mask=row_mask)
+
+
+@triton.jit
+def _uniforms_kernel(seeds_ptr, steps_ptr, out_ptr, vocab_size, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    idx = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    seed = tl.load(seeds_ptr + row)
+    counter_hi = tl.load(steps_ptr + row) << 32
+    u = tl.rand(seed, counter_hi + idx.to(tl.int64))
+    tl.store(out_ptr + row * vocab_size + idx, u, mask=idx < vocab_size)
+
+
+def _tile_shape(vocab_size: int) -> tuple[int, int]:
+    block_v = min(triton.next_power_of_2(vocab_size), _MAX_BLOCK_V)
+    tile = _TILE_INTERPRET if _interpreting() else _TILE_CUDA
+    return max(1, tile // block_v), block_v
+
+
+def _check_row_param(
+    name: str, t: torch.Tensor, dtype: torch.dtype, num_rows: int, device: torch.device
+) -> None:
+    if t.dtype != dtype or t.shape != (num_rows,):
+        raise ValueError(f"{name} must be {dtype} [{num_rows}], got {t.dtype} {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, logits on {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_device(device: torch.device) -> None:
+    if device.type != "cuda" and not _interpreting():
+        raise ValueError(f"tensors on {device} need TRITON_INTERPRET=1 (or use CUDA tensors)")
+
+
+def sample(
+    logits: torch.Tensor,
+    *,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; returns ``(token_ids [B] int64, logprobs [B] fp32)``.
+
+    logits: ``[B, V]`` fp32 (last dim contiguous); temperature, top_p, min_p: ``[B]`` fp32
+    (temperature 0 = greedy); top_k: ``[B]`` int32 (``<= 0`` or ``>= V`` disables); seeds,
+    steps: ``[B]`` int64 -- the draw's uniforms are keyed by (seed, step, token index).
+    """
+    # logits: [B, V]
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"logits must be fp32 [B, V], got {logits.dtype} {tuple(logits.shape)}")
+    num_rows, vocab_size = logits.shape
+    if vocab_size == 0:
+        raise ValueError("logits must have a non-empty vocabulary")
+    if logits.stride(-1) != 1:
+        raise ValueError(f"logits' last dim must be contiguous, got strides {logits.stride()}")
+    device = logits.device
+    _check_device(device)
+    _check_row_param("temperature", temperature, torch.float32, num_rows, device)
+    _check_row_param("top_k", top_k, torch.int32, num_rows, device)
+    _check_row_param("top_p", top_p, torch.float32, num_rows, device)
+    _check_row_param("min_p", min_p, torch.float32, num_rows, device)
+    _check_row_param("seeds", seeds, torch.int64, num_rows, device)
+    _check_row_param("steps", steps, torch.int64, num_rows, device)
+
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
+    logprobs = torch.empty(num_rows, dtype=torch.float32, device=device)
+    if num_rows == 0:
+        return tokens, logprobs
+    block_b, block_v = _tile_shape(vocab_size)
+    _sample_kernel[(triton.cdiv(num_rows, block_b),)](
+        logits,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        seeds,
+        steps,
+        tokens,
+        logprobs,
+        num_rows,
+        vocab_size,
+        logits.stride(0),
+        BLOCK_B=block_b,
+        BLOCK_V=block_v,
+        num_warps=8,
+    )
+    return tokens, logprobs
+
+
+def sampling_uniforms(*, seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The uniforms ``[B, V]`` fp32 that :func:`sample` draws for rows (seeds, steps).
+
+    Feeding them to ``reference.sample_ref`` reproduces ``sample`` token for token (up to
+    float rounding at exact ties). For tests and for cross-checking a backend.
+    """
+    if seeds.dtype != torch.int64 or steps.dtype != torch.int64 or seeds.dim() != 1:
+        raise ValueError(f"seeds/steps must be int64 [B], got {seeds.dtype}, {steps.dtype}")
+    if steps.shape != seeds.shape or steps.device != seeds.device:
+        raise ValueError(f"steps {tuple(steps.shape)} must match seeds {tuple(seeds.shape)}")
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    _check_device(seeds.device)
+    num_rows = seeds.shape[0]
+    out = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=seeds.device)
+    if num_rows == 0:
+        return out
+    block_v = min(triton.next_power_of_2(vocab_size), _MAX_BLOCK_V)
+    _uniforms_kernel[(num_rows, triton.cdiv(vocab_size, block_v))](
+        seeds.contiguous(), steps.contiguous(), out, vocab_size, BLOCK_V=block_v
+    )
+    return out
