@@ -37,14 +37,14 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
 
     cache: ``[num_blocks, block_size, H, D]``; block_tables: ``[S, max_blocks]`` int.
     Returns ``[S, max_len, H, D]`` (positions past a sequence's length hold whatever the
-    cache holds there, possibly NaN: callers mask them).
+    cache holds there, possibly NaN: callers mask them). ``index_select`` over whole blocks is
+    several times faster on a CPU than advanced indexing.
     """
-    block_size = cache.shape[1]
-    num_blocks_needed = (max_len + block_size - 1) // block_size
-    blocks = block_tables[:, :num_blocks_needed].long()  # [S, nb]
-    dense = cache[blocks]  # [S, nb, block_size, H, D]
-    s, nb, bs, h, d = dense.shape
-    return dense.reshape(s, nb * bs, h, d)[:, :max_len]
+    num_blocks, block_size, num_heads, head_dim = cache.shape
+    per_seq = (max_len + block_size - 1) // block_size
+    blocks = block_tables[:, :per_seq].reshape(-1).long()
+    dense = cache.view(num_blocks, -1).index_select(0, blocks)
+    return dense.view(-1, per_seq * block_size, num_heads, head_dim)[:, :max_len]
 
 
 def _attend_uniform(
@@ -58,7 +58,9 @@ def _attend_uniform(
 ) -> torch.Tensor:
     """Attention for ``S`` sequences that all bring ``Lq`` new tokens.
 
-    q: ``[S, Lq, Hq, D]``; returns ``[S, Lq, Hq, D]`` in fp32.
+    q: ``[S, Lq, Hq, D]``; returns ``[S, Lq, Hq, D]`` in fp32. The query heads sharing a KV head
+    are folded into the rows (``[S, Hkv, G * Lq, D]``), so K and V are read once per group and
+    never repeated.
     """
     num_seqs, q_len, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -68,22 +70,28 @@ def _attend_uniform(
     k = gather_context(k_cache, block_tables, max_len).float()  # [S, Lk, Hkv, D]
     v = gather_context(v_cache, block_tables, max_len).float()
 
-    # [S, Hkv, G, Lq, D] x [S, Hkv, 1, D, Lk] -> [S, Hkv, G, Lq, Lk]
-    qg = q.float().view(num_seqs, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1).unsqueeze(2)) * scale
-
     lens = torch.tensor(seq_lens, device=device)
     q_pos = (lens - q_len)[:, None] + torch.arange(q_len, device=device)[None, :]  # [S, Lq]
     k_pos = torch.arange(max_len, device=device)
     allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Lq, Lk]; also bounds seq_len
     if sliding_window is not None:
         allowed &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    mask = allowed[:, None, None]
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    # Cache slots past a sequence's length may hold NaN: 0 * NaN is NaN, so zero them first.
-    vt = torch.nan_to_num(v.permute(0, 2, 1, 3).unsqueeze(2), nan=0.0, posinf=0.0, neginf=0.0)
-    out = torch.matmul(probs, vt)  # [S, Hkv, G, Lq, D]
-    return out.permute(0, 3, 1, 2, 4).reshape(num_seqs, q_len, num_q_heads, head_dim)
+    # Cache slots past a sequence's length may hold NaN; a masked score is NaN + -inf = NaN and
+    # 0 * NaN is NaN, so zero them (the gathered tensors are our own copies: in place).
+    past_end = (k_pos[None, :] >= lens[:, None])[:, :, None, None]
+    k.masked_fill_(past_end, 0.0)
+    v.masked_fill_(past_end, 0.0)
+
+    # [S, Lq, Hkv, G, D] -> [S, Hkv, G * Lq, D], rows ordered (g, position).
+    qg = q.float().view(num_seqs, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(num_seqs, num_kv_heads, group * q_len, head_dim)
+    mask = allowed[:, None].expand(num_seqs, group, q_len, max_len)
+    mask = mask.reshape(num_seqs, 1, group * q_len, max_len)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
+    )  # [S, Hkv, G * Lq, D]
+    out = out.view(num_seqs, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(num_seqs, q_len, num_q_heads, head_dim)
 
 
 def paged_attention_ref(
