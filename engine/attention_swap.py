@@ -48,7 +48,7 @@ def paged_attention_forward(
     k_cache, v_cache = ctx.kv_cache.layer(module.layer_idx)
     ctx.backend.write_kv(k, v, k_cache, v_cache, slot_mapping=ctx.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = ctx.backend.attention(
+    out = ctx.backend.paged_attention(
         q,
         k_cache,
         v_cache,
