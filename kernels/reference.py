@@ -58,17 +58,32 @@ def _attend_uniform(
 ) -> torch.Tensor:
     """Attention for ``S`` sequences that all bring ``Lq`` new tokens.
 
-    q: ``[S, Lq, Hq, D]``; returns ``[S, Lq, Hq, D]`` in fp32. The query heads sharing a KV head
-    are folded into the rows (``[S, Hkv, G * Lq, D]``), so K and V are read once per group and
-    never repeated.
+    q: ``[S, Lq, Hq, D]``; returns ``[S, Lq, Hq, D]`` in fp32. K and V are read once per KV
+    head (SDPA's GQA support, or the group folded into the query rows), never repeated.
     """
     num_seqs, q_len, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     device = q.device
     max_len = max(seq_lens)
-    k = gather_context(k_cache, block_tables, max_len).float()  # [S, Lk, Hkv, D]
-    v = gather_context(v_cache, block_tables, max_len).float()
+    k = gather_context(k_cache, block_tables, max_len).float().transpose(1, 2)  # [S, Hkv, Lk, D]
+    v = gather_context(v_cache, block_tables, max_len).float().transpose(1, 2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    if min(seq_lens) < max_len:
+        # Slots past a sequence's end may hold NaN (a masked score is NaN + -inf = NaN, and
+        # 0 * NaN is NaN): zero that tail of our gathered copies.
+        k_pos = torch.arange(max_len, device=device)
+        seq_idx, pos_idx = (
+            k_pos[None, :] >= torch.tensor(seq_lens, device=device)[:, None]
+        ).nonzero(as_tuple=True)
+        k[seq_idx, :, pos_idx] = 0.0
+        v[seq_idx, :, pos_idx] = 0.0
+
+    if q_len == max_len and num_seqs == 1 and (sliding_window is None or sliding_window >= q_len):
+        # A fresh prompt: plain causal attention, the fast fused path.
+        out = sdpa(q.float().transpose(1, 2), k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2)
 
     lens = torch.tensor(seq_lens, device=device)
     q_pos = (lens - q_len)[:, None] + torch.arange(q_len, device=device)[None, :]  # [S, Lq]
@@ -76,20 +91,12 @@ def _attend_uniform(
     allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Lq, Lk]; also bounds seq_len
     if sliding_window is not None:
         allowed &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    # Cache slots past a sequence's length may hold NaN; a masked score is NaN + -inf = NaN and
-    # 0 * NaN is NaN, so zero them (the gathered tensors are our own copies: in place).
-    past_end = (k_pos[None, :] >= lens[:, None])[:, :, None, None]
-    k.masked_fill_(past_end, 0.0)
-    v.masked_fill_(past_end, 0.0)
-
     # [S, Lq, Hkv, G, D] -> [S, Hkv, G * Lq, D], rows ordered (g, position).
     qg = q.float().view(num_seqs, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     qg = qg.reshape(num_seqs, num_kv_heads, group * q_len, head_dim)
     mask = allowed[:, None].expand(num_seqs, group, q_len, max_len)
     mask = mask.reshape(num_seqs, 1, group * q_len, max_len)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
-    )  # [S, Hkv, G * Lq, D]
+    out = sdpa(qg, k, v, attn_mask=mask, scale=scale)  # [S, Hkv, G * Lq, D]
     out = out.view(num_seqs, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(num_seqs, q_len, num_q_heads, head_dim)
 
@@ -121,8 +128,13 @@ def paged_attention_ref(
     """
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     decode = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]
+    if len(decode) == len(lens) == q.shape[0]:  # a pure decode step: no scatter needed
+        out = _attend_uniform(
+            q.unsqueeze(1), k_cache, v_cache, block_tables, lens, scale, sliding_window
+        )
+        return out.squeeze(1).to(q.dtype)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     if decode:
         rows = torch.tensor([cu[i] for i in decode], device=q.device)
         out[rows] = _attend_uniform(
