@@ -282,6 +282,18 @@ class LLMEngine:
             return self._delta(tracked, [token], logprob)
         return self._finish(tracked, reason, [token], logprob, now, stop_reason)
 
+    def _detach_forks(self, req: Request) -> None:
+        """A sample that ends before its fork: leave its parent, or hand its own forks on."""
+        if req.fork_parent is not None and req in req.fork_parent.pending_forks:
+            req.fork_parent.pending_forks.remove(req)
+        if req.pending_forks:  # aborted before its prompt was computed: an heir takes over
+            heir, *rest = req.pending_forks
+            heir.pending_forks, heir.fork_parent = rest, None
+            for child in rest:
+                child.fork_parent = heir
+            req.pending_forks = []
+            self.scheduler.waiting.appendleft(heir)
+
     def _fail(self, tracked: _Tracked, exc: Exception, now: float) -> RequestOutput:
         """Finish a request whose processing raised: ``finish_reason="error"``, blocks freed."""
         tracked.detokenizer = IncrementalDetokenizer(None, [])  # never touch the broken one
@@ -303,18 +315,25 @@ class LLMEngine:
         return None, None
 
     def _delta(
-        self, tracked: _Tracked, tokens: list[int], logprobs: list[TokenLogprob] | None
+        self,
+        tracked: _Tracked,
+        tokens: list[int],
+        logprobs: list[TokenLogprob] | None,
+        **final: object,
     ) -> RequestOutput:
+        """This step's output; ``final`` (finish_reason, metrics, ...) marks the last one."""
         req = tracked.request
         return RequestOutput(
             request_id=req.request_id,
             index=req.index,
             new_token_ids=tokens,
-            new_text=tracked.detokenizer.take_delta(finished=False),
+            new_text=tracked.detokenizer.take_delta(finished=bool(final)),
             new_logprobs=logprobs,
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=len(req.output_token_ids),
             num_cached_tokens=req.num_cached_tokens,
+            finished=bool(final),
+            **final,
         )
 
     def _finish(
@@ -328,15 +347,7 @@ class LLMEngine:
         error: str | None = None,
     ) -> RequestOutput:
         req = tracked.request
-        if req.fork_parent is not None and req in req.fork_parent.pending_forks:
-            req.fork_parent.pending_forks.remove(req)
-        if req.pending_forks:  # aborted before its prompt was computed: an heir takes over
-            heir, *rest = req.pending_forks
-            heir.pending_forks, heir.fork_parent = rest, None
-            for child in rest:
-                child.fork_parent = heir
-            req.pending_forks = []
-            self.scheduler.waiting.appendleft(heir)
+        self._detach_forks(req)
         self.scheduler.finish(req, reason)
         self._tracked.pop(req.request_id, None)
         req.finish_time = now
@@ -363,16 +374,10 @@ class LLMEngine:
                 self.stats.ttft.observe(ttft)
             if n_out > 1:
                 self.stats.tpot.observe(tpot)
-        return RequestOutput(
-            request_id=req.request_id,
-            index=req.index,
-            new_token_ids=tokens,
-            new_text=tracked.detokenizer.take_delta(finished=True),
-            new_logprobs=logprobs,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=n_out,
-            num_cached_tokens=req.num_cached_tokens,
-            finished=True,
+        return self._delta(
+            tracked,
+            tokens,
+            logprobs,
             finish_reason=reason,
             stop_reason=stop_reason,
             metrics=metrics,
