@@ -123,6 +123,11 @@ class LLMEngine:
     def _kv_budget_bytes(self) -> int:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
+            # Memory torch's caching allocator holds but no tensor uses (a previous engine's
+            # cache, say) is free for us too, though the driver counts it as used.
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(
+                self.device
+            )
             return int(free - total * (1.0 - self.config.gpu_memory_utilization))
         return self.config.kv_cache_memory
 

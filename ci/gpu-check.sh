@@ -1,0 +1,189 @@
+#!/usr/bin/env bash
+# One prepared check for a machine with a GPU and no internet, in under 8 minutes:
+#   1. kernels[cuda]   pytest tests/kernels -m cuda         the CUDA grids, compiled Triton
+#   2. kernels[other]  pytest tests/kernels -m "not cuda"   the rest of the kernel tests, on CUDA
+#   3. perf            pytest perf/                         microbenchmarks and their table
+#   4. e2e             python -m perf.bench_e2e --device cuda --model-shape qwen3-0.6b (scaled)
+# each under its own time limit, then a summary table, printed last (GPU, driver, versions,
+# pass/fail counts, the issue's targets, the e2e ratios). Exit 0 when every step passed; a
+# target that is not met never fails the check. Nothing is downloaded: missing packages are
+# installed only from a local wheel folder, with pip --no-index.
+#
+# usage: ci/gpu-check.sh [--dry-run]
+#   --dry-run   check the prerequisites, print the steps and the summary header, run nothing
+#
+# environment (all optional):
+#   PYTHON                 a Python that has torch, triton, transformers, pytest (python3)
+#   GPU_CHECK_LOG_DIR      logs, junit XML and JSON results (${TMPDIR:-/tmp}/paged-serve-gpu-check)
+#   GPU_CHECK_WHEELS       wheel folder for missing packages (.whl/ if it exists)
+#   GPU_CHECK_JOBS         parallel shards for the kernel tests: compiling is CPU-bound (6)
+#   GPU_CHECK_E2E_SCALE    fraction of the issue's e2e workload, 0 < s <= 1 (0.25)
+#   GPU_CHECK_BUDGET_S     limit for the whole script; no step runs past it (465)
+#   GPU_CHECK_TIMEOUT_KERNELS_CUDA / _KERNELS_OTHER / _PERF / _E2E   step limits, s (150/50/170/95)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO="$PWD"
+
+DRY_RUN=0
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY_RUN=1 ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu-check: unknown argument $arg (try --help)" >&2; exit 2 ;;
+  esac
+done
+
+START=$(date +%s)
+PY="${PYTHON:-python3}"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-465}"
+JOBS="${GPU_CHECK_JOBS:-6}"
+SCALE="${GPU_CHECK_E2E_SCALE:-0.25}"
+T_KERNELS_CUDA="${GPU_CHECK_TIMEOUT_KERNELS_CUDA:-150}"
+T_KERNELS_OTHER="${GPU_CHECK_TIMEOUT_KERNELS_OTHER:-50}"
+T_PERF="${GPU_CHECK_TIMEOUT_PERF:-170}"
+T_E2E="${GPU_CHECK_TIMEOUT_E2E:-95}"
+WHEELS="${GPU_CHECK_WHEELS:-}"
+if [ -z "$WHEELS" ] && [ -d .whl ]; then WHEELS="$REPO/.whl"; fi
+if [ "$DRY_RUN" = 1 ]; then
+  LOG_DIR="$(mktemp -d "${TMPDIR:-/tmp}/paged-serve-gpu-check-dry.XXXXXX")"
+  trap 'rm -rf "$LOG_DIR"' EXIT
+else
+  LOG_DIR="${GPU_CHECK_LOG_DIR:-${TMPDIR:-/tmp}/paged-serve-gpu-check}"
+  mkdir -p "$LOG_DIR"
+  # Only this script's own files from an earlier run (the folder may be shared).
+  rm -f "$LOG_DIR"/steps.tsv "$LOG_DIR"/env.json "$LOG_DIR"/perf.json "$LOG_DIR"/benchmark.json \
+    "$LOG_DIR"/kernels_*.xml "$LOG_DIR"/kernels_*.log "$LOG_DIR"/kernels_*.out \
+    "$LOG_DIR"/kernels_*.err "$LOG_DIR"/perf.xml "$LOG_DIR"/perf.out "$LOG_DIR"/perf.err \
+    "$LOG_DIR"/e2e.out "$LOG_DIR"/e2e.err
+fi
+LOG_DIR="$(cd "$LOG_DIR" && pwd)"
+
+# The project runs from the source tree (no install), compiled Triton (never the interpreter),
+# and never reaches for the network.
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+unset TRITON_INTERPRET
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+export PAGED_SERVE_PERF_JSON="$LOG_DIR/perf.json"
+
+say() { echo "gpu-check: $*"; }
+HELPER=("$PY" "$REPO/ci/gpu_check.py")
+
+# ------------------------------------------------------------------------------ prerequisites
+problems=0
+if ! command -v "$PY" >/dev/null 2>&1; then
+  say "no Python at '$PY' (set PYTHON to a Python that has torch, triton, transformers, pytest)"
+  exit 1
+fi
+for path in tests/kernels perf/conftest.py perf/bench_e2e.py perf/model_shapes.py ci/gpu_check.py; do
+  if [ ! -e "$path" ]; then say "missing $path (run from a paged-serve checkout)"; problems=1; fi
+done
+awk -v s="$SCALE" 'BEGIN { exit !(s + 0 > 0 && s + 0 <= 1) }' \
+  || { say "GPU_CHECK_E2E_SCALE must be in (0, 1], got $SCALE"; problems=1; }
+case "$JOBS" in ''|*[!0-9]*|0) say "GPU_CHECK_JOBS must be a positive integer, got $JOBS"; problems=1 ;; esac
+if command -v nvidia-smi >/dev/null 2>&1; then NVSMI="nvidia-smi found"; else NVSMI="no nvidia-smi"; fi
+if [ "$DRY_RUN" = 1 ]; then
+  say "repo $REPO; python $(command -v "$PY"); $NVSMI; logs would go to ${GPU_CHECK_LOG_DIR:-${TMPDIR:-/tmp}/paged-serve-gpu-check}"
+else
+  say "repo $REPO; python $(command -v "$PY"); $NVSMI; logs in $LOG_DIR"
+fi
+[ "$problems" = 0 ] || exit 1
+
+# The issue's workload (256 requests, prompt and output lengths uniform in [100, 1024]) scaled:
+# requests and output lengths shrink by SCALE (decode dominates the time); prompts stay as given.
+E2E_REQUESTS=$(awk -v s="$SCALE" 'BEGIN { n = int(256 * s + 0.5); print (n < 1 ? 1 : n) }')
+E2E_MIN_TOKENS=$(awk -v s="$SCALE" 'BEGIN { n = int(100 * s + 0.5); print (n < 1 ? 1 : n) }')
+E2E_MAX_TOKENS=$(awk -v s="$SCALE" -v lo="$E2E_MIN_TOKENS" \
+  'BEGIN { n = int(1024 * s + 0.5); print (n < lo ? lo : n) }')
+E2E_WORKLOAD="scale $SCALE of the issue's: $E2E_REQUESTS requests (issue 256), prompts uniform in \
+[100, 1024], outputs uniform in [$E2E_MIN_TOKENS, $E2E_MAX_TOKENS] (issue [100, 1024]), greedy, \
+ignore_eos; vs HF padded generate and generate_batch"
+
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider)
+BENCH_ARGS=()
+if "$PY" -c "import pytest_benchmark" >/dev/null 2>&1; then
+  BENCH_ARGS=(--benchmark-json="$LOG_DIR/benchmark.json" --benchmark-columns=min,median,rounds
+              --benchmark-sort=fullname)
+fi
+E2E_CMD=("$PY" -m perf.bench_e2e --device cuda --model-shape qwen3-0.6b
+         --num-requests "$E2E_REQUESTS" --min-prompt 100 --max-prompt 1024
+         --min-tokens "$E2E_MIN_TOKENS" --max-tokens "$E2E_MAX_TOKENS"
+         --max-num-seqs 256 --max-num-batched-tokens 8192
+         --hf-batch-api generate_batch --check-requests 2)
+
+print_steps() {
+  say "steps (each under its own limit; the whole script under ${BUDGET_S} s):"
+  echo "  1. kernels[cuda]   limit ${T_KERNELS_CUDA} s, ${JOBS} shards: ${PYTEST[*]} tests/kernels -m cuda"
+  echo "  2. kernels[other]  limit ${T_KERNELS_OTHER} s, ${JOBS} shards: ${PYTEST[*]} tests/kernels -m 'not cuda'"
+  echo "  3. perf            limit ${T_PERF} s: PAGED_SERVE_PERF_JSON=$PAGED_SERVE_PERF_JSON ${PYTEST[*]} perf ${BENCH_ARGS[*]+"${BENCH_ARGS[*]}"}"
+  echo "  4. e2e             limit ${T_E2E} s: ${E2E_CMD[*]}"
+  echo "     e2e workload: $E2E_WORKLOAD"
+}
+
+if [ "$DRY_RUN" = 1 ]; then
+  say "DRY RUN: checking prerequisites and printing the plan; nothing runs"
+  "${HELPER[@]}" preflight --log-dir "$LOG_DIR"
+  rc=$?
+  if [ -n "$WHEELS" ]; then say "missing packages would be installed offline from $WHEELS"; fi
+  print_steps
+  "${HELPER[@]}" summary --log-dir "$LOG_DIR" --dry-run --e2e-workload "$E2E_WORKLOAD"
+  exit "$rc"
+fi
+
+"${HELPER[@]}" preflight --log-dir "$LOG_DIR" --require-cuda
+rc=$?
+missing=$("$PY" -c 'import json, sys; print(" ".join(json.load(open(sys.argv[1]))["missing"]))' \
+  "$LOG_DIR/env.json" 2>/dev/null || true)
+if [ -n "$missing" ] && [ -n "$WHEELS" ]; then
+  # One package at a time: a wheel missing for one must not stop the others.
+  for dist in $missing; do
+    say "installing $dist offline from $WHEELS"
+    "$PY" -m pip install -q --no-index --find-links "$WHEELS" "$dist" \
+      || say "could not install $dist from $WHEELS; continuing without it"
+  done
+  "${HELPER[@]}" preflight --log-dir "$LOG_DIR" --require-cuda
+  rc=$?
+elif [ -n "$missing" ]; then
+  say "missing: $missing (no wheel folder: put wheels in .whl/ or set GPU_CHECK_WHEELS)"
+fi
+if [ "$rc" != 0 ]; then
+  say "prerequisites not met (exit $rc above): no step can run"
+  for name in "kernels[cuda]" "kernels[other]" perf e2e; do
+    "${HELPER[@]}" skip --log-dir "$LOG_DIR" --name "$name" --note "prerequisites not met"
+  done
+  "${HELPER[@]}" summary --log-dir "$LOG_DIR" --e2e-workload "$E2E_WORKLOAD"
+  exit 1
+fi
+print_steps
+
+# ------------------------------------------------------------------------------------- steps
+# run_step NAME LIMIT_S JOBS JUNIT(0/1) CMD...: the helper enforces the limit (SIGINT, then
+# SIGKILL); `timeout` is a backstop in case the helper itself hangs.
+run_step() {
+  local name="$1" limit="$2" jobs="$3" junit="$4"
+  shift 4
+  local now left
+  now=$(date +%s)
+  left=$(( BUDGET_S - (now - START) - 5 ))
+  if [ "$left" -lt 20 ]; then
+    say "$name: skipped, only ${left} s left of the ${BUDGET_S} s budget"
+    "${HELPER[@]}" skip --log-dir "$LOG_DIR" --name "$name" --note "no time left in budget"
+    return
+  fi
+  if [ "$limit" -gt "$left" ]; then limit="$left"; fi
+  echo
+  say "=== $name (limit ${limit} s) ==="
+  local junit_flag=(--jobs "$jobs")
+  if [ "$junit" = 1 ]; then junit_flag+=(--junit); fi
+  local backstop=(env)
+  if command -v timeout >/dev/null 2>&1; then backstop=(timeout -k 10 $(( limit + 45 ))); fi
+  "${backstop[@]}" "${HELPER[@]}" run --log-dir "$LOG_DIR" --name "$name" --timeout "$limit" \
+    "${junit_flag[@]}" -- "$@"
+}
+
+run_step "kernels[cuda]" "$T_KERNELS_CUDA" "$JOBS" 1 "${PYTEST[@]}" tests/kernels -m cuda
+run_step "kernels[other]" "$T_KERNELS_OTHER" "$JOBS" 1 "${PYTEST[@]}" tests/kernels -m "not cuda"
+run_step perf "$T_PERF" 1 1 "${PYTEST[@]}" perf ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
+run_step e2e "$T_E2E" 1 0 "${E2E_CMD[@]}"
+
+echo
+"${HELPER[@]}" summary --log-dir "$LOG_DIR" --e2e-workload "$E2E_WORKLOAD"

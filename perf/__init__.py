@@ -1,0 +1,1 @@
+"""Benchmarks: block-manager fragmentation, end to end throughput, GPU microbenchmarks."""

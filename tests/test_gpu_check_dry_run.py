@@ -1,0 +1,154 @@
+"""``ci/gpu-check.sh --dry-run`` works without a GPU, and its summary reads real result files.
+
+The GPU run itself cannot happen here; these tests pin down what can: the dry run checks the
+prerequisites, prints every step's command and the summary table last, and exits 0; bad
+arguments are refused; the helper (``ci/gpu_check.py``) turns junit XML, the perf JSON and the
+e2e benchmark's output into the summary's counts, targets and ratios, and shards pytest runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "ci" / "gpu-check.sh"
+
+
+def _run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHON": sys.executable, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def helper() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "ci" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def dry_run() -> subprocess.CompletedProcess[str]:
+    return _run("--dry-run")
+
+
+def test_dry_run_exits_0(dry_run):
+    assert dry_run.returncode == 0, dry_run.stdout + dry_run.stderr
+
+
+def test_dry_run_checks_prerequisites(dry_run):
+    for module in ("torch", "triton", "transformers", "pytest", "pytest_benchmark"):
+        assert any(line.startswith(module + " ") for line in dry_run.stdout.splitlines()), module
+    assert "DRY RUN" in dry_run.stdout
+
+
+def test_dry_run_prints_every_step(dry_run):
+    out = dry_run.stdout
+    assert "-m pytest -q -p no:cacheprovider tests/kernels -m cuda" in out
+    assert "tests/kernels -m 'not cuda'" in out
+    assert "-m pytest -q -p no:cacheprovider perf" in out
+    assert "-m perf.bench_e2e --device cuda --model-shape qwen3-0.6b" in out
+    assert "--num-requests 64" in out  # the default scale, 0.25 of 256
+    assert "scale 0.25" in out
+
+
+def test_dry_run_ends_with_the_summary_table(dry_run):
+    lines = dry_run.stdout.rstrip().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("step "))
+    assert lines[header].split()[:3] == ["step", "status", "secs"]
+    for i, name in enumerate(["kernels[cuda]", "kernels[other]", "perf", "e2e"], header + 1):
+        assert lines[i].split()[:2] == [name, "DRY-RUN"]
+    assert lines[-2] == "overall   DRY RUN (exit 0)"
+    assert set(lines[-1]) == {"="}
+
+
+def test_bad_arguments_are_refused():
+    assert _run("--frobnicate").returncode == 2
+    assert _run("--dry-run", GPU_CHECK_E2E_SCALE="2").returncode == 1
+    assert _run("--dry-run", GPU_CHECK_JOBS="zero").returncode == 1
+
+
+def test_scale_changes_the_e2e_workload():
+    out = _run("--dry-run", GPU_CHECK_E2E_SCALE="0.5").stdout
+    assert "--num-requests 128" in out and "--max-tokens 512" in out
+
+
+def test_split_contiguous_keeps_order_and_balances(helper):
+    items = [str(i) for i in range(10)]
+    parts = helper.split_contiguous(items, 4)
+    assert [len(p) for p in parts] == [3, 3, 2, 2]
+    assert sum(parts, []) == items
+    assert helper.split_contiguous(items[:2], 4) == [["0"], ["1"]]
+
+
+def test_shards_drop_path_arguments(helper):
+    cmd = [sys.executable, "-m", "pytest", "-q", "tests/kernels", "-m", "not cuda"]
+    assert helper.without_paths(cmd) == [sys.executable, "-m", "pytest", "-q", "-m", "not cuda"]
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="1"
+failures="2" skipped="3" tests="20"></testsuite></testsuites>"""
+
+E2E_OUT = """some log line
+{
+  "systems": {"paged_serve": {"output_tokens_per_s": 900.0, "error": null},
+              "hf_static": {"output_tokens_per_s": 300.0, "error": null}},
+  "ratios": {"paged_serve/hf_static": 3.0},
+  "target": {"paged_over_best_hf": 3.0, "goal": 1.5, "met": true},
+  "agreement": {"paged_serve_vs_hf_static": {"token_match_rate": 0.97}}
+}
+system  wall s
+"""
+
+
+def test_summary_reads_results(helper, tmp_path):
+    rows = [
+        ("kernels[cuda]", "1", "95.0", "338 tests in 4 shards"),
+        ("kernels[other]", "0", "20.0", ""),
+        ("perf", "124", "150.0", "stopped at the 150 s limit"),
+    ]
+    (tmp_path / "steps.tsv").write_text("".join("\t".join(r) + "\tcmd\n" for r in rows))
+    (tmp_path / "kernels_cuda.0.xml").write_text(JUNIT)
+    (tmp_path / "kernels_cuda.1.xml").write_text(JUNIT)
+    perf = {
+        "rows": [{"section": "device", "case": "H200", "metrics": {"copy_gbps": 4000.0}}],
+        "targets": [
+            {
+                "case": "B=64 ctx=4096 32/8/128",
+                "name": "decode % of copy bandwidth",
+                "value": 85.0,
+                "goal": 80.0,
+                "unit": "%",
+                "met": True,
+            }
+        ],
+    }
+    (tmp_path / "perf.json").write_text(json.dumps(perf))
+    (tmp_path / "e2e.out").write_text(E2E_OUT)
+    lines = helper.summary_lines(tmp_path, dry_run=False, e2e_workload="tiny")
+    text = "\n".join(lines)
+    cuda = next(line for line in lines if line.startswith("kernels[cuda]"))
+    assert cuda.split()[1:7] == ["FAIL", "95", "28", "4", "2", "6"]  # two shards summed
+    assert next(x for x in lines if x.startswith("perf ")).split()[1] == "TIMEOUT"
+    assert next(x for x in lines if x.startswith("e2e ")).split()[1:3] == ["NOT", "RUN"]
+    assert "4000 GB/s" in text
+    assert "85.00%  goal >= 80%  met" in text
+    assert "paged_serve/hf_static" in text and "3.00x" in text
+    assert "token match vs hf_static 0.97" in text
+    assert lines[-2].startswith("overall   FAIL")
+    assert not helper.overall_ok(tmp_path)
