@@ -51,6 +51,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.block_size = kv_cache.block_size
+        self.vocab_size = int(model.config.vocab_size)
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)
@@ -110,7 +111,10 @@ class ModelRunner:
         params = [r.params for r in rows]
         return SamplingBatch(
             temperature=self._tensor([p.temperature for p in params], torch.float32),
-            top_k=self._tensor([p.top_k for p in params], torch.int32),
+            # top-k of 0 or at least the vocabulary is no top-k: never overflow the int32 row.
+            top_k=self._tensor(
+                [min(max(p.top_k, 0), self.vocab_size) for p in params], torch.int32
+            ),
             top_p=self._tensor([p.top_p for p in params], torch.float32),
             min_p=self._tensor([p.min_p for p in params], torch.float32),
             seeds=self._tensor([r.seed for r in rows], torch.int64),

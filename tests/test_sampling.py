@@ -108,3 +108,10 @@ def test_stop_strings_cut_the_text_exactly(default_model):
     assert cut.text == free.text[: free.text.index("aris")]
     assert cut.finish_reason == "stop"
     assert_pool_clean(llm.engine.block_manager)
+
+
+def test_a_huge_top_k_means_no_top_k(llm):
+    params = dict(max_tokens=5, temperature=1.0, seed=2, ignore_eos=True)
+    [huge] = llm.generate([PROMPTS[0]], SamplingParams(top_k=2**40, **params))
+    [off] = llm.generate([PROMPTS[0]], SamplingParams(top_k=0, **params))
+    assert huge.token_ids == off.token_ids
