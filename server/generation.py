@@ -190,4 +190,9 @@ def start_generation(
 
 
 def engine_dead(exc: EngineDeadError) -> APIError:
-    return APIError(503, f"the engine is not running: {exc}", type=SERVER_ERROR, code="engine_dead")
+    # The cause (the exception that killed the loop) goes to the log only: its text can hold
+    # internal paths and device details that are no business of a client.
+    logger.error("the engine is not running: %s", exc)
+    return APIError(
+        503, "the engine is not running; see the server log", type=SERVER_ERROR, code="engine_dead"
+    )

@@ -8,6 +8,7 @@ Field names follow the OpenAI API reference (plus vLLM's ``top_k``, ``min_p`` an
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, TypeVar
 
 import msgspec
@@ -22,7 +23,8 @@ MAX_CHAT_TOP_LOGPROBS = 20
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
-TopK = Annotated[int, msgspec.Meta(ge=-1)]
+# the engine carries top_k as an int32 per row; larger values disable top-k anyway
+TopK = Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)]
 MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 NumChoices = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
 # sample i of n runs with seed + i, which must stay a signed 64-bit integer
@@ -36,8 +38,39 @@ def decode(body: bytes, type: type[T]) -> T:
     """Decode a JSON body into ``type``; raises APIError (400) naming the bad field."""
     try:
         return msgspec.json.decode(body, type=type)
-    except msgspec.DecodeError as exc:
+    except msgspec.ValidationError as exc:
         raise from_decode_error(exc) from None
+    except msgspec.DecodeError as exc:
+        param = _non_finite_param(body)
+        if param is not None:
+            raise bad_request(
+                f"invalid value for {param}: NaN and Infinity are not valid JSON numbers", param
+            ) from None
+        raise from_decode_error(exc) from None
+    except RecursionError:  # msgspec gives up on ~1000 levels of nesting (a 2 KB body)
+        raise bad_request("the request body is nested too deeply") from None
+
+
+def _non_finite_param(body: bytes) -> str | None:
+    """Where a body that is JSON but for a ``NaN``/``Infinity`` literal has one, as a path
+    like ``messages[0].content``; None for any other malformed body."""
+    if b"NaN" not in body and b"Infinity" not in body:
+        return None
+    marker = object()
+    try:
+        data = json.loads(body, parse_constant=lambda _: marker)
+    except (ValueError, RecursionError):
+        return None
+    stack: list[tuple[str, object]] = [("", data)]
+    while stack:  # depth-first, first field first, without recursion
+        path, value = stack.pop()
+        if value is marker:
+            return path.lstrip(".") or None
+        if isinstance(value, dict):
+            stack += [(f"{path}.{k}", v) for k, v in reversed(value.items())]
+        elif isinstance(value, list):
+            stack += [(f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value)))]
+    return None
 
 
 class StreamOptions(msgspec.Struct):
@@ -85,6 +118,10 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
     def check_sampling(self) -> None:
         """Rules msgspec cannot express; raises APIError (400)."""
+        if self.stream_options is not None and not self.stream:
+            raise bad_request(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
         stops = self.stop_strings
         if len(stops) > MAX_STOP:
             raise bad_request(f"at most {MAX_STOP} stop sequences are allowed", "stop")

@@ -1,0 +1,1 @@
+"""Reliability: bad input, overload, disconnects and faults, with nothing lost or leaked."""
