@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+# Below these, float32 sampling degenerates (logits / T overflow; top_p * mass underflows, so
+# no token is kept): such requests mean "the most likely token", as in vLLM.
+MIN_TEMPERATURE = 1e-5
+MIN_TOP_P = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +53,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not math.isfinite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
+        if self.top_p < MIN_TOP_P:
+            object.__setattr__(self, "top_p", MIN_TOP_P)
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(
                 f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}"

@@ -115,3 +115,14 @@ def test_a_huge_top_k_means_no_top_k(llm):
     [huge] = llm.generate([PROMPTS[0]], SamplingParams(top_k=2**40, **params))
     [off] = llm.generate([PROMPTS[0]], SamplingParams(top_k=0, **params))
     assert huge.token_ids == off.token_ids
+
+
+def test_vanishing_temperature_and_top_p_mean_the_most_likely_token(llm):
+    [greedy] = llm.generate(
+        [PROMPTS[1]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    )
+    for params in (
+        SamplingParams(max_tokens=6, temperature=1e-30, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=1.0, top_p=1e-45, seed=1, ignore_eos=True),
+    ):
+        assert llm.generate([PROMPTS[1]], params)[0].token_ids == greedy.token_ids
