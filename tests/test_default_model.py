@@ -53,6 +53,8 @@ def test_default_model_metadata(default_model):
 @pytest.fixture(scope="module")
 def hf_reference(default_model):
     model = copy.deepcopy(default_model.model)
+    # Other tests' engines may already have swapped the shared model's attention.
+    model.set_attn_implementation("sdpa")
     tok = default_model.tokenizer
     prompts = [tok(p).input_ids for p in PROMPTS]
     return prompts, [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
