@@ -447,6 +447,7 @@ def _guarded(name: str, fn: Callable[[], SystemResult]) -> SystemResult:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    source = _source_revision()  # before the runs: the tree may change while they go on
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -556,7 +557,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "hf_cb_page_size": cb_config.page_size,
             "hf_cb_num_blocks": cb_config.num_blocks,
         },
-        "source": _source_revision(),
+        "source": source,
         "machine": {
             "python": platform.python_version(),
             "torch": torch.__version__,
