@@ -8,7 +8,6 @@ and one more chunk with ``"choices": []`` carries the usage.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncGenerator
 
@@ -19,6 +18,7 @@ from server.generation import Generation, Job, start_generation
 from server.logprobs import chat_logprobs
 from server.prompts import chat_message, chat_prompt_ids
 from server.protocol import ChatCompletionRequest, decode
+from server.reply import ReplyEnvelope
 from server.sampling import build_params, output_limit
 from server.sse import frame, respond
 from server.state import STATE, ServerState
@@ -54,27 +54,14 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         return await reply.complete(generation)
 
 
-class _Reply:
+class _Reply(ReplyEnvelope):
     """Builds the ChatCompletion object, or the stream of ChatCompletionChunks."""
 
     def __init__(
         self, state: ServerState, body: ChatCompletionRequest, reply_id: str, prompt_tokens: int
     ):
-        self.state = state
+        super().__init__(state, reply_id, prompt_tokens)
         self.body = body
-        self.id = reply_id
-        self.created = int(time.time())
-        self.prompt_tokens = prompt_tokens
-
-    def _object(self, kind: str, choices: list[dict]) -> dict:
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.state.served_model_name,
-            "choices": choices,
-            "system_fingerprint": None,
-        }
 
     async def complete(self, generation: Generation) -> web.Response:
         tokenizer = self.state.engine.tokenizer
@@ -91,12 +78,12 @@ class _Reply:
                     "finish_reason": c.finish_reason,
                 }
             )
-        out = self._object("chat.completion", choices)
+        out = self.envelope("chat.completion", choices)
         out["usage"] = generation.usage(self.prompt_tokens)
         return web.Response(body=msgspec.json.encode(out), content_type="application/json")
 
     def _chunk(self, choice: dict) -> bytes:
-        out = self._object("chat.completion.chunk", [choice])
+        out = self.envelope("chat.completion.chunk", [choice])
         if self.body.include_usage:
             out["usage"] = None
         return frame(out)
@@ -123,6 +110,6 @@ class _Reply:
                 }
             )
         if self.body.include_usage:
-            out = self._object("chat.completion.chunk", [])
+            out = self.envelope("chat.completion.chunk", [])
             out["usage"] = generation.usage(self.prompt_tokens)
             yield frame(out)

@@ -6,7 +6,6 @@ each choice's text (in a stream, as the first chunk of each choice).
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncGenerator
 
@@ -17,6 +16,7 @@ from server.generation import Generation, Job, start_generation
 from server.logprobs import completion_logprobs
 from server.prompts import tokenize_prompt
 from server.protocol import CompletionRequest, decode
+from server.reply import ReplyEnvelope
 from server.sampling import build_params, output_limit
 from server.sse import frame, respond
 from server.state import STATE, ServerState
@@ -58,7 +58,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         return await reply.complete(generation)
 
 
-class _Reply:
+class _Reply(ReplyEnvelope):
     """Builds the Completion object, or the stream of Completion chunks."""
 
     def __init__(
@@ -69,22 +69,12 @@ class _Reply:
         prompt_tokens: int,
         echoes: dict[int, str],
     ):
-        self.state = state
+        super().__init__(state, completion_id, prompt_tokens)
         self.body = body
-        self.id = completion_id
-        self.created = int(time.time())
-        self.prompt_tokens = prompt_tokens
         self.echoes = echoes
 
     def _object(self, choices: list[dict]) -> dict:
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.state.served_model_name,
-            "choices": choices,
-            "system_fingerprint": None,
-        }
+        return self.envelope("text_completion", choices)
 
     async def complete(self, generation: Generation) -> web.Response:
         tokenizer = self.state.engine.tokenizer
