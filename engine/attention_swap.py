@@ -1,17 +1,19 @@
 """Swap a Hugging Face model's attention for paged attention, without forking modeling code.
 
 transformers looks attention up by name (``config._attn_implementation``) in its
-``AttentionInterface``; we register ``paged_serve`` there, plus a mask function that returns
-None so no ``[T, T]`` mask is ever built. The function receives the projected, rotated
-``query [1, Hq, T, D]``, ``key``/``value [1, Hkv, T, D]`` of the flat ragged batch, writes the new
-K/V at the step's ``slot_mapping``, and attends over each sequence's blocks.
+``AttentionInterface``; we register ``paged_serve`` there and deliberately *no* mask function:
+for an attention name without one, transformers' mask builders return None at once, so no
+``[T, T]`` mask is built and no packed-sequence detection runs (that check reads a device
+tensor on the host, a sync per forward that would also break CUDA-graph capture). The function
+receives the projected, rotated ``query [1, Hq, T, D]``, ``key``/``value [1, Hkv, T, D]`` of the
+flat ragged batch, writes the new K/V at the step's ``slot_mapping``, and attends over each
+sequence's blocks.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.masking_utils import AttentionMaskInterface
 
 from engine.attention_context import current_attention_context
 
@@ -63,13 +65,7 @@ def paged_attention_forward(
     return out.unsqueeze(0), None
 
 
-def _no_mask(*args: object, **kwargs: object) -> None:
-    """Paged attention derives causality from the metadata: no dense mask is built."""
-    return None
-
-
 AttentionInterface.register(ATTN_NAME, paged_attention_forward)
-AttentionMaskInterface.register(ATTN_NAME, _no_mask)
 
 
 def check_supported(model: PreTrainedModel) -> None:

@@ -30,6 +30,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every step eagerly: no CUDA graphs for decode steps (they need CUDA + triton)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -45,6 +50,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        enforce_eager=args.enforce_eager,
     )
 
 

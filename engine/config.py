@@ -16,6 +16,8 @@ class EngineConfig:
     kv_cache_memory: bytes of KV cache on CPU (on CUDA ``gpu_memory_utilization`` decides).
     max_num_batched_tokens: the per-step token budget (prefill chunks plus decodes).
     max_model_len: the longest sequence (prompt plus output), in tokens; None takes the model's.
+    enforce_eager: never capture CUDA graphs (on CUDA with the triton backend, decode steps
+    otherwise replay graphs captured at start for batch sizes up to ``max_num_seqs``).
     """
 
     model: str | None = None
@@ -29,6 +31,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

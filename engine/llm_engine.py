@@ -19,6 +19,7 @@ from engine.attention_backend import make_backend, resolve_backend_name
 from engine.attention_swap import install_paged_attention
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.decode_graphs import CudaGraphCapture, DecodeGraphs
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCache
 from engine.metrics import EngineStats
@@ -115,10 +116,41 @@ class LLMEngine:
             Sampler(self.backend_name),
             self.device,
         )
+        self._capture_decode_graphs(model)
         self.stats = EngineStats()
         self._rng = random.Random(config.seed)
         self._tracked: dict[str, _Tracked] = {}
         self._next_id = 0
+
+    def _capture_decode_graphs(self, model: torch.nn.Module) -> None:
+        """On CUDA with the triton backend, capture decode graphs unless ``enforce_eager``.
+
+        A capture that fails is logged and the engine runs eagerly: slower, never wrong.
+        """
+        if self.config.enforce_eager or self.device.type != "cuda":
+            return
+        if self.backend_name != "triton":
+            logger.info("decode graphs need the triton backend: running eagerly")
+            return
+        graphs = DecodeGraphs(
+            model,
+            self.kv_cache,
+            self.runner.backend,
+            max_batch_size=self.config.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
+        start = time.monotonic()
+        try:
+            self.runner.enable_decode_graphs(graphs, CudaGraphCapture(self.device))
+        except Exception:
+            logger.exception("decode graph capture failed: running eagerly (--enforce-eager)")
+            return
+        logger.info(
+            "captured %d decode graphs (batch sizes up to %d) in %.1f s",
+            len(graphs.sizes),
+            graphs.max_batch_size,
+            time.monotonic() - start,
+        )
 
     def _kv_budget_bytes(self) -> int:
         if self.device.type == "cuda":

@@ -3,7 +3,8 @@
 Each scheduled request contributes ``num_new_tokens`` consecutive tokens; they are concatenated
 into ``input_ids [1, T]`` with their true positions in ``position_ids [1, T]`` (no padding, no HF
 cache object). The attention metadata goes in an ``AttentionContext``; the LM head runs only at
-the last scheduled token of each request that samples this step.
+the last scheduled token of each request that samples this step. Decode-shaped steps replay a
+CUDA graph instead when ``enable_decode_graphs`` captured one that holds them.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ import torch
 
 from engine.attention_backend import AttentionBackend
 from engine.attention_context import AttentionContext, attention_context
+from engine.decode_graphs import DecodeGraphs, GraphCapture
+from engine.host_tensors import to_device
 from engine.kv_cache import KVCache
 from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import ScheduledBatch
+from engine.step_inputs import StepInputs, flatten_step
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,51 +56,64 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
         self.vocab_size = int(model.config.vocab_size)
+        self.graphs: DecodeGraphs | None = None
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype)
-        return (
-            t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
-        )
+        return to_device(data, dtype, self.device)
 
-    def build_context(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> tuple:
-        """Flatten the batch: (input_ids, position_ids, AttentionContext, logits indices)."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu = [0]
-        seq_lens: list[int] = []
-        last_indices: list[int] = []
-        for sched, table in zip(batch.requests, block_tables):
-            request = sched.request
-            input_ids += request.tokens_between(sched.start, sched.end)
-            pos = range(sched.start, sched.end)
-            positions += pos
-            slots += [table[p // bs] * bs + p % bs for p in pos]
-            cu.append(cu[-1] + sched.num_new_tokens)
-            seq_lens.append(sched.end)
-            if sched.samples:
-                # Pending forks (n > 1) sample their first token from the same logits row.
-                last_indices += [cu[-1] - 1] * (1 + len(request.pending_forks))
-        width = max(len(t) for t in block_tables)
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
+    def enable_decode_graphs(self, graphs: DecodeGraphs, capturer: GraphCapture) -> None:
+        """Capture ``graphs`` now; from then on decode-shaped steps that fit replay them."""
+        graphs.capture(capturer)
+        self.graphs = graphs
+
+    def build_context(self, inputs: StepInputs) -> tuple:
+        """Device tensors of a flat step: (input_ids, position_ids, AttentionContext)."""
+        width = max(len(t) for t in inputs.block_tables)
+        padded = [t + [0] * (width - len(t)) for t in inputs.block_tables]
         ctx = AttentionContext(
-            cu_seqlens_q=self._tensor(cu, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
+            cu_seqlens_q=self._tensor(inputs.cu_seqlens, torch.int32),
+            seq_lens=self._tensor(inputs.seq_lens, torch.int32),
             block_tables=self._tensor(padded, torch.int32),
-            slot_mapping=self._tensor(slots, torch.int64),
-            max_seqlen_q=max(r.num_new_tokens for r in batch.requests),
-            max_seqlen_k=max(seq_lens),
+            slot_mapping=self._tensor(inputs.slots, torch.int64),
+            max_seqlen_q=inputs.max_seqlen_q,
+            max_seqlen_k=max(inputs.seq_lens),
             kv_cache=self.kv_cache,
             backend=self.backend,
         )
         return (
-            self._tensor(input_ids, torch.long)[None],
-            self._tensor(positions, torch.long)[None],
+            self._tensor(inputs.input_ids, torch.long)[None],
+            self._tensor(inputs.positions, torch.long)[None],
             ctx,
-            last_indices,
         )
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Logits ``[len(logit_rows), V]`` of the step, or None when no request samples.
+
+        Decode-shaped steps replay a captured graph when one holds them; others run eagerly.
+        """
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and inputs.is_decode
+            and graphs.bucket(len(inputs.seq_lens)) is not None
+        ):
+            logits = graphs.run(inputs)
+            if not inputs.logit_rows:
+                return None
+            return logits.index_select(0, self._tensor(inputs.logit_rows, torch.long))
+        input_ids, position_ids, ctx = self.build_context(inputs)
+        if not inputs.logit_rows:
+            with attention_context(ctx):
+                self.model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            return None
+        with attention_context(ctx):
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=self._tensor(inputs.logit_rows, torch.long),
+            )
+        return out.logits[0]
 
     @staticmethod
     def sampling_rows(batch: ScheduledBatch) -> list[Request]:
@@ -128,21 +145,11 @@ class ModelRunner:
         if batch.block_copies:
             mapping = self._tensor([list(p) for p in batch.block_copies], torch.int64)
             self.backend.copy_blocks(self.kv_cache.tensor, block_mapping=mapping)
-        input_ids, position_ids, ctx, last_indices = self.build_context(batch, block_tables)
+        logits = self.forward(flatten_step(batch, block_tables, self.block_size))
         sampled = self.sampling_rows(batch)
-        if not sampled:
-            with attention_context(ctx):
-                self.model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        if logits is None:
             return StepResult([], [], [], [])
-        keep = self._tensor(last_indices, torch.long)
-        with attention_context(ctx):
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                use_cache=False,
-                logits_to_keep=keep,
-            )
-        logits = out.logits[0].float()  # [num_sampled, V]
+        logits = logits.float()  # [num_sampled, V]
         tokens, logprobs = self.sampler(logits, self.sampling_batch(sampled))
         k = max((r.params.logprobs or 0) for r in sampled)
         top: list[list[tuple[int, float]]] = [[] for _ in sampled]

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
+
+from engine.cli import add_engine_args, engine_kwargs
+from engine.config import EngineConfig
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -44,3 +48,15 @@ def test_bad_arguments_exit_2_with_a_message(default_model):
     proc = run_cli("--prompt", "hi", "--max-tokens", "0", "--kv-cache-memory", str(64 << 20))
     assert proc.returncode == 2
     assert "max_tokens must be an integer >= 1" in proc.stderr
+
+
+def test_engine_flags_reach_the_config():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    defaults = EngineConfig(**engine_kwargs(parser.parse_args([])))
+    assert defaults.enforce_eager is False and defaults.enable_prefix_caching is True
+    flags = parser.parse_args(["--enforce-eager", "--no-prefix-caching", "--max-num-seqs", "7"])
+    config = EngineConfig(**engine_kwargs(flags))
+    assert config.enforce_eager is True
+    assert config.enable_prefix_caching is False
+    assert config.max_num_seqs == 7

@@ -1,0 +1,224 @@
+"""Decode graphs: bucketed static-buffer replays give exactly the eager engine's tokens.
+
+On a CPU the capture is ``EagerReplay`` (the forward re-run over the same static buffers), which
+checks the bucketing, the padding rows, the static inputs and the output slicing; the
+``cuda``-marked tests at the end capture real ``torch.cuda.CUDAGraph``s.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.decode_graphs import DecodeGraphs, EagerReplay, graph_batch_sizes
+from engine.step_inputs import StepInputs
+from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts, tiny_model
+
+HAS_CUDA = torch.cuda.is_available()
+LENGTHS = [1, 5, 15, 16, 17, 31, 40, 63, 100]
+# Different lengths end requests on different steps: the batch shrinks 9 -> 1 through every bucket.
+MAX_TOKENS = [3, 5, 7, 9, 11, 13, 15, 17, 20]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def with_graphs(llm: LLM, max_batch_size: int) -> DecodeGraphs:
+    """Capture emulated decode graphs into ``llm``'s runner and return them."""
+    engine = llm.engine
+    graphs = DecodeGraphs(
+        engine.runner.model,
+        engine.kv_cache,
+        engine.runner.backend,
+        max_batch_size=max_batch_size,
+        max_model_len=engine.max_model_len,
+    )
+    engine.runner.enable_decode_graphs(graphs, EagerReplay())
+    return graphs
+
+
+@pytest.mark.parametrize(
+    ("max_batch_size", "sizes"),
+    [
+        (1, [1]),
+        (3, [1, 2, 3]),
+        (8, [1, 2, 4, 8]),
+        (11, [1, 2, 4, 8, 11]),
+        (33, [1, 2, 4, 8, 16, 24, 32, 33]),
+    ],
+)
+def test_bucket_sizes(max_batch_size, sizes):
+    assert graph_batch_sizes(max_batch_size) == sizes
+
+
+def test_bucket_sizes_reject_zero():
+    with pytest.raises(ValueError, match="max_batch_size"):
+        graph_batch_sizes(0)
+
+
+def test_greedy_equals_hf_through_padded_buckets(tiny_family):
+    family, model = tiny_family
+    prompts = random_prompts(LENGTHS, seed=1)
+    want = [hf_greedy(model, p, n) for p, n in zip(prompts, MAX_TOKENS)]
+    llm = LLM(loaded=loaded(model), kv_cache_memory=4 << 20, max_num_seqs=16)
+    graphs = with_graphs(llm, max_batch_size=16)
+    got = llm.generate(prompts, [greedy(n) for n in MAX_TOKENS])
+    assert [r.token_ids for r in got] == want
+    assert set(graphs.replays) >= {1, 2, 4, 8, 16}, graphs.replays  # every bucket served
+    assert graphs.padded_rows > 0
+    assert_pool_clean(llm.engine.block_manager)
+
+
+def test_chunked_and_preempted_with_graphs():
+    """Prefill chunks run eagerly between replays; preemption recomputes; tokens stay HF's."""
+    model = tiny_model("llama", seed=2)
+    prompts = random_prompts(LENGTHS, seed=3)
+    want = [hf_greedy(model, p, 20) for p in prompts]
+    llm = LLM(
+        loaded=loaded(model),
+        kv_cache_memory=12 * 16 * 2 * 2 * 2 * 64 * 4,  # 12 blocks: forces preemption
+        max_num_batched_tokens=8,
+        max_num_seqs=9,
+    )
+    graphs = with_graphs(llm, max_batch_size=9)
+    assert [r.token_ids for r in llm.generate(prompts, greedy(20))] == want
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert sum(graphs.replays.values()) > 0
+    assert_pool_clean(llm.engine.block_manager)
+
+
+def test_seeded_sampling_and_forks_equal_eager():
+    """n=3 seeded samples (forked, copy-on-write) draw the same tokens with and without graphs."""
+    model = tiny_model("qwen2", seed=5)
+    prompts = random_prompts([7, 20, 33], seed=6)
+    params = SamplingParams(
+        max_tokens=12, temperature=0.9, top_k=40, top_p=0.9, seed=11, n=3, ignore_eos=True
+    )
+    eager = LLM(loaded=loaded(model), kv_cache_memory=4 << 20)
+    want = [r.token_ids for r in eager.generate(prompts, params)]
+    llm = LLM(loaded=loaded(model), kv_cache_memory=4 << 20, max_num_seqs=9)
+    graphs = with_graphs(llm, max_batch_size=9)
+    assert [r.token_ids for r in llm.generate(prompts, params)] == want
+    assert graphs.replays[9] > 0  # all 9 samples decoded together
+    assert_pool_clean(llm.engine.block_manager)
+
+
+def test_larger_batches_run_eagerly():
+    model = tiny_model("mistral", seed=7)
+    prompts = random_prompts([4, 9, 12, 30, 2], seed=8)
+    lengths = [3, 5, 6, 8, 10]
+    want = [hf_greedy(model, p, n) for p, n in zip(prompts, lengths)]
+    llm = LLM(loaded=loaded(model), kv_cache_memory=4 << 20)
+    graphs = with_graphs(llm, max_batch_size=2)
+    assert [r.token_ids for r in llm.generate(prompts, [greedy(n) for n in lengths])] == want
+    assert set(graphs.replays) == {1, 2}  # only once the batch shrank to 2 and 1
+    assert_pool_clean(llm.engine.block_manager)
+
+
+def test_padding_rows_write_nothing_to_the_cache():
+    """A replay of 3 rows in the 4 bucket changes exactly the 3 real slots of every layer."""
+    model = tiny_model("qwen3", seed=9)
+    llm = LLM(loaded=loaded(model), kv_cache_memory=1 << 20)
+    graphs = with_graphs(llm, max_batch_size=4)
+    cache = llm.engine.kv_cache
+    cache.tensor.normal_()
+    before = cache.tensor.clone()
+    bs = cache.block_size
+    tables = [[5], [0, 7], [3, 2, 1]]
+    seq_lens = [4, 20, 40]
+    slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, seq_lens)]
+    inputs = StepInputs(
+        input_ids=[11, 12, 13],
+        positions=[n - 1 for n in seq_lens],
+        slots=slots,
+        cu_seqlens=[0, 1, 2, 3],
+        seq_lens=seq_lens,
+        block_tables=tables,
+        logit_rows=[0, 1, 2],
+    )
+    with torch.inference_mode():
+        logits = graphs.run(inputs)
+    assert logits.shape == (3, model.config.vocab_size)
+    assert graphs.replays == {4: 1} and graphs.padded_rows == 1
+    flat_before = before.flatten(2, 3)  # [layers, 2, slots, Hkv, D]
+    changed = (cache.tensor.flatten(2, 3) != flat_before).any(dim=(0, 1, 3, 4))
+    assert changed.nonzero().flatten().tolist() == sorted(slots)
+
+
+def test_run_rejects_what_it_cannot_hold():
+    model = tiny_model("qwen3", seed=9)
+    llm = LLM(loaded=loaded(model), kv_cache_memory=1 << 20, max_model_len=64)
+    graphs = with_graphs(llm, max_batch_size=2)
+    one = dict(cu_seqlens=[0, 1], seq_lens=[5], logit_rows=[0], input_ids=[1], positions=[4])
+    with pytest.raises(ValueError, match="exceeds"):
+        graphs.run(StepInputs(slots=[4], block_tables=[[0] * 5], **one))
+    with pytest.raises(ValueError, match="one token per sequence"):
+        graphs.run(
+            StepInputs(
+                input_ids=[1, 2],
+                positions=[3, 4],
+                slots=[3, 4],
+                cu_seqlens=[0, 2],
+                seq_lens=[5],
+                block_tables=[[0]],
+                logit_rows=[1],
+            )
+        )
+    three = dict(cu_seqlens=[0, 1, 2, 3], seq_lens=[1, 1, 1], logit_rows=[0, 1, 2])
+    with pytest.raises(ValueError, match="no decode graph holds a batch of 3"):
+        graphs.run(
+            StepInputs(
+                input_ids=[1, 2, 3], positions=[0, 0, 0], slots=[0, 16, 32],
+                block_tables=[[0], [1], [2]], **three,
+            )
+        )  # fmt: skip
+
+
+def test_triton_kernels_in_the_graph_path():
+    """The kernels with the graphs' fixed launch shape (capacity-sized split-KV) match HF."""
+    model = tiny_model("qwen3", seed=4)
+    prompts = random_prompts([1, 17, 33], seed=31)
+    want = [hf_greedy(model, p, 5) for p in prompts]
+    llm = LLM(
+        loaded=loaded(model),
+        kv_cache_memory=2 << 20,
+        attention_backend="triton",
+        max_model_len=1024,
+    )
+    graphs = with_graphs(llm, max_batch_size=4)
+    assert [r.token_ids for r in llm.generate(prompts, greedy(5))] == want
+    assert graphs.replays[4] > 0
+    assert_pool_clean(llm.engine.block_manager)
+
+
+# ---------------------------------------------------------------------------------- on a GPU
+def on_cuda(model: torch.nn.Module):
+    """The engine's private copy of ``model``, moved to the GPU."""
+    wrapped = loaded(model)
+    wrapped.model.to("cuda")
+    return wrapped
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_cuda_graphs_equal_eager_and_hf(family):
+    """Real capture on CUDA (fp32, triton backend): graphs, eager and HF agree token for token."""
+    model = tiny_model(family, seed=1)
+    prompts = random_prompts(LENGTHS, seed=1)
+    want = [hf_greedy(model, p, n) for p, n in zip(prompts, MAX_TOKENS)]
+    params = [greedy(n) for n in MAX_TOKENS]
+    kwargs = dict(device="cuda", dtype="float32", max_num_seqs=16, gpu_memory_utilization=0.5)
+    eager = LLM(loaded=on_cuda(model), enforce_eager=True, **kwargs)
+    assert eager.engine.runner.graphs is None
+    eager_tokens = [r.token_ids for r in eager.generate(prompts, params)]
+    del eager
+    llm = LLM(loaded=on_cuda(model), **kwargs)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 16]
+    got = [r.token_ids for r in llm.generate(prompts, params)]
+    assert got == eager_tokens == want
+    assert set(graphs.replays) >= {1, 2, 4, 8, 16}
+    assert_pool_clean(llm.engine.block_manager)

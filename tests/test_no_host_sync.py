@@ -1,0 +1,72 @@
+"""A forward pass never reads a device value on the host: the step's one sync is reading the
+sampled ids. On a CPU we check the one sync transformers would add (packed-sequence detection in
+its mask builders, skipped because ``paged_serve`` registers no mask function); on a GPU,
+``torch.cuda.set_sync_debug_mode("error")`` turns any synchronising op into an error."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import transformers.masking_utils as masking_utils
+
+from engine import LLM, SamplingParams
+from engine.step_inputs import StepInputs
+from tests.conftest import assert_pool_clean, loaded, random_prompts, tiny_model
+
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def test_no_mask_building_or_packed_sequence_detection(tiny_family, monkeypatch):
+    _, model = tiny_family
+    calls: list[str] = []
+
+    def spy(*args, **kwargs):
+        calls.append("find_packed_sequence_indices")
+        return None
+
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", spy)
+    llm = LLM(loaded=loaded(model), kv_cache_memory=2 << 20, max_num_batched_tokens=16)
+    # Mixed steps (chunks plus decodes) have non-monotonic position ids: a "packed" batch.
+    llm.generate(random_prompts([3, 20, 9], seed=2), PARAMS)
+    assert calls == []
+    assert_pool_clean(llm.engine.block_manager)
+
+
+def fail_on_sync(forward: Callable[[StepInputs], object]) -> Callable[[StepInputs], object]:
+    """``forward`` with CUDA sync debug mode "error" around it (not around the sampling)."""
+
+    def guarded(inputs: StepInputs) -> object:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return forward(inputs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    return guarded
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_cuda_forward_never_synchronises(enforce_eager, monkeypatch):
+    """Prefill, mixed and decode steps (graphs or eager) run under sync debug mode "error"."""
+    wrapped = loaded(tiny_model("qwen3", seed=3))
+    wrapped.model.to("cuda")
+    llm = LLM(
+        loaded=wrapped,
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=8,
+        max_num_batched_tokens=16,
+        gpu_memory_utilization=0.5,
+        enforce_eager=enforce_eager,
+    )
+    runner = llm.engine.runner
+    monkeypatch.setattr(runner, "forward", fail_on_sync(runner.forward))
+    results = llm.generate(random_prompts([3, 20, 9], seed=2), PARAMS)
+    assert [len(r.token_ids) for r in results] == [4, 4, 4]
+    if not enforce_eager:
+        assert sum(runner.graphs.replays.values()) > 0
+    assert_pool_clean(llm.engine.block_manager)
