@@ -2,8 +2,10 @@
 # One prepared check for a machine with a GPU and no internet, in under 8 minutes:
 #   1. kernels[cuda]   pytest tests/kernels -m cuda         the CUDA grids, compiled Triton
 #   2. kernels[other]  pytest tests/kernels -m "not cuda"   the rest of the kernel tests, on CUDA
-#   3. perf            pytest perf/                         microbenchmarks and their table
-#   4. e2e             python -m perf.bench_e2e --device cuda --model-shape qwen3-0.6b (scaled)
+#   3. engine[cuda]    pytest tests -m cuda (engine files)  decode CUDA graphs, no host sync
+#   4. perf            pytest perf/                         microbenchmarks and their table
+#   5. e2e             python -m perf.bench_e2e --device cuda --model-shape qwen3-0.6b (scaled),
+#                      graphs on and off (--compare-eager)
 # each under its own time limit, then a summary table, printed last (GPU, driver, versions,
 # pass/fail counts, the issue's targets, the e2e ratios). Exit 0 when every step passed; a
 # target that is not met never fails the check. Nothing is downloaded: missing packages are
@@ -19,7 +21,8 @@
 #   GPU_CHECK_JOBS         parallel shards for the kernel tests: compiling is CPU-bound (6)
 #   GPU_CHECK_E2E_SCALE    fraction of the issue's e2e workload, 0 < s <= 1 (0.25)
 #   GPU_CHECK_BUDGET_S     limit for the whole script; no step runs past it (465)
-#   GPU_CHECK_TIMEOUT_KERNELS_CUDA / _KERNELS_OTHER / _PERF / _E2E   step limits, s (150/50/170/95)
+#   GPU_CHECK_TIMEOUT_KERNELS_CUDA / _KERNELS_OTHER / _ENGINE / _PERF / _E2E
+#                          step limits, s (140/45/45/150/85)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
@@ -38,10 +41,11 @@ PY="${PYTHON:-python3}"
 BUDGET_S="${GPU_CHECK_BUDGET_S:-465}"
 JOBS="${GPU_CHECK_JOBS:-6}"
 SCALE="${GPU_CHECK_E2E_SCALE:-0.25}"
-T_KERNELS_CUDA="${GPU_CHECK_TIMEOUT_KERNELS_CUDA:-150}"
-T_KERNELS_OTHER="${GPU_CHECK_TIMEOUT_KERNELS_OTHER:-50}"
-T_PERF="${GPU_CHECK_TIMEOUT_PERF:-170}"
-T_E2E="${GPU_CHECK_TIMEOUT_E2E:-95}"
+T_KERNELS_CUDA="${GPU_CHECK_TIMEOUT_KERNELS_CUDA:-140}"
+T_KERNELS_OTHER="${GPU_CHECK_TIMEOUT_KERNELS_OTHER:-45}"
+T_ENGINE="${GPU_CHECK_TIMEOUT_ENGINE:-45}"
+T_PERF="${GPU_CHECK_TIMEOUT_PERF:-150}"
+T_E2E="${GPU_CHECK_TIMEOUT_E2E:-85}"
 WHEELS="${GPU_CHECK_WHEELS:-}"
 if [ -z "$WHEELS" ] && [ -d .whl ]; then WHEELS="$REPO/.whl"; fi
 if [ "$DRY_RUN" = 1 ]; then
@@ -53,7 +57,7 @@ else
   # Only this script's own files from an earlier run (the folder may be shared).
   rm -f "$LOG_DIR"/steps.tsv "$LOG_DIR"/env.json "$LOG_DIR"/perf.json "$LOG_DIR"/benchmark.json \
     "$LOG_DIR"/kernels_*.xml "$LOG_DIR"/kernels_*.log "$LOG_DIR"/kernels_*.out \
-    "$LOG_DIR"/kernels_*.err "$LOG_DIR"/perf.xml "$LOG_DIR"/perf.out "$LOG_DIR"/perf.err \
+    "$LOG_DIR"/kernels_*.err "$LOG_DIR"/engine_cuda* "$LOG_DIR"/perf.xml "$LOG_DIR"/perf.out "$LOG_DIR"/perf.err \
     "$LOG_DIR"/e2e.out "$LOG_DIR"/e2e.err
 fi
 LOG_DIR="$(cd "$LOG_DIR" && pwd)"
@@ -66,6 +70,8 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 export PAGED_SERVE_PERF_JSON="$LOG_DIR/perf.json"
 
 say() { echo "gpu-check: $*"; }
+# The engine's CUDA-only tests (real graph capture, sync debug mode); the rest of tests/ is CPU's.
+ENGINE_TESTS="tests/test_decode_graphs.py tests/test_no_host_sync.py"
 HELPER=("$PY" "$REPO/ci/gpu_check.py")
 
 # ------------------------------------------------------------------------------ prerequisites
@@ -74,7 +80,7 @@ if ! command -v "$PY" >/dev/null 2>&1; then
   say "no Python at '$PY' (set PYTHON to a Python that has torch, triton, transformers, pytest)"
   exit 1
 fi
-for path in tests/kernels perf/conftest.py perf/bench_e2e.py perf/model_shapes.py ci/gpu_check.py; do
+for path in tests/kernels $ENGINE_TESTS perf/conftest.py perf/bench_e2e.py perf/model_shapes.py ci/gpu_check.py; do
   if [ ! -e "$path" ]; then say "missing $path (run from a paged-serve checkout)"; problems=1; fi
 done
 awk -v s="$SCALE" 'BEGIN { exit !(s + 0 > 0 && s + 0 <= 1) }' \
@@ -108,14 +114,15 @@ E2E_CMD=("$PY" -m perf.bench_e2e --device cuda --model-shape qwen3-0.6b
          --num-requests "$E2E_REQUESTS" --min-prompt 100 --max-prompt 1024
          --min-tokens "$E2E_MIN_TOKENS" --max-tokens "$E2E_MAX_TOKENS"
          --max-num-seqs 256 --max-num-batched-tokens 8192
-         --hf-batch-api generate_batch --check-requests 2)
+         --hf-batch-api generate_batch --check-requests 2 --compare-eager)
 
 print_steps() {
   say "steps (each under its own limit; the whole script under ${BUDGET_S} s):"
   echo "  1. kernels[cuda]   limit ${T_KERNELS_CUDA} s, ${JOBS} shards: ${PYTEST[*]} tests/kernels -m cuda"
   echo "  2. kernels[other]  limit ${T_KERNELS_OTHER} s, ${JOBS} shards: ${PYTEST[*]} tests/kernels -m 'not cuda'"
-  echo "  3. perf            limit ${T_PERF} s: PAGED_SERVE_PERF_JSON=$PAGED_SERVE_PERF_JSON ${PYTEST[*]} perf ${BENCH_ARGS[*]+"${BENCH_ARGS[*]}"}"
-  echo "  4. e2e             limit ${T_E2E} s: ${E2E_CMD[*]}"
+  echo "  3. engine[cuda]    limit ${T_ENGINE} s: ${PYTEST[*]} $ENGINE_TESTS -m cuda"
+  echo "  4. perf            limit ${T_PERF} s: PAGED_SERVE_PERF_JSON=$PAGED_SERVE_PERF_JSON ${PYTEST[*]} perf ${BENCH_ARGS[*]+"${BENCH_ARGS[*]}"}"
+  echo "  5. e2e             limit ${T_E2E} s: ${E2E_CMD[*]}"
   echo "     e2e workload: $E2E_WORKLOAD"
 }
 
@@ -147,7 +154,7 @@ elif [ -n "$missing" ]; then
 fi
 if [ "$rc" != 0 ]; then
   say "prerequisites not met (exit $rc above): no step can run"
-  for name in "kernels[cuda]" "kernels[other]" perf e2e; do
+  for name in "kernels[cuda]" "kernels[other]" "engine[cuda]" perf e2e; do
     "${HELPER[@]}" skip --log-dir "$LOG_DIR" --name "$name" --note "prerequisites not met"
   done
   "${HELPER[@]}" summary --log-dir "$LOG_DIR" --e2e-workload "$E2E_WORKLOAD"
@@ -182,6 +189,7 @@ run_step() {
 
 run_step "kernels[cuda]" "$T_KERNELS_CUDA" "$JOBS" 1 "${PYTEST[@]}" tests/kernels -m cuda
 run_step "kernels[other]" "$T_KERNELS_OTHER" "$JOBS" 1 "${PYTEST[@]}" tests/kernels -m "not cuda"
+run_step "engine[cuda]" "$T_ENGINE" 1 1 "${PYTEST[@]}" $ENGINE_TESTS -m cuda
 run_step perf "$T_PERF" 1 1 "${PYTEST[@]}" perf ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
 run_step e2e "$T_E2E" 1 0 "${E2E_CMD[@]}"
 

@@ -61,7 +61,9 @@ def test_dry_run_prints_every_step(dry_run):
     out = dry_run.stdout
     assert "-m pytest -q -p no:cacheprovider tests/kernels -m cuda" in out
     assert "tests/kernels -m 'not cuda'" in out
+    assert "tests/test_decode_graphs.py tests/test_no_host_sync.py -m cuda" in out
     assert "-m pytest -q -p no:cacheprovider perf" in out
+    assert "--compare-eager" in out
     assert "-m perf.bench_e2e --device cuda --model-shape qwen3-0.6b" in out
     assert "--num-requests 64" in out  # the default scale, 0.25 of 256
     assert "scale 0.25" in out
@@ -71,7 +73,9 @@ def test_dry_run_ends_with_the_summary_table(dry_run):
     lines = dry_run.stdout.rstrip().splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("step "))
     assert lines[header].split()[:3] == ["step", "status", "secs"]
-    for i, name in enumerate(["kernels[cuda]", "kernels[other]", "perf", "e2e"], header + 1):
+    for i, name in enumerate(
+        ["kernels[cuda]", "kernels[other]", "engine[cuda]", "perf", "e2e"], header + 1
+    ):
         assert lines[i].split()[:2] == [name, "DRY-RUN"]
     assert lines[-2] == "overall   DRY RUN (exit 0)"
     assert set(lines[-1]) == {"="}
