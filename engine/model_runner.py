@@ -38,6 +38,28 @@ class StepResult:
     top_logprobs: list[list[tuple[int, float]]]
 
 
+@dataclass(frozen=True, slots=True)
+class LaunchedStep:
+    """A step whose device work is queued: sampled ids ``[B]``, their logprobs ``[B]`` and the
+    optional top-k ``(values, indices)``, still on the device."""
+
+    request_ids: list[str]
+    tokens: torch.Tensor | None
+    logprobs: torch.Tensor | None
+    top: tuple[torch.Tensor, torch.Tensor] | None
+
+    def read(self) -> StepResult:
+        """Wait for the device and return the step's results as Python values."""
+        if self.tokens is None or self.logprobs is None:
+            return StepResult([], [], [], [])
+        token_ids = self.tokens.tolist()  # the sync
+        top: list[list[tuple[int, float]]] = [[] for _ in token_ids]
+        if self.top is not None:
+            values, indices = self.top
+            top = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+        return StepResult(self.request_ids, token_ids, self.logprobs.tolist(), top)
+
+
 class ModelRunner:
     """Owns the model, the KV cache and the sampler; executes ``ScheduledBatch``es."""
 
@@ -140,25 +162,21 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> StepResult:
-        """Copy-on-write blocks, run the forward, sample at each sampling request's last token."""
+    def launch(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> LaunchedStep:
+        """Queue the step's device work: copy-on-write, forward, sampling. Never syncs."""
         if batch.block_copies:
             mapping = self._tensor([list(p) for p in batch.block_copies], torch.int64)
             self.backend.copy_blocks(self.kv_cache.tensor, block_mapping=mapping)
         logits = self.forward(flatten_step(batch, block_tables, self.block_size))
-        sampled = self.sampling_rows(batch)
+        rows = self.sampling_rows(batch)
         if logits is None:
-            return StepResult([], [], [], [])
+            return LaunchedStep([], None, None, None)
         logits = logits.float()  # [num_sampled, V]
-        tokens, logprobs = self.sampler(logits, self.sampling_batch(sampled))
-        k = max((r.params.logprobs or 0) for r in sampled)
-        top: list[list[tuple[int, float]]] = [[] for _ in sampled]
-        if k > 0:
-            values, indices = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
-            top = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
-        return StepResult(
-            request_ids=[r.request_id for r in sampled],
-            token_ids=tokens.tolist(),
-            logprobs=logprobs.tolist(),
-            top_logprobs=top,
-        )
+        tokens, logprobs = self.sampler(logits, self.sampling_batch(rows))
+        k = max((r.params.logprobs or 0) for r in rows)
+        top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1) if k > 0 else None
+        return LaunchedStep([r.request_id for r in rows], tokens, logprobs, top)
+
+    def execute(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> StepResult:
+        """Run the step and read its sampled tokens back (the step's one host sync)."""
+        return self.launch(batch, block_tables).read()

@@ -1,7 +1,9 @@
-"""A forward pass never reads a device value on the host: the step's one sync is reading the
-sampled ids. On a CPU we check the one sync transformers would add (packed-sequence detection in
-its mask builders, skipped because ``paged_serve`` registers no mask function); on a GPU,
-``torch.cuda.set_sync_debug_mode("error")`` turns any synchronising op into an error."""
+"""A step never reads a device value on the host except the sampled ids at its end.
+
+On a CPU we check the one sync transformers would add (packed-sequence detection in its mask
+builders, skipped because ``paged_serve`` registers no mask function); on a GPU,
+``torch.cuda.set_sync_debug_mode("error")`` turns any synchronising op into an error.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 import transformers.masking_utils as masking_utils
 
 from engine import LLM, SamplingParams
-from engine.step_inputs import StepInputs
+from engine.model_runner import LaunchedStep
 from tests.conftest import assert_pool_clean, loaded, random_prompts, tiny_model
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -34,13 +36,13 @@ def test_no_mask_building_or_packed_sequence_detection(tiny_family, monkeypatch)
     assert_pool_clean(llm.engine.block_manager)
 
 
-def fail_on_sync(forward: Callable[[StepInputs], object]) -> Callable[[StepInputs], object]:
-    """``forward`` with CUDA sync debug mode "error" around it (not around the sampling)."""
+def fail_on_sync(launch: Callable[..., LaunchedStep]) -> Callable[..., LaunchedStep]:
+    """``launch`` (everything but reading the sampled ids) under CUDA sync debug mode "error"."""
 
-    def guarded(inputs: StepInputs) -> object:
+    def guarded(*args: object) -> LaunchedStep:
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return forward(inputs)
+            return launch(*args)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
@@ -50,8 +52,9 @@ def fail_on_sync(forward: Callable[[StepInputs], object]) -> Callable[[StepInput
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("enforce_eager", [True, False])
-def test_cuda_forward_never_synchronises(enforce_eager, monkeypatch):
-    """Prefill, mixed and decode steps (graphs or eager) run under sync debug mode "error"."""
+def test_cuda_step_syncs_only_to_read_the_sampled_ids(enforce_eager, monkeypatch):
+    """Prefill, mixed and decode steps (graphs or eager), copy-on-write for n=2, the sampling
+    kernel and top logprobs all run under sync debug mode "error"; only ``read()`` syncs."""
     wrapped = loaded(tiny_model("qwen3", seed=3))
     wrapped.model.to("cuda")
     llm = LLM(
@@ -64,9 +67,16 @@ def test_cuda_forward_never_synchronises(enforce_eager, monkeypatch):
         enforce_eager=enforce_eager,
     )
     runner = llm.engine.runner
-    monkeypatch.setattr(runner, "forward", fail_on_sync(runner.forward))
-    results = llm.generate(random_prompts([3, 20, 9], seed=2), PARAMS)
-    assert [len(r.token_ids) for r in results] == [4, 4, 4]
+    monkeypatch.setattr(runner, "launch", fail_on_sync(runner.launch))
+    prompts = random_prompts([3, 20, 9], seed=2)
+    greedy = llm.generate(prompts, PARAMS)
+    sampled = llm.generate(
+        prompts,
+        SamplingParams(
+            max_tokens=4, temperature=0.8, top_k=20, seed=1, n=2, logprobs=2, ignore_eos=True
+        ),
+    )
+    assert [len(r.token_ids) for r in greedy + sampled] == [4] * 9
     if not enforce_eager:
         assert sum(runner.graphs.replays.values()) > 0
     assert_pool_clean(llm.engine.block_manager)
