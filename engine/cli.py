@@ -23,7 +23,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
-        "--kv-cache-memory", type=int, default=1 << 30, help="KV cache bytes on CPU (default 1 GiB)"
+        "--kv-cache-memory",
+        type=int,
+        default=None,
+        help="KV cache bytes (default: 1 GiB on CPU; on CUDA, --gpu-memory-utilization decides)",
     )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--max-num-seqs", type=int, default=64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -13,7 +14,8 @@ class EngineConfig:
     """How to load the model and size the scheduler and KV cache.
 
     model: a Hugging Face model id or folder, a ``.gguf`` file, or None for the embedded default.
-    kv_cache_memory: bytes of KV cache on CPU (on CUDA ``gpu_memory_utilization`` decides).
+    kv_cache_memory: bytes of KV cache; None = 1 GiB on CPU and, on CUDA, what
+    ``gpu_memory_utilization`` leaves free (a value given applies on both devices).
     max_num_batched_tokens: the per-step token budget (prefill chunks plus decodes).
     max_model_len: the longest sequence (prompt plus output), in tokens; None takes the model's.
     enforce_eager: never capture CUDA graphs (on CUDA with the triton backend, decode steps
@@ -25,7 +27,7 @@ class EngineConfig:
     device: str = "auto"
     attention_backend: str = "auto"
     block_size: int = 16
-    kv_cache_memory: int = 1 << 30
+    kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -44,7 +46,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        if self.kv_cache_memory <= 0:
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(

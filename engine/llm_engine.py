@@ -18,7 +18,7 @@ import torch
 from engine.attention_backend import make_backend, resolve_backend_name
 from engine.attention_swap import install_paged_attention
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from engine.decode_graphs import CudaGraphCapture, DecodeGraphs
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCache
@@ -153,6 +153,10 @@ class LLMEngine:
         )
 
     def _kv_budget_bytes(self) -> int:
+        """``kv_cache_memory`` when given; else 1 GiB on CPU, or on CUDA the memory left free
+        under ``gpu_memory_utilization`` of the device."""
+        if self.config.kv_cache_memory is not None:
+            return self.config.kv_cache_memory
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # Memory torch's caching allocator holds but no tensor uses (a previous engine's
@@ -161,7 +165,7 @@ class LLMEngine:
                 self.device
             )
             return int(free - total * (1.0 - self.config.gpu_memory_utilization))
-        return self.config.kv_cache_memory
+        return DEFAULT_CPU_KV_CACHE_BYTES
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:

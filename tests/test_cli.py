@@ -6,8 +6,12 @@ import argparse
 import subprocess
 import sys
 
+import pytest
+
 from engine.cli import add_engine_args, engine_kwargs
-from engine.config import EngineConfig
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from engine.llm_engine import LLMEngine
+from tests.conftest import loaded, tiny_model
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -55,8 +59,21 @@ def test_engine_flags_reach_the_config():
     add_engine_args(parser)
     defaults = EngineConfig(**engine_kwargs(parser.parse_args([])))
     assert defaults.enforce_eager is False and defaults.enable_prefix_caching is True
+    assert defaults.kv_cache_memory is None
     flags = parser.parse_args(["--enforce-eager", "--no-prefix-caching", "--max-num-seqs", "7"])
     config = EngineConfig(**engine_kwargs(flags))
     assert config.enforce_eager is True
     assert config.enable_prefix_caching is False
     assert config.max_num_seqs == 7
+
+
+def test_kv_cache_memory_default_and_validation():
+    model = tiny_model("llama")
+    hf = model.config
+    block_bytes = hf.num_hidden_layers * 2 * 16 * hf.num_key_value_heads * hf.head_dim * 4
+    engine = LLMEngine(EngineConfig(), loaded=loaded(model))  # None: 1 GiB on a CPU
+    assert engine.block_manager.num_blocks == DEFAULT_CPU_KV_CACHE_BYTES // block_bytes
+    engine = LLMEngine(EngineConfig(kv_cache_memory=3 * block_bytes), loaded=loaded(model))
+    assert engine.block_manager.num_blocks == 3
+    with pytest.raises(ValueError, match="kv_cache_memory must be > 0"):
+        EngineConfig(kv_cache_memory=0)

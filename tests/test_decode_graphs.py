@@ -210,7 +210,7 @@ def test_cuda_graphs_equal_eager_and_hf(family):
     prompts = random_prompts(LENGTHS, seed=1)
     want = [hf_greedy(model, p, n) for p, n in zip(prompts, MAX_TOKENS)]
     params = [greedy(n) for n in MAX_TOKENS]
-    kwargs = dict(device="cuda", dtype="float32", max_num_seqs=16, gpu_memory_utilization=0.5)
+    kwargs = dict(device="cuda", dtype="float32", max_num_seqs=16, kv_cache_memory=4 << 20)
     eager = LLM(loaded=on_cuda(model), enforce_eager=True, **kwargs)
     assert eager.engine.runner.graphs is None
     eager_tokens = [r.token_ids for r in eager.generate(prompts, params)]

@@ -63,7 +63,7 @@ def test_cuda_step_syncs_only_to_read_the_sampled_ids(enforce_eager, monkeypatch
         dtype="float32",
         max_num_seqs=8,
         max_num_batched_tokens=16,
-        gpu_memory_utilization=0.5,
+        kv_cache_memory=4 << 20,
         enforce_eager=enforce_eager,
     )
     runner = llm.engine.runner
