@@ -35,8 +35,8 @@ from engine.host_tensors import host_tensor
 from engine.kv_cache import KVCache
 from engine.step_inputs import StepInputs
 
-Forward = Callable[[], torch.Tensor]  # a forward over static buffers, returning logits
-Captured = tuple[torch.Tensor, Callable[[], None]]  # (static logits, replay)
+Forward = Callable[[], object]  # a forward that reads and writes only static buffers
+Replay = Callable[[], None]
 MAX_GRAPH_BATCH_SIZE = 512  # larger decode batches run eagerly: launch cost is amortised there
 
 
@@ -53,9 +53,9 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
 
 
 class GraphCapture(Protocol):
-    """Turns ``forward`` (reads only static buffers) into (static output, replay function)."""
+    """Turns ``forward`` (static buffers in, static buffers out) into a replay function."""
 
-    def capture(self, forward: Forward) -> Captured: ...
+    def capture(self, forward: Forward) -> Replay: ...
 
 
 class CudaGraphCapture:
@@ -69,7 +69,7 @@ class CudaGraphCapture:
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
 
-    def capture(self, forward: Forward) -> Captured:
+    def capture(self, forward: Forward) -> Replay:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -78,20 +78,16 @@ class CudaGraphCapture:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = forward()
-        return out, graph.replay
+            forward()
+        return graph.replay
 
 
 class EagerReplay:
-    """A stand-in for capture without CUDA: replay re-runs ``forward`` into the same output."""
+    """A stand-in for capture without CUDA: replay re-runs ``forward`` over the same buffers."""
 
-    def capture(self, forward: Forward) -> Captured:
-        out = forward()
-
-        def replay() -> None:
-            out.copy_(forward())
-
-        return out, replay
+    def capture(self, forward: Forward) -> Replay:
+        forward()
+        return forward
 
 
 class DecodeGraphs:
@@ -131,8 +127,7 @@ class DecodeGraphs:
         # rows); fp32 because the sampler upcasts anyway, so no model's logits lose precision.
         vocab_size = model.get_output_embeddings().weight.shape[0]
         self.logits = torch.empty(n, vocab_size, dtype=torch.float32, device=device)
-        self._logits: dict[int, torch.Tensor] = {}
-        self._replay: dict[int, Callable[[], None]] = {}
+        self._replay: dict[int, Replay] = {}
         self.replays: Counter[int] = Counter()
         self.padded_rows = 0
 
@@ -140,11 +135,9 @@ class DecodeGraphs:
     def capture(self, capturer: GraphCapture) -> None:
         """Capture every bucket, largest first (smaller graphs then reuse its pool memory)."""
         for size in reversed(self.sizes):
-            self._logits[size], self._replay[size] = capturer.capture(
-                lambda s=size: self._forward(s)
-            )
+            self._replay[size] = capturer.capture(lambda s=size: self._forward(s))
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int) -> None:
         """The model over the first ``size`` static rows; logits ``[size, V]`` into ``logits``."""
         ctx = AttentionContext(
             cu_seqlens_q=self.cu_seqlens_q[: size + 1],
@@ -164,7 +157,10 @@ class DecodeGraphs:
                 logits_to_keep=0,
             )
         self.logits[:size].copy_(out.logits[0])
-        return self.logits[:size]
+
+    def holds(self, inputs: StepInputs) -> bool:
+        """Whether a captured graph can run this step (decode-shaped, a bucket large enough)."""
+        return inputs.is_decode and self.bucket(len(inputs.seq_lens)) is not None
 
     def bucket(self, batch_size: int) -> int | None:
         """The smallest captured size holding ``batch_size`` rows; None if none does."""
@@ -201,4 +197,4 @@ class DecodeGraphs:
         self._replay[size]()
         self.replays[size] += 1
         self.padded_rows += pad
-        return self._logits[size][:count]
+        return self.logits[:count]

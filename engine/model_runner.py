@@ -113,13 +113,8 @@ class ModelRunner:
 
         Decode-shaped steps replay a captured graph when one holds them; others run eagerly.
         """
-        graphs = self.graphs
-        if (
-            graphs is not None
-            and inputs.is_decode
-            and graphs.bucket(len(inputs.seq_lens)) is not None
-        ):
-            logits = graphs.run(inputs)
+        if self.graphs is not None and self.graphs.holds(inputs):
+            logits = self.graphs.run(inputs)
             if not inputs.logit_rows:
                 return None
             return logits.index_select(0, self._tensor(inputs.logit_rows, torch.long))
