@@ -61,7 +61,10 @@ def _ordered_key(x):
     x = tl.where(x == 0.0, 0.0, x)
     bits = x.to(tl.uint32, bitcast=True)
     sign = tl.full(bits.shape, 0x80000000, tl.uint32)
-    return tl.where((bits & sign) != 0, ~bits, bits | sign)
+    # ``bits ^ all_ones`` rather than ``~bits``: Triton 3.6's interpreter evaluates ``~`` on
+    # uint32 through a -1 that numpy 2 refuses to cast (compiled code is the same either way).
+    all_ones = tl.full(bits.shape, 0xFFFFFFFF, tl.uint32)
+    return tl.where((bits & sign) != 0, bits ^ all_ones, bits | sign)
 
 
 @triton.jit
