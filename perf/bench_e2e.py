@@ -216,12 +216,19 @@ def run_hf_static(model: Any, workload: Workload, pad_token_id: int) -> SystemRe
 
 
 # ---------------------------------------------------------------------- HF continuous batching
+def hf_cb_page_size(config: ContinuousBatchingConfig) -> int:
+    """Tokens per KV page of HF's CB cache: ``page_size`` in the transformers CI installs
+    (5.24), ``block_size`` in 5.17 (the GPU machine's), which has no ``page_size``."""
+    page_size = getattr(config, "page_size", None)
+    return int(page_size if page_size is not None else config.block_size)
+
+
 def hf_cb_config(args: argparse.Namespace, kv_tokens: int | None) -> ContinuousBatchingConfig:
     """HF's CB sized like paged-serve: the same KV capacity in tokens and the same budgets.
 
     On CPU transformers otherwise sizes the cache from total system RAM.
     """
-    page_size = ContinuousBatchingConfig().page_size
+    page_size = hf_cb_page_size(ContinuousBatchingConfig())
     return ContinuousBatchingConfig(
         num_blocks=None if kv_tokens is None else math.ceil(kv_tokens / page_size),
         max_batch_tokens=args.max_num_batched_tokens,
@@ -254,12 +261,11 @@ def hf_cb_per_request(
     """transformers' CB manager, each request with its own ``max_new_tokens``."""
     config = _greedy_no_eos(max(max_tokens), pad_token_id)
     done: dict[str, Any] = {}
-    with (
-        torch.inference_mode(),
-        model.continuous_batching_context_manager(
-            generation_config=config, continuous_batching_config=cb_config, block=True, timeout=5
-        ) as manager,
-    ):
+    # No inference_mode() here: the manager's worker thread updates tensors this thread creates
+    # in add_request, which transformers 5.17 then refuses as inference tensors.
+    with model.continuous_batching_context_manager(
+        generation_config=config, continuous_batching_config=cb_config, block=True, timeout=5
+    ) as manager:
         ids = [
             manager.add_request(
                 input_ids=list(p), request_id=f"r{i}", max_new_tokens=m, eos_token_id=-1
@@ -596,7 +602,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_num_seqs": args.max_num_seqs,
             "enforce_eager": args.enforce_eager,
-            "hf_cb_page_size": cb_config.page_size,
+            "hf_cb_page_size": hf_cb_page_size(cb_config),
             "hf_cb_num_blocks": cb_config.num_blocks,
         },
         "source": source,
