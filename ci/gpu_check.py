@@ -359,8 +359,16 @@ def read_steps(log_dir: Path) -> list[StepResult]:
     return [recorded.get(n, StepResult(n, None, None, "", None)) for n in STEPS]
 
 
+E2E_PROGRESS_PREFIX = "bench_e2e progress: "  # perf.bench_e2e.PROGRESS_PREFIX (stdlib only here)
+E2E_GOAL = 3.0  # issue 6: paged-serve at least 3x the better HF figure on a GPU
+
+
 def e2e_report(path: Path) -> dict[str, Any] | None:
-    """The JSON object ``perf.bench_e2e`` prints (from ``{`` to ``}`` on lines of their own)."""
+    """The JSON object ``perf.bench_e2e`` prints (from ``{`` to ``}`` on lines of their own).
+
+    A run stopped before its end printed no report: then the systems it finished are rebuilt
+    from its progress lines (the last line of each system wins), with ``"partial": true``.
+    """
     if not path.is_file():
         return None
     lines = path.read_text(errors="replace").splitlines()
@@ -369,7 +377,36 @@ def e2e_report(path: Path) -> dict[str, Any] | None:
         end = lines.index("}", start)
         return json.loads("\n".join(lines[start : end + 1]))
     except ValueError:
+        pass
+    systems: dict[str, Any] = {}
+    for line in lines:
+        if line.startswith(E2E_PROGRESS_PREFIX):
+            try:
+                summary = json.loads(line[len(E2E_PROGRESS_PREFIX) :])
+            except ValueError:
+                continue
+            systems[summary.get("name", "?")] = summary
+    if not systems:
         return None
+    paged = (systems.get("paged_serve") or {}).get("output_tokens_per_s")
+    ratios = {
+        f"paged_serve/{name}": paged / r["output_tokens_per_s"]
+        for name, r in systems.items()
+        if paged and name != "paged_serve" and r.get("output_tokens_per_s")
+    }
+    hf = [r.get("output_tokens_per_s") for n, r in systems.items() if n.startswith("hf_")]
+    best_hf = max((x for x in hf if x), default=None)
+    over = paged / best_hf if paged and best_hf else None
+    return {
+        "partial": True,
+        "systems": systems,
+        "ratios": ratios,
+        "target": {
+            "paged_over_best_hf": over,
+            "goal": E2E_GOAL,
+            "met": bool(over) and over >= E2E_GOAL,
+        },
+    }
 
 
 def _fmt(value: Any, unit: str = "") -> str:
@@ -436,6 +473,8 @@ def summary_lines(log_dir: Path, *, dry_run: bool, e2e_workload: str) -> list[st
     if e2e is None:
         out.append("  e2e: no results" + ("" if dry_run else " (no JSON in e2e.out)"))
     else:
+        if e2e.get("partial"):
+            out.append("  e2e: PARTIAL, stopped before its report: the systems it finished")
         for name, r in e2e.get("systems", {}).items():
             rate = r.get("output_tokens_per_s")
             err = f"  ERROR {r['error'][:80]}" if r.get("error") else ""

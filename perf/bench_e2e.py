@@ -57,6 +57,7 @@ from engine.sampling_params import SamplingParams
 from perf.model_shapes import MODEL_SHAPES, random_weight_model
 
 HF_SYSTEMS = ("hf_static", "hf_cb", "hf_generate_batch")
+PROGRESS_PREFIX = "bench_e2e progress: "  # then one system's summary as JSON, on one line
 
 
 @dataclass(frozen=True, slots=True)
@@ -556,6 +557,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             load = {"before": before, "after": _load_average()}
             results[name] = _keep_fastest(results.get(name), result, load)
             _release_memory(device)
+            # One line per finished run, so a run stopped at a deadline still leaves figures.
+            print(PROGRESS_PREFIX + json.dumps(results[name].summary()), flush=True)
 
     # Agreement: against the padded HF batch, and against HF generate on single requests.
     checks: dict[str, Any] = {}

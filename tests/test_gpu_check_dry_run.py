@@ -156,3 +156,21 @@ def test_summary_reads_results(helper, tmp_path):
     assert "token match vs hf_static 0.97" in text
     assert lines[-2].startswith("overall   FAIL")
     assert not helper.overall_ok(tmp_path)
+
+
+def test_a_stopped_e2e_run_still_reports_the_systems_it_finished(helper, tmp_path):
+    from perf.bench_e2e import PROGRESS_PREFIX
+
+    assert PROGRESS_PREFIX == helper.E2E_PROGRESS_PREFIX
+    progress = [
+        {"name": "paged_serve", "output_tokens_per_s": 900.0, "error": None},
+        {"name": "paged_serve_eager", "output_tokens_per_s": 600.0, "error": None},
+        {"name": "hf_static", "output_tokens_per_s": 250.0, "error": None},
+    ]
+    text = "starting\n" + "".join(PROGRESS_PREFIX + json.dumps(p) + "\n" for p in progress)
+    (tmp_path / "e2e.out").write_text(text + "Traceback: killed at the deadline\n")
+    lines = helper.summary_lines(tmp_path, dry_run=False, e2e_workload="tiny")
+    out = "\n".join(lines)
+    assert "e2e: PARTIAL" in out
+    assert "paged_serve/paged_serve_eager" in out and "1.50x" in out
+    assert "e2e paged_serve / best HF 3.60x (goal 3.0x: met)" in out
