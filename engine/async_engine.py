@@ -55,6 +55,8 @@ class EngineSnapshot:
     num_preemptions: int
     prefix_query_tokens: int
     prefix_hit_tokens: int
+    num_steps: int
+    num_graph_steps: int
 
 
 class AsyncEngine:
@@ -189,6 +191,8 @@ class AsyncEngine:
             num_preemptions=e.scheduler.num_preemptions,
             prefix_query_tokens=e.scheduler.prefix_query_tokens,
             prefix_hit_tokens=e.scheduler.prefix_hit_tokens,
+            num_steps=e.num_steps,
+            num_graph_steps=e.num_graph_steps,
         )
 
     def check_integrity(self) -> None:

@@ -121,6 +121,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._tracked: dict[str, _Tracked] = {}
         self._next_id = 0
+        self.num_steps = 0  # steps that ran a batch through the model
 
     def _capture_decode_graphs(self, model: torch.nn.Module) -> None:
         """On CUDA with the triton backend, capture decode graphs unless ``enforce_eager``.
@@ -263,6 +264,12 @@ class LLMEngine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    @property
+    def num_graph_steps(self) -> int:
+        """Steps that replayed a captured decode graph (0 when none were captured)."""
+        graphs = self.runner.graphs
+        return 0 if graphs is None else sum(graphs.replays.values())
+
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for every request that produced a token or ended."""
@@ -272,6 +279,7 @@ class LLMEngine:
         bm = self.block_manager
         tables = [bm.block_table(s.request.request_id) for s in batch.requests]
         result = self.runner.execute(batch, tables)
+        self.num_steps += 1
         for sched in batch.requests:
             req = sched.request
             req.num_computed_tokens = sched.end

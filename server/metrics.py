@@ -63,6 +63,12 @@ def render(engine: AsyncEngine) -> str:
             snap.prefix_query_tokens,
         ),
         ("preemptions_total", "Requests preempted to free KV blocks.", snap.num_preemptions),
+        ("steps_total", "Engine steps (batches run through the model).", snap.num_steps),
+        (
+            "decode_graph_steps_total",
+            "Engine steps that replayed a captured decode CUDA graph.",
+            snap.num_graph_steps,
+        ),
         ("generation_tokens_total", "Tokens generated.", stats.generation_tokens_total),
         ("prompt_tokens_total", "Prompt tokens received.", stats.prompt_tokens_total),
     ]

@@ -68,6 +68,8 @@ def test_greedy_equals_hf_through_padded_buckets(tiny_family):
     assert [r.token_ids for r in got] == want
     assert set(graphs.replays) >= {1, 2, 4, 8, 16}, graphs.replays  # every bucket served
     assert graphs.padded_rows > 0
+    engine = llm.engine
+    assert 0 < engine.num_graph_steps == sum(graphs.replays.values()) < engine.num_steps
     assert_pool_clean(llm.engine.block_manager)
 
 

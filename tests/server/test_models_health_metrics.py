@@ -19,6 +19,8 @@ COUNTERS = [
     "paged_serve_prefix_cache_hit_tokens_total",
     "paged_serve_prefix_cache_query_tokens_total",
     "paged_serve_preemptions_total",
+    "paged_serve_steps_total",
+    "paged_serve_decode_graph_steps_total",
     "paged_serve_generation_tokens_total",
     "paged_serve_prompt_tokens_total",
 ]
@@ -99,5 +101,9 @@ def test_metrics_count_a_request(base_url: str, client: openai.OpenAI, model_nam
     tpot = "paged_serve_time_per_output_token_seconds_count"
     assert after[tpot] - before[tpot] == 1
     assert after["paged_serve_kv_blocks_used"] == 0
+    steps = "paged_serve_steps_total"
+    assert after[steps] - before[steps] >= 4  # a prefill, then a decode step per later token
+    graph_steps = "paged_serve_decode_graph_steps_total"
+    assert after[graph_steps] == before[graph_steps] == 0  # no CUDA: every step is eager
     query = "paged_serve_prefix_cache_query_tokens_total"
     assert 0 < after[query] - before[query] <= out.usage.prompt_tokens
