@@ -119,6 +119,20 @@ def test_larger_batches_run_eagerly():
     assert_pool_clean(llm.engine.block_manager)
 
 
+def decode_step(seq_lens: list[int], tables: list[list[int]], block_size: int = 16) -> StepInputs:
+    """A decode-shaped step: each sequence's newest token, written into its own blocks."""
+    last = [n - 1 for n in seq_lens]
+    return StepInputs(
+        input_ids=[11 + i for i in range(len(seq_lens))],
+        positions=last,
+        slots=[t[p // block_size] * block_size + p % block_size for t, p in zip(tables, last)],
+        cu_seqlens=list(range(len(seq_lens) + 1)),
+        seq_lens=seq_lens,
+        block_tables=tables,
+        logit_rows=list(range(len(seq_lens))),
+    )
+
+
 def test_padding_rows_write_nothing_to_the_cache():
     """A replay of 3 rows in the 4 bucket changes exactly the 3 real slots of every layer."""
     model = tiny_model("qwen3", seed=9)
@@ -127,55 +141,38 @@ def test_padding_rows_write_nothing_to_the_cache():
     cache = llm.engine.kv_cache
     cache.tensor.normal_()
     before = cache.tensor.clone()
-    bs = cache.block_size
-    tables = [[5], [0, 7], [3, 2, 1]]
-    seq_lens = [4, 20, 40]
-    slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, seq_lens)]
-    inputs = StepInputs(
-        input_ids=[11, 12, 13],
-        positions=[n - 1 for n in seq_lens],
-        slots=slots,
-        cu_seqlens=[0, 1, 2, 3],
-        seq_lens=seq_lens,
-        block_tables=tables,
-        logit_rows=[0, 1, 2],
-    )
+    step = decode_step([4, 20, 40], [[5], [0, 7], [3, 2, 1]], cache.block_size)
     with torch.inference_mode():
-        logits = graphs.run(inputs)
+        logits = graphs.run(step)
     assert logits.shape == (3, model.config.vocab_size)
     assert graphs.replays == {4: 1} and graphs.padded_rows == 1
     flat_before = before.flatten(2, 3)  # [layers, 2, slots, Hkv, D]
     changed = (cache.tensor.flatten(2, 3) != flat_before).any(dim=(0, 1, 3, 4))
-    assert changed.nonzero().flatten().tolist() == sorted(slots)
+    assert changed.nonzero().flatten().tolist() == sorted(step.slots)
 
 
 def test_run_rejects_what_it_cannot_hold():
     model = tiny_model("qwen3", seed=9)
     llm = LLM(loaded=loaded(model), kv_cache_memory=1 << 20, max_model_len=64)
     graphs = with_graphs(llm, max_batch_size=2)
-    one = dict(cu_seqlens=[0, 1], seq_lens=[5], logit_rows=[0], input_ids=[1], positions=[4])
-    with pytest.raises(ValueError, match="exceeds"):
-        graphs.run(StepInputs(slots=[4], block_tables=[[0] * 5], **one))
-    with pytest.raises(ValueError, match="one token per sequence"):
-        graphs.run(
-            StepInputs(
-                input_ids=[1, 2],
-                positions=[3, 4],
-                slots=[3, 4],
-                cu_seqlens=[0, 2],
-                seq_lens=[5],
-                block_tables=[[0]],
-                logit_rows=[1],
-            )
-        )
-    three = dict(cu_seqlens=[0, 1, 2, 3], seq_lens=[1, 1, 1], logit_rows=[0, 1, 2])
+    assert graphs.table_width == 4
+    with pytest.raises(ValueError, match="a block table of 5 blocks exceeds the graphs' 4"):
+        graphs.run(decode_step([5], [[0] * 5]))
     with pytest.raises(ValueError, match="no decode graph holds a batch of 3"):
-        graphs.run(
-            StepInputs(
-                input_ids=[1, 2, 3], positions=[0, 0, 0], slots=[0, 16, 32],
-                block_tables=[[0], [1], [2]], **three,
-            )
-        )  # fmt: skip
+        graphs.run(decode_step([1, 1, 1], [[0], [1], [2]]))
+    two_tokens = StepInputs(
+        input_ids=[1, 2],
+        positions=[3, 4],
+        slots=[3, 4],
+        cu_seqlens=[0, 2],
+        seq_lens=[5],
+        block_tables=[[0]],
+        logit_rows=[1],
+    )
+    assert not graphs.holds(two_tokens)
+    with pytest.raises(ValueError, match="one token per sequence"):
+        graphs.run(two_tokens)
+    assert graphs.replays == {}
 
 
 def test_triton_kernels_in_the_graph_path():
