@@ -18,6 +18,7 @@ from engine.attention_context import AttentionContext, attention_context
 from engine.decode_graphs import DecodeGraphs, GraphCapture
 from engine.host_tensors import to_device
 from engine.kv_cache import KVCache
+from engine.penalties import apply_penalties
 from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import ScheduledBatch
@@ -167,7 +168,10 @@ class ModelRunner:
         if logits is None:
             return LaunchedStep([], None, None, None)
         logits = logits.float()  # [num_sampled, V]
-        tokens, logprobs = self.sampler(logits, self.sampling_batch(rows))
+        penalised = apply_penalties(logits, rows)
+        tokens, logprobs = self.sampler(penalised, self.sampling_batch(rows))
+        if penalised is not logits:  # report the model's own logprobs, before penalties
+            logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
         k = max((r.params.logprobs or 0) for r in rows)
         top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1) if k > 0 else None
         return LaunchedStep([r.request_id for r in rows], tokens, logprobs, top)

@@ -11,6 +11,7 @@ MAX_N = 128
 # no token is kept): such requests mean "the most likely token", as in vLLM.
 MIN_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-6
+MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty|, OpenAI's range
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,10 @@ class SamplingParams:
     n: how many independent samples share the prompt (forked after one prefill; sample i uses
     seed + i when a seed is given).
     logprobs: how many top alternatives to report per token (None: no logprobs at all).
+    presence_penalty / frequency_penalty (OpenAI's, in [-2, 2]): subtracted from the logit of
+    every token already generated, once / once per occurrence. repetition_penalty (> 0, 1 = off;
+    Hugging Face's and vLLM's): divides positive and multiplies negative logits of every token in
+    the prompt or the output. See ``engine/penalties.py``.
     """
 
     max_tokens: int = 16
@@ -37,6 +42,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +75,23 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or abs(value) > MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
+            )
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any penalty changes the logits."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:

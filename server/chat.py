@@ -45,6 +45,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         stop=body.stop_strings,
         ignore_eos=body.ignore_eos,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
     )
     jobs = [Job(0, prompt_ids, params)]
     reply = _Reply(state, body, f"chatcmpl-{uuid.uuid4().hex}", len(prompt_ids))

@@ -42,6 +42,9 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         stop=body.stop_strings,
         ignore_eos=body.ignore_eos,
         logprobs=body.logprobs,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
     )
     n = body.n
     jobs = [Job(p * n, ids, params) for p, ids in enumerate(prompt_ids)]

@@ -30,6 +30,7 @@ NumChoices = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
 # sample i of n runs with seed + i, which must stay a signed 64-bit integer
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - MAX_N)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0)]
 
 T = TypeVar("T")
 
@@ -99,6 +100,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # vLLM extras
     top_k: TopK | None = None
     min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: bool | None = False
 
     def __post_init__(self) -> None:
@@ -127,9 +129,6 @@ class SamplingFields(msgspec.Struct, kw_only=True):
             raise bad_request(f"at most {MAX_STOP} stop sequences are allowed", "stop")
         if any(s == "" for s in stops):
             raise bad_request("stop sequences must be non-empty strings", "stop")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise bad_request(f"{name} is not supported by this server", name)
         if self.logit_bias:
             raise bad_request("logit_bias is not supported by this server", "logit_bias")
 

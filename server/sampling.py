@@ -49,6 +49,9 @@ def build_params(
     stop: tuple[str, ...] = (),
     ignore_eos: bool = False,
     logprobs: int | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
 ) -> SamplingParams:
     """SamplingParams with OpenAI's defaults (temperature 1, top_p 1); ValueError -> 400."""
     try:
@@ -63,6 +66,9 @@ def build_params(
             stop=stop,
             ignore_eos=ignore_eos,
             logprobs=logprobs,
+            presence_penalty=presence_penalty or 0.0,
+            frequency_penalty=frequency_penalty or 0.0,
+            repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
         )
     except ValueError as exc:
         # SamplingParams' messages start with the field name ("top_p must be ...").

@@ -53,8 +53,9 @@ def fail_on_sync(launch: Callable[..., LaunchedStep]) -> Callable[..., LaunchedS
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_cuda_step_syncs_only_to_read_the_sampled_ids(enforce_eager, monkeypatch):
-    """Prefill, mixed and decode steps (graphs or eager), copy-on-write for n=2, the sampling
-    kernel and top logprobs all run under sync debug mode "error"; only ``read()`` syncs."""
+    """Prefill, mixed and decode steps (graphs or eager), copy-on-write for n=2, penalties, the
+    sampling kernel and top logprobs all run under sync debug mode "error"; only ``read()``
+    syncs."""
     wrapped = loaded(tiny_model("qwen3", seed=3))
     wrapped.model.to("cuda")
     llm = LLM(
@@ -73,7 +74,15 @@ def test_cuda_step_syncs_only_to_read_the_sampled_ids(enforce_eager, monkeypatch
     sampled = llm.generate(
         prompts,
         SamplingParams(
-            max_tokens=4, temperature=0.8, top_k=20, seed=1, n=2, logprobs=2, ignore_eos=True
+            max_tokens=4,
+            temperature=0.8,
+            top_k=20,
+            seed=1,
+            n=2,
+            logprobs=2,
+            frequency_penalty=0.5,
+            repetition_penalty=1.2,
+            ignore_eos=True,
         ),
     )
     assert [len(r.token_ids) for r in greedy + sampled] == [4] * 9

@@ -173,3 +173,24 @@ def test_sse_framing(base_url: str, model_name: str):
         assert chunk["choices"][0]["finish_reason"] is None
     Completion.model_validate(chunks[-1])
     assert "usage" not in json.loads(frames[0][1])  # only with include_usage
+
+
+def test_penalties_reach_the_engine(client: openai.OpenAI, model_name: str):
+    """A prompt the model would keep repeating: the penalties change the greedy continuation,
+    and the penalised text repeats fewer tokens."""
+    prompt = "one one one one one one one one"
+    kw = dict(max_tokens=12, extra_body={"ignore_eos": True}, logprobs=0)
+    plain = greedy(client, model_name, prompt, **kw)
+    penalised = greedy(
+        client,
+        model_name,
+        prompt,
+        frequency_penalty=1.0,
+        presence_penalty=1.0,
+        **{**kw, "extra_body": {"ignore_eos": True, "repetition_penalty": 1.3}},
+    )
+    Completion.model_validate(penalised.model_dump())
+    plain_tokens = plain.choices[0].logprobs.tokens
+    penalised_tokens = penalised.choices[0].logprobs.tokens
+    assert penalised_tokens != plain_tokens
+    assert len(set(penalised_tokens)) > len(set(plain_tokens))

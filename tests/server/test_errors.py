@@ -82,7 +82,9 @@ def test_wrong_types_and_shapes(post, path, body, param):
         ("completions", {"prompt": "x", "stop": [""]}, "stop"),
         ("completions", {"prompt": "x", "echo": True, "logprobs": 1}, "logprobs"),
         ("completions", {"prompt": [10**9]}, "prompt"),
-        ("completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ("completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        ("completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+        ("chat/completions", {"messages": CHAT, "repetition_penalty": 0}, "repetition_penalty"),
         (
             "chat/completions",
             {"messages": CHAT, "top_logprobs": 21, "logprobs": True},
