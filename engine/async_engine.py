@@ -102,6 +102,10 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
     def block_size(self) -> int:
         """Tokens per KV block (the cache holds ``snapshot().kv_blocks_total`` of them)."""
         return self.engine.block_manager.block_size

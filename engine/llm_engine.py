@@ -197,6 +197,11 @@ class LLMEngine:
                 f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
                 f"length of {self.max_model_len} tokens"
             )
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"logit_bias token {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
         need = self.block_manager.blocks_for(n + params.max_tokens)
         if need > self.block_manager.num_blocks:
             raise ValueError(

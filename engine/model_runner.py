@@ -18,7 +18,7 @@ from engine.attention_context import AttentionContext, attention_context
 from engine.decode_graphs import DecodeGraphs, GraphCapture
 from engine.host_tensors import to_device
 from engine.kv_cache import KVCache
-from engine.penalties import apply_penalties
+from engine.logit_adjustments import adjust_logits
 from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import ScheduledBatch
@@ -168,9 +168,9 @@ class ModelRunner:
         if logits is None:
             return LaunchedStep([], None, None, None)
         logits = logits.float()  # [num_sampled, V]
-        penalised = apply_penalties(logits, rows)
-        tokens, logprobs = self.sampler(penalised, self.sampling_batch(rows))
-        if penalised is not logits:  # report the model's own logprobs, before penalties
+        adjusted = adjust_logits(logits, rows)
+        tokens, logprobs = self.sampler(adjusted, self.sampling_batch(rows))
+        if adjusted is not logits:  # report the model's own logprobs, before bias and penalties
             logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
         k = max((r.params.logprobs or 0) for r in rows)
         top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1) if k > 0 else None

@@ -12,6 +12,7 @@ MAX_N = 128
 MIN_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-6
 MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty|, OpenAI's range
+MAX_LOGIT_BIAS = 100.0  # |bias| per token, OpenAI's range
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +28,8 @@ class SamplingParams:
     presence_penalty / frequency_penalty (OpenAI's, in [-2, 2]): subtracted from the logit of
     every token already generated, once / once per occurrence. repetition_penalty (> 0, 1 = off;
     Hugging Face's and vLLM's): divides positive and multiplies negative logits of every token in
-    the prompt or the output. See ``engine/penalties.py``.
+    the prompt or the output. logit_bias: (token id, bias in [-100, 100]) pairs added to those
+    tokens' logits (a dict is accepted). See ``engine/logit_adjustments.py``.
     """
 
     max_tokens: int = 16
@@ -45,12 +47,19 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias
+        object.__setattr__(
+            self,
+            "logit_bias",
+            tuple(tuple(p) for p in (bias.items() if isinstance(bias, dict) else bias)),
+        )
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
@@ -79,6 +88,24 @@ class SamplingParams:
             value = getattr(self, name)
             if not math.isfinite(value) or abs(value) > MAX_PENALTY:
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}")
+        for token, value in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or abs(value) > MAX_LOGIT_BIAS
+            ):
+                raise ValueError(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {value} for token {token}"
+                )
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias has a token id twice")
+        object.__setattr__(
+            self, "logit_bias", tuple(sorted((t, float(b)) for t, b in self.logit_bias))
+        )
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise ValueError(
                 f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"

@@ -48,6 +48,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
+        logit_bias=body.logit_bias_pairs(state.engine.vocab_size),
     )
     jobs = [Job(0, prompt_ids, params)]
     reply = _Reply(state, body, f"chatcmpl-{uuid.uuid4().hex}", len(prompt_ids))

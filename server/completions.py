@@ -45,6 +45,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
+        logit_bias=body.logit_bias_pairs(state.engine.vocab_size),
     )
     n = body.n
     jobs = [Job(p * n, ids, params) for p, ids in enumerate(prompt_ids)]

@@ -13,7 +13,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from engine.sampling_params import MAX_N
+from engine.sampling_params import MAX_LOGIT_BIAS, MAX_N
 from server.errors import bad_request, from_decode_error
 
 MAX_STOP = 4
@@ -129,8 +129,26 @@ class SamplingFields(msgspec.Struct, kw_only=True):
             raise bad_request(f"at most {MAX_STOP} stop sequences are allowed", "stop")
         if any(s == "" for s in stops):
             raise bad_request("stop sequences must be non-empty strings", "stop")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by this server", "logit_bias")
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdecimal():
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise bad_request(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {value} for token {key}",
+                    "logit_bias",
+                )
+
+    def logit_bias_pairs(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs; a token outside the vocabulary is a 400."""
+        pairs = tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
+        for token, _ in pairs:
+            if token >= vocab_size:
+                raise bad_request(
+                    f"logit_bias token {token} is outside the vocabulary [0, {vocab_size})",
+                    "logit_bias",
+                )
+        return pairs
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

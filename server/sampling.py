@@ -52,6 +52,7 @@ def build_params(
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
     repetition_penalty: float | None = None,
+    logit_bias: tuple[tuple[int, float], ...] = (),
 ) -> SamplingParams:
     """SamplingParams with OpenAI's defaults (temperature 1, top_p 1); ValueError -> 400."""
     try:
@@ -69,6 +70,7 @@ def build_params(
             presence_penalty=presence_penalty or 0.0,
             frequency_penalty=frequency_penalty or 0.0,
             repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+            logit_bias=logit_bias,
         )
     except ValueError as exc:
         # SamplingParams' messages start with the field name ("top_p must be ...").

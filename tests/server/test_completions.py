@@ -194,3 +194,16 @@ def test_penalties_reach_the_engine(client: openai.OpenAI, model_name: str):
     penalised_tokens = penalised.choices[0].logprobs.tokens
     assert penalised_tokens != plain_tokens
     assert len(set(penalised_tokens)) > len(set(plain_tokens))
+
+
+def test_logit_bias_forces_a_token(client: openai.OpenAI, model_name: str, engine: AsyncEngine):
+    token = engine.tokenize(" Paris")[-1]
+    out = greedy(
+        client,
+        model_name,
+        OTHER,
+        max_tokens=4,
+        logit_bias={str(token): 100},
+        extra_body={"ignore_eos": True},
+    )
+    assert out.choices[0].text == engine.engine.tokenizer.decode([token] * 4)

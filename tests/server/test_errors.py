@@ -85,6 +85,10 @@ def test_wrong_types_and_shapes(post, path, body, param):
         ("completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
         ("completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
         ("chat/completions", {"messages": CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+        ("completions", {"prompt": "x", "logit_bias": {"x1": 1}}, "logit_bias"),
+        ("completions", {"prompt": "x", "logit_bias": {"5": 100.5}}, "logit_bias"),
+        ("chat/completions", {"messages": CHAT, "logit_bias": {"999999": 1}}, "logit_bias"),
+        ("completions", {"prompt": "x", "logit_bias": {"5": 1, "05": 2}}, "logit_bias"),
         (
             "chat/completions",
             {"messages": CHAT, "top_logprobs": 21, "logprobs": True},

@@ -1,6 +1,6 @@
-"""Repetition, frequency and presence penalties: the rule against a per-token loop, greedy
-tokens against Hugging Face ``generate(repetition_penalty=...)`` and against a step-by-step
-full-forward oracle, raw logprobs, and validation."""
+"""Logit bias and the repetition, frequency and presence penalties: the rule against a
+per-token loop, greedy tokens against Hugging Face ``generate(repetition_penalty=...)`` and
+against a step-by-step full-forward oracle, raw logprobs, and validation."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 from transformers import GenerationConfig
 
 from engine import LLM, SamplingParams
-from engine.penalties import penalize
+from engine.logit_adjustments import adjust_logits, penalize
+from engine.request import Request
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts, tiny_model
 
 PROMPTS = random_prompts([3, 12, 30, 17], seed=21)
@@ -76,10 +77,12 @@ def hf_repetition_greedy(
 def oracle_greedy(
     model, prompt: list[int], max_new_tokens: int, params: SamplingParams
 ) -> list[int]:
-    """Full forward over prompt + outputs at every step, the loop rule, argmax."""
+    """Full forward over prompt + outputs at every step, bias, the loop rule, argmax."""
     output: list[int] = []
     for _ in range(max_new_tokens):
         logits = model(torch.tensor([prompt + output])).logits[0, -1:].float()
+        for token, bias in params.logit_bias:
+            logits[0, token] += bias
         scores = penalize_loop(
             logits,
             [prompt],
@@ -169,3 +172,64 @@ def test_logprobs_are_the_models_own():
 def test_bad_penalties_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_logit_bias_then_penalties_equal_the_oracle():
+    """Bias alone, and bias with penalties (the order matters: bias first, as in vLLM)."""
+    model = tiny_model("llama", seed=12)
+    plain = hf_greedy(model, PROMPTS[2], 10)
+    bias = {plain[0]: -8.0, 7: 3.5, 100: 2.0}
+    cases = [
+        SamplingParams(max_tokens=10, temperature=0.0, logit_bias=bias, ignore_eos=True),
+        SamplingParams(
+            max_tokens=10,
+            temperature=0.0,
+            logit_bias=bias,
+            repetition_penalty=1.5,
+            presence_penalty=0.5,
+            ignore_eos=True,
+        ),
+    ]
+    want = [oracle_greedy(model, PROMPTS[2], 10, s) for s in cases]
+    assert want[0][0] != plain[0]  # the bias changed the first choice
+    llm = LLM(loaded=loaded(model), kv_cache_memory=4 << 20)
+    assert [r.token_ids for r in llm.generate([PROMPTS[2]] * 2, cases)] == want
+    forced = SamplingParams(max_tokens=5, temperature=0.7, seed=3, logit_bias={42: 100})
+    assert llm.generate([PROMPTS[0]], forced)[0].token_ids == [42] * 5
+    assert_pool_clean(llm.engine.block_manager)
+
+
+@pytest.mark.parametrize(
+    ("bias", "message"),
+    [
+        ({"7": 1.0}, "logit_bias keys must be token ids"),
+        ({7: 100.5}, "logit_bias values must be in"),
+        ({-1: 1.0}, "logit_bias keys must be token ids"),
+        ([(3, 1.0), (3, 2.0)], "logit_bias has a token id twice"),
+    ],
+)
+def test_bad_logit_bias_is_refused(bias, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused():
+    llm = LLM(loaded=loaded(tiny_model("llama")), kv_cache_memory=1 << 20)
+    vocab = llm.engine.vocab_size
+    with pytest.raises(ValueError, match=f"logit_bias token {vocab} is outside"):
+        llm.engine.add_request([1, 2], SamplingParams(logit_bias={vocab: 1.0}))
+    assert not llm.engine.has_unfinished
+    assert_pool_clean(llm.engine.block_manager)
+
+
+def test_bias_comes_before_the_penalties_and_untouched_rows_stay():
+    """Token 3 is in the prompt with logit 1: bias +2 then repetition 2 gives (1 + 2) / 2 = 1.5
+    (the other order would give 1 / 2 + 2 = 2.5); the row asking for nothing is the same row."""
+    logits = torch.zeros(2, 8)
+    logits[:, 3] = 1.0
+    asks = SamplingParams(logit_bias={3: 2.0, 5: -1.0}, repetition_penalty=2.0)
+    rows = [Request("a", [3, 4], asks, seed=0), Request("b", [3, 4], SamplingParams(), seed=0)]
+    out = adjust_logits(logits, rows)
+    assert out[0].tolist() == [0.0, 0.0, 0.0, 1.5, 0.0, -1.0, 0.0, 0.0]  # token 4: 0 * 2 = 0
+    assert torch.equal(out[1], logits[1])
+    assert adjust_logits(logits, [rows[1], rows[1]]) is logits  # nothing asked: no copy
