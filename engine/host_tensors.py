@@ -18,5 +18,11 @@ def host_tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.T
 
 def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``data`` as a tensor on ``device``, copied without blocking the host."""
-    t = host_tensor(data, dtype, device)
-    return t.to(device, non_blocking=True) if device.type == "cuda" else t
+    return cpu_to_device(host_tensor(data, dtype, device), device)
+
+
+def cpu_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on ``device``: through pinned memory, without blocking, when that is CUDA."""
+    if device.type != "cuda":
+        return t
+    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)

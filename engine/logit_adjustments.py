@@ -16,38 +16,20 @@ the result. The logprobs a request reports stay the model's own, as vLLM's do by
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import chain
 
 import torch
 
-from engine.host_tensors import to_device
+from engine.host_tensors import cpu_to_device, to_device
 from engine.request import Request
 
 
-def _scatter_rows(
-    token_lists: Sequence[Sequence[int]],
-    value_lists: Sequence[Sequence[float]],
-    vocab_size: int,
-    device: torch.device,
-) -> torch.Tensor:
-    """``[R, V]`` fp32: row ``i`` holds the sum of ``value_lists[i]`` at ``token_lists[i]``.
-
-    A ``scatter_add`` over rows padded to the longest list (padding adds 0 to token 0): unlike
-    an accumulating ``index_put``, it never reads anything back to the host.
-    """
-    width = max(1, max((len(t) for t in token_lists), default=0))
-    ids = [list(t) + [0] * (width - len(t)) for t in token_lists]
-    values = [list(v) + [0.0] * (width - len(v)) for v in value_lists]
-    out = torch.zeros(len(token_lists), vocab_size, device=device)
-    return out.scatter_add_(
-        1, to_device(ids, torch.long, device), to_device(values, torch.float32, device)
-    )
-
-
-def _counts(
-    token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device
-) -> torch.Tensor:
-    """``[R, V]`` fp32 occurrence counts of each row's tokens (exact: integers in fp32)."""
-    return _scatter_rows(token_lists, [[1.0] * len(t) for t in token_lists], vocab_size, device)
+def _flat_index(token_lists: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
+    """CPU int64 ``row * V + token`` for every token of every row, built in C loops."""
+    lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
+    tokens = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long)
+    return rows * vocab_size + tokens
 
 
 def penalize(
@@ -59,17 +41,30 @@ def penalize(
     frequency: Sequence[float],
     presence: Sequence[float],
 ) -> torch.Tensor:
-    """The penalised copy of ``logits`` ``[R, V]`` fp32 (one row per entry of each list)."""
+    """The penalised copy of ``logits`` ``[R, V]`` fp32 (one row per entry of each list).
+
+    Sparse: only the (row, token) entries a row has seen are read or written. Their indices
+    are found on the host (``torch.unique`` over ``row * V + token``) and sent once, so the
+    cost grows with the tokens, not with ``R * V``, and nothing is read back from the device.
+    """
     vocab_size = logits.shape[1]
     device = logits.device
-    out_counts = _counts(output_ids, vocab_size, device)
-    seen = (_counts(prompt_ids, vocab_size, device) + out_counts) > 0
-    column = to_device(list(repetition), logits.dtype, device)[:, None]
-    factor = torch.where(seen, column, torch.ones_like(logits))
-    penalised = torch.where(logits > 0, logits / factor, logits * factor)
-    penalised -= to_device(list(frequency), logits.dtype, device)[:, None] * out_counts
-    penalised -= to_device(list(presence), logits.dtype, device)[:, None] * (out_counts > 0)
-    return penalised
+    flat = logits.flatten().clone()
+    outputs = _flat_index(output_ids, vocab_size)
+    seen = torch.unique(torch.cat([_flat_index(prompt_ids, vocab_size), outputs]))
+    if seen.numel():
+        r = cpu_to_device(torch.tensor(repetition, dtype=torch.float32)[seen // vocab_size], device)
+        index = cpu_to_device(seen, device)
+        x = flat[index]
+        flat[index] = torch.where(x > 0, x / r, x * r)
+    out_index, counts = torch.unique(outputs, return_counts=True)
+    if out_index.numel():
+        rows = out_index // vocab_size
+        frequency_t = torch.tensor(frequency, dtype=torch.float32)
+        presence_t = torch.tensor(presence, dtype=torch.float32)
+        delta = frequency_t[rows] * counts + presence_t[rows]
+        flat.index_add_(0, cpu_to_device(out_index, device), cpu_to_device(-delta, device))
+    return flat.view_as(logits)
 
 
 RowsFn = Callable[[torch.Tensor, list[int]], torch.Tensor]  # (selected rows, their indices)
@@ -90,13 +85,12 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[Request]) -> torch.Ten
 
     def add_bias(selected: torch.Tensor, indices: list[int]) -> torch.Tensor:
         pairs = [rows[i].params.logit_bias for i in indices]
-        bias = _scatter_rows(
-            [[t for t, _ in p] for p in pairs],
-            [[b for _, b in p] for p in pairs],
-            selected.shape[1],
-            selected.device,
+        index = _flat_index([[t for t, _ in p] for p in pairs], selected.shape[1])
+        bias = torch.tensor([b for p in pairs for _, b in p], dtype=torch.float32)
+        flat = selected.flatten().index_add(
+            0, cpu_to_device(index, selected.device), cpu_to_device(bias, selected.device)
         )
-        return selected + bias
+        return flat.view_as(selected)
 
     return _rows(logits, wanted, add_bias)
 
