@@ -75,8 +75,13 @@ def loaded(model: PreTrainedModel, name: str = "tiny") -> LoadedModel:
 
 
 @torch.inference_mode()
-def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Hugging Face ``generate`` greedy tokens for one prompt, alone, no EOS stop."""
+def hf_greedy(
+    model: PreTrainedModel, prompt: list[int], max_new_tokens: int, **generation: float
+) -> list[int]:
+    """Hugging Face ``generate`` greedy tokens for one prompt, alone, no EOS stop.
+
+    ``generation``: more ``GenerationConfig`` fields, e.g. ``repetition_penalty=1.8``.
+    """
     ids = torch.tensor([prompt])
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -84,6 +89,7 @@ def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int) ->
         do_sample=False,
         eos_token_id=None,
         pad_token_id=0,
+        **generation,
     )
     out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     return out[0, len(prompt) :].tolist()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GenerationConfig
 
 from engine import LLM, SamplingParams
 from engine.logit_adjustments import adjust_logits, penalize
@@ -57,23 +56,6 @@ def test_penalize_matches_the_per_token_rule():
 
 
 @torch.inference_mode()
-def hf_repetition_greedy(
-    model, prompt: list[int], max_new_tokens: int, penalty: float
-) -> list[int]:
-    ids = torch.tensor([prompt])
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=0,
-        do_sample=False,
-        repetition_penalty=penalty,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return out[0, len(prompt) :].tolist()
-
-
-@torch.inference_mode()
 def oracle_greedy(
     model, prompt: list[int], max_new_tokens: int, params: SamplingParams
 ) -> list[int]:
@@ -105,7 +87,7 @@ def test_repetition_penalty_equals_hf_generate(family):
     plain = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     params = [penalised, plain, penalised, plain]
     want = [
-        hf_repetition_greedy(model, p, MAX_TOKENS, 1.8)
+        hf_greedy(model, p, MAX_TOKENS, repetition_penalty=1.8)
         if s is penalised
         else hf_greedy(model, p, MAX_TOKENS)
         for p, s in zip(PROMPTS, params)
