@@ -49,6 +49,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
         logit_bias=body.logit_bias_pairs(state.engine.vocab_size),
+        stop_token_ids=body.stop_ids(state.engine.vocab_size),
+        skip_special_tokens=body.skip_special_tokens,
     )
     jobs = [Job(0, prompt_ids, params)]
     reply = _Reply(state, body, f"chatcmpl-{uuid.uuid4().hex}", len(prompt_ids))

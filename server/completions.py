@@ -46,6 +46,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
         logit_bias=body.logit_bias_pairs(state.engine.vocab_size),
+        stop_token_ids=body.stop_ids(state.engine.vocab_size),
+        skip_special_tokens=body.skip_special_tokens,
     )
     n = body.n
     jobs = [Job(p * n, ids, params) for p, ids in enumerate(prompt_ids)]

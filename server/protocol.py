@@ -9,6 +9,7 @@ Field names follow the OpenAI API reference (plus vLLM's ``top_k``, ``min_p`` an
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Annotated, Any, TypeVar
 
 import msgspec
@@ -31,6 +32,8 @@ NumChoices = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - MAX_N)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0)]
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+MAX_STOP_TOKEN_IDS = 64
 
 T = TypeVar("T")
 
@@ -101,12 +104,15 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     top_k: TopK | None = None
     min_p: MinP | None = None
     repetition_penalty: RepetitionPenalty | None = None
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: bool | None = True
     ignore_eos: bool | None = False
 
     def __post_init__(self) -> None:
         self.n = 1 if self.n is None else self.n
         self.stream = bool(self.stream)
         self.ignore_eos = bool(self.ignore_eos)
+        self.skip_special_tokens = self.skip_special_tokens is not False
 
     @property
     def include_usage(self) -> bool:
@@ -129,6 +135,10 @@ class SamplingFields(msgspec.Struct, kw_only=True):
             raise bad_request(f"at most {MAX_STOP} stop sequences are allowed", "stop")
         if any(s == "" for s in stops):
             raise bad_request("stop sequences must be non-empty strings", "stop")
+        if len(self.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+            raise bad_request(
+                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed", "stop_token_ids"
+            )
         for key, value in (self.logit_bias or {}).items():
             if not key.isdecimal():
                 raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
@@ -142,13 +152,22 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     def logit_bias_pairs(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as (token id, bias) pairs; a token outside the vocabulary is a 400."""
         pairs = tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
-        for token, _ in pairs:
-            if token >= vocab_size:
-                raise bad_request(
-                    f"logit_bias token {token} is outside the vocabulary [0, {vocab_size})",
-                    "logit_bias",
-                )
+        _check_in_vocabulary([t for t, _ in pairs], vocab_size, "logit_bias")
         return pairs
+
+    def stop_ids(self, vocab_size: int) -> tuple[int, ...]:
+        """``stop_token_ids``; a token outside the vocabulary is a 400."""
+        ids = tuple(self.stop_token_ids or ())
+        _check_in_vocabulary(ids, vocab_size, "stop_token_ids")
+        return ids
+
+
+def _check_in_vocabulary(ids: Sequence[int], vocab_size: int, param: str) -> None:
+    bad = [t for t in ids if t >= vocab_size]
+    if bad:
+        raise bad_request(
+            f"{param} token {bad[0]} is outside the vocabulary [0, {vocab_size})", param
+        )
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -53,6 +53,8 @@ def build_params(
     frequency_penalty: float | None = None,
     repetition_penalty: float | None = None,
     logit_bias: tuple[tuple[int, float], ...] = (),
+    stop_token_ids: tuple[int, ...] = (),
+    skip_special_tokens: bool = True,
 ) -> SamplingParams:
     """SamplingParams with OpenAI's defaults (temperature 1, top_p 1); ValueError -> 400."""
     try:
@@ -71,6 +73,8 @@ def build_params(
             frequency_penalty=frequency_penalty or 0.0,
             repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
             logit_bias=logit_bias,
+            stop_token_ids=stop_token_ids,
+            skip_special_tokens=skip_special_tokens,
         )
     except ValueError as exc:
         # SamplingParams' messages start with the field name ("top_p must be ...").

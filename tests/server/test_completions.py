@@ -207,3 +207,34 @@ def test_logit_bias_forces_a_token(client: openai.OpenAI, model_name: str, engin
         extra_body={"ignore_eos": True},
     )
     assert out.choices[0].text == engine.engine.tokenizer.decode([token] * 4)
+
+
+def test_stop_token_ids_and_special_tokens(
+    client: openai.OpenAI, model_name: str, engine: AsyncEngine
+):
+    """vLLM's extras: a forced token listed in stop_token_ids ends the choice at once; a forced
+    special token shows in the text only with skip_special_tokens false."""
+    tokenizer = engine.engine.tokenizer
+    word = engine.tokenize(" Paris")[-1]
+    stopped = greedy(
+        client,
+        model_name,
+        OTHER,
+        max_tokens=6,
+        logit_bias={str(word): 100},
+        extra_body={"stop_token_ids": [word]},
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == 1
+    special = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    kw = dict(max_tokens=2, logit_bias={str(special): 100})
+    hidden = greedy(client, model_name, OTHER, **kw, extra_body={"ignore_eos": True})
+    shown = greedy(
+        client,
+        model_name,
+        OTHER,
+        **kw,
+        extra_body={"ignore_eos": True, "skip_special_tokens": False},
+    )
+    assert hidden.choices[0].text == ""
+    assert shown.choices[0].text == "<|im_end|><|im_end|>"

@@ -89,6 +89,12 @@ def test_wrong_types_and_shapes(post, path, body, param):
         ("completions", {"prompt": "x", "logit_bias": {"5": 100.5}}, "logit_bias"),
         ("chat/completions", {"messages": CHAT, "logit_bias": {"999999": 1}}, "logit_bias"),
         ("completions", {"prompt": "x", "logit_bias": {"5": 1, "05": 2}}, "logit_bias"),
+        ("completions", {"prompt": "x", "stop_token_ids": [10**9]}, "stop_token_ids"),
+        (
+            "chat/completions",
+            {"messages": CHAT, "stop_token_ids": list(range(65))},
+            "stop_token_ids",
+        ),
         (
             "chat/completions",
             {"messages": CHAT, "top_logprobs": 21, "logprobs": True},
