@@ -19,7 +19,7 @@ from server.logprobs import chat_logprobs
 from server.prompts import chat_message, chat_prompt_ids
 from server.protocol import ChatCompletionRequest, decode
 from server.reply import ReplyEnvelope
-from server.sampling import build_params, output_limit
+from server.sampling import output_limit, request_params
 from server.sse import frame, respond
 from server.state import STATE, ServerState
 
@@ -34,23 +34,11 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     ]
     prompt_ids = chat_prompt_ids(state.engine, messages, "messages")
     max_tokens = output_limit(state.context_limit, len(prompt_ids), body.output_limit, "messages")
-    params = build_params(
+    params = request_params(
+        body,
+        state.engine.vocab_size,
         max_tokens=max_tokens,
-        n=body.n,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        seed=body.seed,
-        stop=body.stop_strings,
-        ignore_eos=body.ignore_eos,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
-        logit_bias=body.logit_bias_pairs(state.engine.vocab_size),
-        stop_token_ids=body.stop_ids(state.engine.vocab_size),
-        skip_special_tokens=body.skip_special_tokens,
     )
     jobs = [Job(0, prompt_ids, params)]
     reply = _Reply(state, body, f"chatcmpl-{uuid.uuid4().hex}", len(prompt_ids))

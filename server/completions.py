@@ -17,7 +17,7 @@ from server.logprobs import completion_logprobs
 from server.prompts import tokenize_prompt
 from server.protocol import CompletionRequest, decode
 from server.reply import ReplyEnvelope
-from server.sampling import build_params, output_limit
+from server.sampling import output_limit, request_params
 from server.sse import frame, respond
 from server.state import STATE, ServerState
 
@@ -31,23 +31,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     prompt_ids = [tokenize_prompt(state.engine, p, "prompt") for p in prompts]
     for ids in prompt_ids:
         output_limit(state.context_limit, len(ids), body.max_tokens, "prompt")
-    params = build_params(
-        max_tokens=body.max_tokens,
-        n=body.n,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        seed=body.seed,
-        stop=body.stop_strings,
-        ignore_eos=body.ignore_eos,
-        logprobs=body.logprobs,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
-        logit_bias=body.logit_bias_pairs(state.engine.vocab_size),
-        stop_token_ids=body.stop_ids(state.engine.vocab_size),
-        skip_special_tokens=body.skip_special_tokens,
+    params = request_params(
+        body, state.engine.vocab_size, max_tokens=body.max_tokens, logprobs=body.logprobs
     )
     n = body.n
     jobs = [Job(p * n, ids, params) for p, ids in enumerate(prompt_ids)]

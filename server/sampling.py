@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
 from server.errors import bad_request
+from server.protocol import SamplingFields
 
 
 def output_limit(
@@ -80,3 +81,28 @@ def build_params(
         # SamplingParams' messages start with the field name ("top_p must be ...").
         field = str(exc).split(" ", 1)[0]
         raise bad_request(str(exc), field if field.isidentifier() else None) from None
+
+
+def request_params(
+    body: SamplingFields, vocab_size: int, *, max_tokens: int, logprobs: int | None
+) -> SamplingParams:
+    """SamplingParams from the fields completions and chat share (ids checked against the
+    vocabulary); ``max_tokens`` and ``logprobs`` are each endpoint's own."""
+    return build_params(
+        max_tokens=max_tokens,
+        n=body.n,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        seed=body.seed,
+        stop=body.stop_strings,
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=body.logit_bias_pairs(vocab_size),
+        stop_token_ids=body.stop_ids(vocab_size),
+        skip_special_tokens=body.skip_special_tokens,
+    )
