@@ -15,7 +15,7 @@ the result. The logprobs a request reports stay the model's own, as vLLM's do by
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from itertools import chain
 
 import torch
@@ -67,55 +67,36 @@ def penalize(
     return flat.view_as(logits)
 
 
-RowsFn = Callable[[torch.Tensor, list[int]], torch.Tensor]  # (selected rows, their indices)
-
-
-def _rows(logits: torch.Tensor, wanted: list[int], fn: RowsFn) -> torch.Tensor:
-    """``logits`` with rows ``wanted`` replaced by ``fn(those rows, their indices)``."""
-    index = to_device(wanted, torch.long, logits.device)
-    return logits.index_copy(0, index, fn(logits.index_select(0, index), wanted))
-
-
-def apply_logit_bias(logits: torch.Tensor, rows: Sequence[Request]) -> torch.Tensor:
-    """``logits`` ``[len(rows), V]`` plus each row's ``logit_bias``; the same tensor when no
-    row has one."""
-    wanted = [i for i, r in enumerate(rows) if r.params.logit_bias]
-    if not wanted:
-        return logits
-
-    def add_bias(selected: torch.Tensor, indices: list[int]) -> torch.Tensor:
-        pairs = [rows[i].params.logit_bias for i in indices]
-        index = _flat_index([[t for t, _ in p] for p in pairs], selected.shape[1])
-        bias = torch.tensor([b for p in pairs for _, b in p], dtype=torch.float32)
-        flat = selected.flatten().index_add(
-            0, cpu_to_device(index, selected.device), cpu_to_device(bias, selected.device)
-        )
-        return flat.view_as(selected)
-
-    return _rows(logits, wanted, add_bias)
-
-
-def apply_penalties(logits: torch.Tensor, rows: Sequence[Request]) -> torch.Tensor:
-    """``logits`` ``[len(rows), V]`` with each row's penalties applied; the same tensor when no
-    row has any (the common case costs nothing)."""
-    wanted = [i for i, r in enumerate(rows) if r.params.has_penalties]
-    if not wanted:
-        return logits
-
-    def penalise(selected: torch.Tensor, indices: list[int]) -> torch.Tensor:
-        chosen = [rows[i] for i in indices]
-        return penalize(
-            selected,
-            prompt_ids=[r.prompt_token_ids for r in chosen],
-            output_ids=[r.output_token_ids for r in chosen],
-            repetition=[r.params.repetition_penalty for r in chosen],
-            frequency=[r.params.frequency_penalty for r in chosen],
-            presence=[r.params.presence_penalty for r in chosen],
-        )
-
-    return _rows(logits, wanted, penalise)
+def _add_bias(logits: torch.Tensor, pairs: Sequence[Sequence[tuple[int, float]]]) -> torch.Tensor:
+    """``logits`` ``[R, V]`` plus row ``i``'s ``(token, bias)`` pairs ``pairs[i]``."""
+    index = _flat_index([[t for t, _ in p] for p in pairs], logits.shape[1])
+    bias = torch.tensor([b for p in pairs for _, b in p], dtype=torch.float32)
+    flat = logits.flatten().index_add(
+        0, cpu_to_device(index, logits.device), cpu_to_device(bias, logits.device)
+    )
+    return flat.view_as(logits)
 
 
 def adjust_logits(logits: torch.Tensor, rows: Sequence[Request]) -> torch.Tensor:
-    """Logit bias, then penalties; ``logits`` itself when no row asks for either."""
-    return apply_penalties(apply_logit_bias(logits, rows), rows)
+    """``logits`` ``[len(rows), V]`` with each row's logit bias, then penalties, applied;
+    ``logits`` itself when no row asks for either (the common case costs nothing).
+
+    One gather and one scatter of the rows that ask; within them, a row that asks only for a
+    bias contributes no tokens to the penalties, and the other way round.
+    """
+    wanted = [i for i, r in enumerate(rows) if r.params.logit_bias or r.params.has_penalties]
+    if not wanted:
+        return logits
+    chosen = [rows[i].params for i in wanted]
+    penalised = [p.has_penalties for p in chosen]
+    index = to_device(wanted, torch.long, logits.device)
+    selected = _add_bias(logits.index_select(0, index), [p.logit_bias for p in chosen])
+    selected = penalize(
+        selected,
+        prompt_ids=[rows[i].prompt_token_ids if on else [] for i, on in zip(wanted, penalised)],
+        output_ids=[rows[i].output_token_ids if on else [] for i, on in zip(wanted, penalised)],
+        repetition=[p.repetition_penalty for p in chosen],
+        frequency=[p.frequency_penalty for p in chosen],
+        presence=[p.presence_penalty for p in chosen],
+    )
+    return logits.index_copy(0, index, selected)
