@@ -5,6 +5,13 @@ BPE spacing, so each new token is decoded together with a few previous ones and 
 beyond them is emitted, and nothing is emitted while the tail is an incomplete character
 (U+FFFD). The concatenated deltas equal decoding all the output tokens at once.
 
+A run of tokens that keeps the tail incomplete is re-decoded on every token, so its length is
+capped: past ``MAX_PENDING_TOKENS`` such tokens the text is emitted as it decodes, replacement
+characters included, and a new run starts. A real character needs at most 4 bytes, so only a
+stream that never completes a character (byte tokens forced by ``logit_bias``, say) or, rarely,
+a long run of tokens that each end inside a character reaches the cap; the cost per token is
+therefore bounded instead of growing with the run.
+
 Stop strings are searched in the decoded text; the text is cut before the match. While a
 request runs, the last ``len(longest stop) - 1`` characters are held back, so a stop string that
 arrives split across tokens never leaks to the client.
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 REPLACEMENT = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 6
+MAX_PENDING_TOKENS = 16
 
 
 class IncrementalDetokenizer:
@@ -49,8 +57,10 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
-            self._append_text(full[len(prefix) :])
+        grew = len(full) > len(prefix) and not full.endswith(REPLACEMENT)
+        if grew or len(self._ids) - self._read_offset >= MAX_PENDING_TOKENS:
+            if len(full) > len(prefix):
+                self._append_text(full[len(prefix) :])
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
         return self.stopped_on is not None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
 
 TEXTS = [
     "Hello, world! Plain ASCII with  double spaces.",
@@ -57,3 +57,39 @@ def test_earliest_stop_string_wins(default_tokenizer):
     deltas, detok = stream(default_tokenizer, ids, stop=("gamma", "beta"))
     assert "".join(deltas) == "alpha "
     assert detok.stopped_on == "beta"
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer and counts the token ids it was asked to decode."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.decoded = 0
+
+    def decode(self, ids: list[int], **kwargs) -> str:
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+def _decode_work(tokenizer, token: int, n: int) -> tuple[int, str]:
+    counting = CountingTokenizer(tokenizer)
+    _, detok = stream(counting, [token] * n)
+    return counting.decoded, detok.text
+
+
+def test_a_never_completing_character_costs_bounded_work_per_token(default_tokenizer):
+    lead_byte = default_tokenizer.convert_tokens_to_ids("ä")  # byte 0xE4 alone: never completes
+    small, text_small = _decode_work(default_tokenizer, lead_byte, 200)
+    large, text_large = _decode_work(default_tokenizer, lead_byte, 1600)
+    # Linear work: 8x the tokens costs about 8x the decoding (quadratic would be 64x).
+    assert large / small < 9
+    # The pending run is emitted as replacement characters once it reaches the bound.
+    assert text_large.count("\ufffd") >= 1600 - MAX_PENDING_TOKENS
+
+
+def test_emitted_replacements_still_let_a_stop_string_fire(default_tokenizer):
+    lead_byte = default_tokenizer.convert_tokens_to_ids("ä")
+    ids = [lead_byte] * (3 * MAX_PENDING_TOKENS)
+    deltas, detok = stream(default_tokenizer, ids, stop=("\ufffd" * 4,))
+    assert detok.stopped_on == "\ufffd" * 4
+    assert len(deltas) <= MAX_PENDING_TOKENS + 1
