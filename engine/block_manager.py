@@ -3,15 +3,19 @@
 Pure Python and torch-free: it hands out block ids; the model runner turns them into slots.
 
     free pool (LRU order, oldest first)      block tables            prefix cache
-    +----+----+----+----+                    req A: [3, 7, 1]        hash(h0, toks) -> 3
-    | 5  | 9  | 2  | 8  |  <- pop left       req B: [3, 7, 4]        hash(h1, toks) -> 7
-    +----+----+----+----+     push right     (3, 7 have ref 2)       hash(...) -> 9 (free, cached)
+    +----+----+----+----+                    req A: [3, 7, 1]        key(root, toks) -> 3
+    | 5  | 9  | 2  | 8  |  <- pop left       req B: [3, 7, 4]        key(key3, toks) -> 7
+    +----+----+----+----+     push right     (3, 7 have ref 2)       key(...) -> 9 (free, cached)
 
 * A block with ``ref_count == 0`` sits in the free pool. If it still carries a hash it is a
   *cached* block: a later request with the same prefix takes it back out of the pool without
   recomputing it; otherwise it is evicted (its hash dropped) when the pool hands it out.
-* Blocks are hashed only when full and computed; the hash chains over (parent hash, token ids),
-  and a hit is confirmed by comparing token ids, never by the hash alone.
+* Blocks are keyed only when full and computed. The key chains over (parent key, token ids)
+  through a keyed BLAKE2b digest (the key drawn per process, so nobody can precompute
+  colliding prefixes). A hit is never taken on the key alone: the block's token ids must match
+  and so must its parent, the block a hit was just confirmed at, in the same *generation* (a
+  block's generation counts its reuses, so a parent evicted and refilled since no longer
+  matches). By induction a hit holds exactly the requested prefix.
 * A request releases its blocks last-first, so leaves are evicted before their parents.
 * Shared blocks are never written: prefix hits stop before the block holding the last prompt
   token, and a forked request copies its shared partial last block before writing (the copy
@@ -20,9 +24,24 @@ Pure Python and torch-free: it hands out block ids; the model runner turns them 
 
 from __future__ import annotations
 
+import hashlib
+import os
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+_PROCESS_KEY = os.urandom(32)  # keys the prefix digests: they differ in every process
+
+
+def prefix_key(parent_key: bytes, token_ids: tuple[int, ...]) -> bytes:
+    """The cache key of a full block: a digest of its parent block's key and its token ids."""
+    payload = parent_key + array("q", token_ids).tobytes()
+    return hashlib.blake2b(payload, digest_size=32, key=_PROCESS_KEY).digest()
+
+
+# The parent of a block in a prefix chain: (block id, its generation), or None for a first block.
+ParentRef = tuple[int, int] | None
 
 
 class OutOfBlocksError(RuntimeError):
@@ -47,8 +66,15 @@ class _Block:
     block_id: int
     ref_count: int = 0
     num_tokens: int = 0  # slots filled (as seen by the tables holding it)
-    block_hash: int | None = None
+    block_hash: bytes | None = None  # prefix_key of its content, while cached
     token_ids: tuple[int, ...] = ()
+    parent: ParentRef = None  # the block before it in the prefix it was cached for
+    generation: int = 0  # times the block was handed out: a parent reference dates from one
+
+    @property
+    def ref(self) -> tuple[int, int]:
+        """How a child block names this block as its parent."""
+        return (self.block_id, self.generation)
 
 
 class BlockManager:
@@ -70,7 +96,7 @@ class BlockManager:
         self._tables: dict[str, list[int]] = {}
         self._num_tokens: dict[str, int] = {}
         self._hashed: dict[str, int] = {}  # request -> number of its leading blocks hashed
-        self._cache: dict[int, int] = {}  # block hash -> block id
+        self._cache: dict[bytes, int] = {}  # prefix_key -> block id
 
     # ----------------------------------------------------------------- queries
     def blocks_for(self, num_tokens: int) -> int:
@@ -97,15 +123,19 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent: int | None = None
+        key = b""
+        parent: ParentRef = None
         for i in range((len(token_ids) - 1) // self.block_size):
             toks = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
-            h = hash((parent, toks))
-            block_id = self._cache.get(h)
-            if block_id is None or self._blocks[block_id].token_ids != toks:
+            key = prefix_key(key, toks)
+            block_id = self._cache.get(key)
+            if block_id is None:
+                break
+            block = self._blocks[block_id]
+            if block.token_ids != toks or block.parent != parent:
                 break
             hits.append(block_id)
-            parent = h
+            parent = block.ref
         return hits
 
     def can_allocate(self, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
@@ -192,16 +222,16 @@ class BlockManager:
         table = self._tables[request_id]
         start = self._hashed[request_id]
         full = min(num_computed // self.block_size, len(table))
-        parent = self._blocks[table[start - 1]].block_hash if start > 0 else None
         for i in range(start, full):
             block = self._blocks[table[i]]
-            toks = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
-            h = hash((parent, toks))
-            if block.block_hash is None:
-                block.block_hash = h
+            if block.block_hash is None:  # else a cache hit, or shared with its fork
+                above = self._blocks[table[i - 1]] if i > 0 else None
+                toks = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+                # Blocks are keyed in order, so the block above already has its key.
+                block.block_hash = prefix_key(above.block_hash if above else b"", toks)
                 block.token_ids = toks
-                self._cache.setdefault(h, block.block_id)
-            parent = block.block_hash
+                block.parent = above.ref if above else None
+                self._cache.setdefault(block.block_hash, block.block_id)
         self._hashed[request_id] = max(start, full)
 
     def fork(self, parent_id: str, child_id: str) -> None:
@@ -304,6 +334,8 @@ class BlockManager:
                 del self._cache[block.block_hash]
             block.block_hash = None
             block.token_ids = ()
+            block.parent = None
+        block.generation += 1
         block.ref_count = 1
         block.num_tokens = 0
         return block_id

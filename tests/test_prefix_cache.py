@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
+from engine.block_manager import BlockManager
 from engine.llm_engine import LLMEngine, sample_ids
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts, tiny_model
 
@@ -161,3 +162,35 @@ def test_aborting_the_first_sample_before_prefill_keeps_the_others(model):
                 finished[out.request_id] = out.num_output_tokens
     assert finished == {f"{rid}.1": 4, f"{rid}.2": 4}
     assert_pool_clean(engine.block_manager)
+
+
+def test_a_hit_needs_the_whole_prefix_even_when_cache_keys_collide(monkeypatch):
+    """With a cache key that ignores the parent (the worst collision), a block cached after one
+    prefix is never a hit after another prefix that ends in the same tokens."""
+    import builtins
+
+    import engine.block_manager as bm_module
+
+    monkeypatch.setattr(bm_module, "prefix_key", lambda parent, toks: repr(toks).encode(), False)
+    monkeypatch.setattr(bm_module, "hash", lambda t: builtins.hash(t[1]), False)  # ignores parent
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    x, y, z, v = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]
+    for rid, tokens in (("a", x + y + [0]), ("c", z + v + [0])):
+        bm.allocate(rid, len(tokens))
+        bm.commit(rid, tokens, len(tokens))
+    assert bm.cached_prefix(x + y + [0]) == bm.block_table("a")[:2]
+    # x hits a's first block; v's block follows z, not x, so it is no hit.
+    assert bm.cached_prefix(x + v + [0]) == bm.block_table("a")[:1]
+    bm.free("a")
+    bm.free("c")
+    bm.check_integrity()
+
+
+def test_prefix_keys_differ_between_processes():
+    """The digest is keyed per process: nobody can precompute colliding prefixes."""
+    import subprocess
+    import sys
+
+    code = "from engine.block_manager import prefix_key; print(prefix_key(b'', (1, 2, 3)).hex())"
+    keys = {subprocess.check_output([sys.executable, "-c", code], text=True) for _ in range(2)}
+    assert len(keys) == 2
