@@ -142,6 +142,11 @@ class AsyncEngine:
         group = sample_ids(request_id, params.n)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
+            # Checked again under the lock: the loop marks itself dead and shutdown() marks it
+            # stopping under this lock, so a request either is registered before that (and gets
+            # its error or abort) or is refused here; it never waits on a loop that is gone.
+            if self._stopping or self.dead is not None:
+                raise EngineDeadError("the engine loop is not running")
             if any(rid in self._streams for rid in group):
                 raise ValueError(f"request id {request_id!r} is already in use")
             waiting = self.engine.num_waiting + len(self._adds)
@@ -265,7 +270,7 @@ class AsyncEngine:
                     return
         except BaseException as exc:  # the loop is dead: fail every stream rather than hang
             logger.exception("engine loop died")
-            self.dead = exc
             with self._lock:
+                self.dead = exc
                 for request_id in list(self._streams):
                     self._deliver(request_id, EngineDeadError(f"engine loop died: {exc!r}"))

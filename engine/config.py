@@ -20,6 +20,9 @@ class EngineConfig:
     max_model_len: the longest sequence (prompt plus output), in tokens; None takes the model's.
     enforce_eager: never capture CUDA graphs (on CUDA with the triton backend, decode steps
     otherwise replay graphs captured at start for batch sizes up to ``max_num_seqs``).
+    seed: where the seeds of requests that give none come from; None (the default) draws them
+    from the OS, so a restart does not repeat the same "random" outputs; an integer makes them
+    reproducible from run to run.
     """
 
     model: str | None = None
@@ -34,7 +37,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
-    seed: int = 0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

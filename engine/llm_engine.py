@@ -21,13 +21,14 @@ from engine.block_manager import BlockManager
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from engine.decode_graphs import CudaGraphCapture, DecodeGraphs
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCache
 from engine.metrics import EngineStats
 from engine.model_loader import LoadedModel, load_model, resolve_dtype
 from engine.model_runner import ModelRunner, StepResult
 from engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from engine.request import Request
-from engine.sampler import Sampler
+from engine.sampler import INVALID_TOKEN, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 
@@ -118,7 +119,9 @@ class LLMEngine:
         )
         self._capture_decode_graphs(model)
         self.stats = EngineStats()
-        self._rng = random.Random(config.seed)
+        # Seeds of unseeded requests: from the OS, so a restart does not replay the same
+        # "random" outputs, unless the engine itself is given a seed (reproducible runs).
+        self._rng = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
         self._tracked: dict[str, _Tracked] = {}
         self._next_id = 0
         self.num_steps = 0  # steps that ran a batch through the model
@@ -186,6 +189,12 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request can never run (empty, too long, larger than the pool)."""
         n = len(prompt_token_ids)
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(
+                f"n ({params.n}) is more than this engine runs at once (max_num_seqs "
+                f"{self.config.max_num_seqs}): a request's samples run together",
+                "n",
+            )
         if n == 0:
             raise ValueError("the prompt is empty")
         if n >= self.max_model_len:
@@ -255,7 +264,7 @@ class LLMEngine:
         tracked = self._tracked.get(request_id)
         if tracked is None:
             return None
-        return self._finish(tracked, "abort", [], None, time.monotonic())
+        return self._finish(tracked, "abort", now=time.monotonic())
 
     @property
     def has_unfinished(self) -> bool:
@@ -283,7 +292,13 @@ class LLMEngine:
             return []
         bm = self.block_manager
         tables = [bm.block_table(s.request.request_id) for s in batch.requests]
-        result = self.runner.execute(batch, tables)
+        try:
+            result = self.runner.execute(batch, tables)
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            # The step's size is bounded by the configuration, but a device can still run short
+            # (another process, fragmentation): fail this step's requests, keep the engine.
+            logger.error("step of %d requests ran out of memory: %s", len(batch.requests), exc)
+            return self._fail_step(batch, "the server ran out of memory running this request")
         self.num_steps += 1
         for sched in batch.requests:
             req = sched.request
@@ -291,6 +306,18 @@ class LLMEngine:
             bm.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
         self._fork_pending(batch)
         return self._process(result)
+
+    def _fail_step(self, batch: ScheduledBatch, message: str) -> list[RequestOutput]:
+        """Finish every request of a step that could not run (and the forks waiting on them)
+        with ``finish_reason="error"``; their blocks return to the pool."""
+        now = time.monotonic()
+        doomed = [s.request for s in batch.requests]
+        doomed += [fork for r in doomed for fork in r.pending_forks]
+        return [
+            self._finish(self._tracked[r.request_id], "error", now=now, error=message)
+            for r in doomed
+            if r.request_id in self._tracked
+        ]
 
     def _fork_pending(self, batch: ScheduledBatch) -> None:
         """Samples 1..n-1 of a request join it once its prompt is computed, sharing its blocks."""
@@ -323,6 +350,13 @@ class LLMEngine:
         """Append the sampled token, detokenize, and decide whether the request is done."""
         req = tracked.request
         token = result.token_ids[i]
+        if token == INVALID_TOKEN:
+            # The sampler found no usable logit in the row (NaN, +inf, or nothing finite):
+            # fail the request rather than emit an arbitrary token.
+            logger.error("request %s: non-finite logits, failing it", req.request_id)
+            return self._finish(
+                tracked, "error", now=now, error="the model produced non-finite logits"
+            )
         req.output_token_ids.append(token)
         self.stats.generation_tokens_total += 1
         if req.first_token_time is None:
@@ -334,7 +368,9 @@ class LLMEngine:
         reason, stop_reason = self._stop_reason(tracked, token)
         if reason is None:
             return self._delta(tracked, [token], logprob)
-        return self._finish(tracked, reason, [token], logprob, now, stop_reason)
+        return self._finish(
+            tracked, reason, now=now, tokens=[token], logprobs=logprob, stop_reason=stop_reason
+        )
 
     def _detach_forks(self, req: Request) -> None:
         """A sample that ends before its fork: leave its parent, or hand its own forks on."""
@@ -352,7 +388,7 @@ class LLMEngine:
         """Finish a request whose processing raised: ``finish_reason="error"``, blocks freed."""
         tracked.detokenizer = IncrementalDetokenizer(None, [])  # never touch the broken one
         return self._finish(
-            tracked, "error", [], None, now, error=f"internal error: {type(exc).__name__}"
+            tracked, "error", now=now, error=f"internal error: {type(exc).__name__}"
         )
 
     def _stop_reason(self, tracked: _Tracked, token: int) -> tuple[str | None, str | int | None]:
@@ -394,12 +430,15 @@ class LLMEngine:
         self,
         tracked: _Tracked,
         reason: str,
-        tokens: list[int],
-        logprobs: list[TokenLogprob] | None,
+        *,
         now: float,
+        tokens: Sequence[int] = (),
+        logprobs: list[TokenLogprob] | None = None,
         stop_reason: str | int | None = None,
         error: str | None = None,
     ) -> RequestOutput:
+        """End the request for ``reason`` (its blocks are freed now); ``tokens`` and
+        ``logprobs`` are this step's last ones; ``now`` is ``time.monotonic()`` seconds."""
         req = tracked.request
         self._detach_forks(req)
         self.scheduler.finish(req, reason)
@@ -430,7 +469,7 @@ class LLMEngine:
                 self.stats.tpot.observe(tpot)
         return self._delta(
             tracked,
-            tokens,
+            list(tokens),
             logprobs,
             finish_reason=reason,
             stop_reason=stop_reason,

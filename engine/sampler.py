@@ -14,6 +14,7 @@ import torch
 from kernels import reference
 
 _SEED_MASK = (1 << 63) - 1
+INVALID_TOKEN = -1  # sampled for a row with no usable logit (NaN, +inf, or nothing finite)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,13 @@ MIN_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-6
 MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty|, OpenAI's range
 MAX_LOGIT_BIAS = 100.0  # |bias| per token, OpenAI's range
+# repetition_penalty divides positive logits and multiplies negative ones: far from 1 it only
+# produces overflow (1e-300 is 0 in fp32, so logits become NaN). vLLM's useful range is (0, 2].
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 2.0
+# Seeds are int64 on the device (sample i of n uses seed + i, which must stay in range too).
+SEED_MIN = -(1 << 63)
+SEED_MAX = (1 << 63) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,10 +33,11 @@ class SamplingParams:
     seed + i when a seed is given).
     logprobs: how many top alternatives to report per token (None: no logprobs at all).
     presence_penalty / frequency_penalty (OpenAI's, in [-2, 2]): subtracted from the logit of
-    every token already generated, once / once per occurrence. repetition_penalty (> 0, 1 = off;
-    Hugging Face's and vLLM's): divides positive and multiplies negative logits of every token in
-    the prompt or the output. logit_bias: (token id, bias in [-100, 100]) pairs added to those
-    tokens' logits (a dict is accepted). See ``engine/logit_adjustments.py``.
+    every token already generated, once / once per occurrence. repetition_penalty (in
+    [0.01, 2], 1 = off; Hugging Face's and vLLM's): divides positive and multiplies negative
+    logits of every token in the prompt or the output. logit_bias: (token id, bias in
+    [-100, 100]) pairs added to those tokens' logits (a dict is accepted).
+    See ``engine/logit_adjustments.py``.
     """
 
     max_tokens: int = 16
@@ -78,8 +86,15 @@ class SamplingParams:
             raise ValueError(
                 f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}"
             )
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1)
+        ):
+            raise ValueError(
+                f"seed must be an integer in [{SEED_MIN}, {SEED_MAX - (self.n - 1)}] "
+                f"(a 64-bit seed; with n samples, seed + n - 1 must fit too), got {self.seed!r}"
+            )
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -106,9 +121,12 @@ class SamplingParams:
         object.__setattr__(
             self, "logit_bias", tuple(sorted((t, float(b)) for t, b in self.logit_bias))
         )
-        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+        if not (
+            MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY
+        ):  # NaN fails this too
             raise ValueError(
-                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                f"{MAX_REPETITION_PENALTY:g}] (1 is off), got {self.repetition_penalty}"
             )
 
     @property

@@ -3,7 +3,9 @@
 Every step spends a token budget (``max_num_batched_tokens``) first on the running requests, in
 admission order (a decode costs 1 token, an unfinished prefill takes what is left of the budget,
 so long prompts are chunked), then admits waiting requests first come first served while the
-budget, ``max_num_seqs`` and the free blocks allow. When a running request needs a block and the
+budget, the free blocks and ``max_num_seqs`` allow. A request with ``n`` samples takes ``n``
+seats at admission (its forks join the running set after its prefill), so the rows sampled in
+one step never exceed ``max_num_seqs``. When a running request needs a block and the
 pool is empty, the most recently admitted running request is preempted: its blocks are freed and
 it goes back to the front of the waiting queue to be recomputed later (its outputs so far are
 kept). The oldest request therefore always makes progress, so the loop cannot deadlock as long
@@ -77,6 +79,11 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
+    @staticmethod
+    def seats(request: Request) -> int:
+        """Running-set seats a request holds: itself and the forks that will join it."""
+        return 1 + len(request.pending_forks)
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -107,10 +114,11 @@ class Scheduler:
                 i += 1
 
         # Admit nothing new in a step that had to preempt: the pool is already short.
-        while (
-            self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted
-        ):
+        seats = sum(self.seats(r) for r in self.running)
+        while self.waiting and budget > 0 and not preempted:
             request = self.waiting[0]
+            if seats + self.seats(request) > self.max_num_seqs:
+                break
             tokens = request.all_token_ids
             cached = bm.cached_prefix(tokens)
             start = len(cached) * bm.block_size
@@ -126,6 +134,7 @@ class Scheduler:
                 request.num_cached_tokens = start
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            seats += self.seats(request)
             scheduled.append(ScheduledRequest(request, start, num_new))
             budget -= num_new
 

@@ -177,7 +177,8 @@ def start_generation(
             generation.start(job, f"{id_prefix}-{job.first_index}")
     except ValueError as exc:
         generation.close()
-        raise bad_request(str(exc), prompt_param) from None
+        # The engine names the field at fault where it is not the prompt (InvalidRequestError).
+        raise bad_request(str(exc), getattr(exc, "param", None) or prompt_param) from None
     except QueueFullError as exc:
         generation.close()
         raise APIError(

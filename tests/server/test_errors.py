@@ -85,6 +85,10 @@ def test_wrong_types_and_shapes(post, path, body, param):
         ("completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
         ("completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
         ("chat/completions", {"messages": CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+        ("completions", {"prompt": "x", "repetition_penalty": 1e-300}, "repetition_penalty"),
+        ("completions", {"prompt": "x", "repetition_penalty": 2.5}, "repetition_penalty"),
+        ("completions", {"prompt": "x", "n": 65, "temperature": 1}, "n"),  # > max_num_seqs 64
+        ("chat/completions", {"messages": CHAT, "n": 65}, "n"),
         ("completions", {"prompt": "x", "logit_bias": {"x1": 1}}, "logit_bias"),
         ("completions", {"prompt": "x", "logit_bias": {"5": 100.5}}, "logit_bias"),
         ("chat/completions", {"messages": CHAT, "logit_bias": {"999999": 1}}, "logit_bias"),
