@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, sample_ids
+from engine.forks import sample_ids
+from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStats
 from engine.model_loader import LoadedModel
 from engine.outputs import RequestOutput

@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
+    """Bytes for the KV cache: ``kv_cache_memory`` when given; else 1 GiB on CPU, or on CUDA the
+    memory left free under ``gpu_memory_utilization`` of the device (after the weights)."""
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        # Memory torch's caching allocator holds but no tensor uses (a previous engine's
+        # cache, say) is free for us too, though the driver counts it as used.
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free - total * (1.0 - config.gpu_memory_utilization))
+    return DEFAULT_CPU_KV_CACHE_BYTES
 
 
 class KVCache:
@@ -43,6 +63,44 @@ class KVCache:
     @property
     def num_bytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
+
+    @classmethod
+    def for_model(
+        cls,
+        hf_config: object,
+        *,
+        budget_bytes: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVCache:
+        """As many blocks as ``budget_bytes`` holds for a Hugging Face model config's layers and
+        KV heads. Raises ValueError when not even one block fits."""
+        num_kv_heads = hf_config.num_key_value_heads
+        head_dim = getattr(hf_config, "head_dim", None) or (
+            hf_config.hidden_size // hf_config.num_attention_heads
+        )
+        shape = {
+            "num_layers": hf_config.num_hidden_layers,
+            "block_size": block_size,
+            "num_kv_heads": num_kv_heads,
+            "head_dim": head_dim,
+            "dtype": dtype,
+        }
+        per_block = cls.bytes_per_block(**shape)
+        num_blocks = budget_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(f"KV cache budget holds no block ({per_block} bytes per block)")
+        cache = cls(num_blocks=num_blocks, device=device, **shape)
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",
+            num_blocks,
+            block_size,
+            num_blocks * block_size,
+            cache.num_bytes / 2**20,
+            dtype,
+        )
+        return cache
 
     @staticmethod
     def bytes_per_block(

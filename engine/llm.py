@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, sample_ids
+from engine.forks import sample_ids
+from engine.llm_engine import LLMEngine
 from engine.model_loader import LoadedModel
 from engine.outputs import CompletionResult
 from engine.sampling_params import SamplingParams

@@ -6,6 +6,8 @@ import bisect
 import threading
 from dataclasses import dataclass, field
 
+from engine.outputs import RequestMetrics
+
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -46,3 +48,13 @@ class EngineStats:
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     tpot: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def observe_finished(self, metrics: RequestMetrics, *, first_token: bool) -> None:
+        """Count a finished request; its TTFT only if it produced a token, its TPOT only if it
+        produced two or more."""
+        with self.lock:
+            self.requests_finished_total += 1
+            if first_token:
+                self.ttft.observe(metrics.ttft)
+            if metrics.num_output_tokens > 1:
+                self.tpot.observe(metrics.tpot)

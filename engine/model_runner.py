@@ -9,20 +9,26 @@ CUDA graph instead when ``enable_decode_graphs`` captured one that holds them.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
-from engine.attention_backend import AttentionBackend
+from engine.attention_backend import make_backend, resolve_backend_name
 from engine.attention_context import AttentionContext, attention_context
-from engine.decode_graphs import DecodeGraphs, GraphCapture
+from engine.config import EngineConfig
+from engine.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
+from engine.forks import sampling_rows
 from engine.host_tensors import to_device
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, kv_budget_bytes
 from engine.logit_adjustments import adjust_logits
 from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import ScheduledBatch
 from engine.step_inputs import StepInputs, flatten_step
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,24 +68,65 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    """Owns the model, the KV cache and the sampler; executes ``ScheduledBatch``es."""
+    """Owns the model, the KV cache, the attention backend and the sampler; executes
+    ``ScheduledBatch``es.
+
+    Construction sizes the KV cache from the memory budget (``kv_budget_bytes``) and, on CUDA
+    with the triton backend unless ``enforce_eager``, captures decode graphs for batch sizes up
+    to ``max_num_seqs``.
+    """
 
     def __init__(
         self,
         model: torch.nn.Module,
-        kv_cache: KVCache,
-        backend: AttentionBackend,
-        sampler: Sampler,
+        config: EngineConfig,
         device: torch.device,
+        *,
+        max_model_len: int,
     ):
         self.model = model
-        self.kv_cache = kv_cache
-        self.backend = backend
-        self.sampler = sampler
         self.device = device
-        self.block_size = kv_cache.block_size
+        self.backend_name = resolve_backend_name(config.attention_backend, device)
+        self.backend = make_backend(self.backend_name)
+        self.sampler = Sampler(self.backend_name)
+        self.kv_cache = KVCache.for_model(
+            model.config,
+            budget_bytes=kv_budget_bytes(config, device),
+            block_size=config.block_size,
+            dtype=next(model.parameters()).dtype,
+            device=device,
+        )
+        self.block_size = config.block_size
         self.vocab_size = int(model.config.vocab_size)
         self.graphs: DecodeGraphs | None = None
+        if not config.enforce_eager and device.type == "cuda":
+            self._capture_decode_graphs(config.max_num_seqs, max_model_len)
+
+    def _capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
+        """Capture decode graphs; a capture that fails is logged and the runner stays eager:
+        slower, never wrong."""
+        if self.backend_name != "triton":
+            logger.info("decode graphs need the triton backend: running eagerly")
+            return
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_cache,
+            self.backend,
+            max_batch_size=max_batch_size,
+            max_model_len=max_model_len,
+        )
+        start = time.monotonic()
+        try:
+            self.enable_decode_graphs(graphs, CudaGraphCapture(self.device))
+        except Exception:
+            logger.exception("decode graph capture failed: running eagerly (--enforce-eager)")
+            return
+        logger.info(
+            "captured %d decode graphs (batch sizes up to %d) in %.1f s",
+            len(graphs.sizes),
+            graphs.max_batch_size,
+            time.monotonic() - start,
+        )
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return to_device(data, dtype, self.device)
@@ -133,15 +180,6 @@ class ModelRunner:
             )
         return out.logits[0]
 
-    @staticmethod
-    def sampling_rows(batch: ScheduledBatch) -> list[Request]:
-        """The requests that sample this step, each followed by its pending forks."""
-        rows: list[Request] = []
-        for s in batch.requests:
-            if s.samples:
-                rows += [s.request, *s.request.pending_forks]
-        return rows
-
     def sampling_batch(self, rows: list[Request]) -> SamplingBatch:
         params = [r.params for r in rows]
         return SamplingBatch(
@@ -164,7 +202,7 @@ class ModelRunner:
             mapping = self._tensor([list(p) for p in batch.block_copies], torch.int64)
             self.backend.copy_blocks(self.kv_cache.tensor, block_mapping=mapping)
         logits = self.forward(flatten_step(batch, block_tables, self.block_size))
-        rows = self.sampling_rows(batch)
+        rows = sampling_rows(batch)
         if logits is None:
             return LaunchedStep([], None, None, None)
         logits = logits.float()  # [num_sampled, V]

@@ -33,16 +33,14 @@ class Request:
     index: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
-    finish_time: float | None = None
-    # n > 1: samples waiting for this request's prompt to be computed, then forked from it.
+    # n > 1: samples waiting for this request's prompt to be computed, then forked from it
+    # (the lifecycle lives in engine/forks.py).
     pending_forks: list[Request] = field(default_factory=list)
     fork_parent: Request | None = None
 
@@ -58,11 +56,6 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    def token_at(self, index: int) -> int:
-        """The token at absolute position ``index`` (prompt first, then outputs)."""
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
 
     def tokens_between(self, start: int, end: int) -> list[int]:
         """Tokens at positions ``[start, end)``."""

@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.forks import group_size
 from engine.request import Request, RequestStatus
 
 
@@ -79,11 +80,6 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
-    @staticmethod
-    def seats(request: Request) -> int:
-        """Running-set seats a request holds: itself and the forks that will join it."""
-        return 1 + len(request.pending_forks)
-
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -114,10 +110,10 @@ class Scheduler:
                 i += 1
 
         # Admit nothing new in a step that had to preempt: the pool is already short.
-        seats = sum(self.seats(r) for r in self.running)
+        seats = sum(group_size(r) for r in self.running)
         while self.waiting and budget > 0 and not preempted:
             request = self.waiting[0]
-            if seats + self.seats(request) > self.max_num_seqs:
+            if seats + group_size(request) > self.max_num_seqs:
                 break
             tokens = request.all_token_ids
             cached = bm.cached_prefix(tokens)
@@ -134,7 +130,7 @@ class Scheduler:
                 request.num_cached_tokens = start
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            seats += self.seats(request)
+            seats += group_size(request)
             scheduled.append(ScheduledRequest(request, start, num_new))
             budget -= num_new
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.forks import group_size
 from engine.scheduler import ScheduledBatch
 
 
@@ -59,5 +60,5 @@ def flatten_step(
         seq_lens.append(sched.end)
         if sched.samples:
             # Pending forks (n > 1) sample their first token from the same logits row.
-            logit_rows += [cu[-1] - 1] * (1 + len(request.pending_forks))
+            logit_rows += [cu[-1] - 1] * group_size(request)
     return StepInputs(input_ids, positions, slots, cu, seq_lens, block_tables, logit_rows)

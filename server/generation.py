@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.async_engine import EngineDeadError, QueueFullError
-from engine.llm_engine import sample_ids
+from engine.forks import sample_ids
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from server.errors import SERVER_ERROR, APIError, bad_request

@@ -30,7 +30,7 @@ def with_graphs(llm: LLM, max_batch_size: int) -> DecodeGraphs:
     engine = llm.engine
     graphs = DecodeGraphs(
         engine.runner.model,
-        engine.kv_cache,
+        engine.runner.kv_cache,
         engine.runner.backend,
         max_batch_size=max_batch_size,
         max_model_len=engine.max_model_len,
@@ -138,7 +138,7 @@ def test_padding_rows_write_nothing_to_the_cache():
     model = tiny_model("qwen3", seed=9)
     llm = LLM(loaded=loaded(model), kv_cache_memory=1 << 20)
     graphs = with_graphs(llm, max_batch_size=4)
-    cache = llm.engine.kv_cache
+    cache = llm.engine.runner.kv_cache
     cache.tensor.normal_()
     before = cache.tensor.clone()
     step = decode_step([4, 20, 40], [[5], [0, 7], [3, 2, 1]], cache.block_size)

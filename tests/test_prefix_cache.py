@@ -6,7 +6,8 @@ import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.block_manager import BlockManager
-from engine.llm_engine import LLMEngine, sample_ids
+from engine.forks import sample_ids
+from engine.llm_engine import LLMEngine
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts, tiny_model
 
 BS = 16
