@@ -42,6 +42,8 @@ class LiveRequest:
             return "stop", token
         if token in eos_token_ids and not params.ignore_eos:
             return "stop", None
+        if req.matcher is not None and req.matcher.is_terminated():
+            return "stop", None  # the grammar is complete and took its stop token
         if self.detokenizer.add_token(token):
             return "stop", self.detokenizer.stopped_on
         if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= max_model_len:

@@ -27,6 +27,7 @@ from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampler import INVALID_TOKEN
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
+from engine.structured_output import GrammarCompiler, StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,15 @@ class LLMEngine:
         install_paged_attention(loaded.model)
         self.vocab_size = int(loaded.model.config.vocab_size)
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        self.grammars = (
+            GrammarCompiler(
+                self.tokenizer,
+                vocab_size=self.vocab_size,
+                stop_token_ids=sorted(self.eos_token_ids),
+            )
+            if self.tokenizer is not None
+            else None
+        )
         self.runner = ModelRunner(
             loaded.model, config, self.device, max_model_len=self.max_model_len
         )
@@ -119,12 +129,21 @@ class LLMEngine:
             raise ValueError(
                 f"logit_bias token {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
+        if params.structured_output is not None:
+            self.compile_grammar(params.structured_output)
         need = self.block_manager.blocks_for(n + params.max_tokens)
         if need > self.block_manager.num_blocks:
             raise ValueError(
                 f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) needs {need} KV blocks;"
                 f" the cache has {self.block_manager.num_blocks}"
             )
+
+    def compile_grammar(self, constraint: StructuredOutput) -> object:
+        """The compiled grammar of a structured-output constraint (cached; thread-safe, so a
+        server compiles in a worker thread first). Raises InvalidRequestError."""
+        if self.grammars is None:
+            raise InvalidRequestError("structured outputs need the model's tokenizer")
+        return self.grammars.compile(constraint)
 
     def add_request(
         self,
@@ -147,6 +166,10 @@ class LLMEngine:
         if any(rid in self._tracked for rid in sample_ids(request_id, params.n)):
             raise ValueError(f"request id {request_id!r} is already in use")
         samples = make_samples(request_id, ids, params, lambda: self._rng.getrandbits(63))
+        if params.structured_output is not None:
+            compiled = self.compile_grammar(params.structured_output)
+            for sample in samples:
+                sample.matcher = self.grammars.matcher(compiled)
         for sample in samples:
             self._tracked[sample.request_id] = LiveRequest.start(sample, self.tokenizer)
         self.scheduler.add(samples[0])
@@ -237,6 +260,11 @@ class LLMEngine:
             # fail the request rather than emit an arbitrary token.
             logger.error("request %s: non-finite logits, failing it", req.request_id)
             error = "the model produced non-finite logits"
+            return self._finish(live, "error", now=now, error=error)
+        if req.matcher is not None and not req.matcher.accept_token(token):
+            # The mask allowed only tokens the grammar accepts: this is a matcher fault.
+            logger.error("request %s: the grammar refused sampled token %d", req.request_id, token)
+            error = "the output grammar refused the sampled token"
             return self._finish(live, "error", now=now, error=error)
         req.output_token_ids.append(token)
         self.stats.generation_tokens_total += 1

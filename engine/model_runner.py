@@ -20,13 +20,15 @@ from engine.attention_context import AttentionContext, attention_context
 from engine.config import EngineConfig
 from engine.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
 from engine.forks import sampling_rows
-from engine.host_tensors import to_device
+from engine.host_tensors import cpu_to_device, to_device
 from engine.kv_cache import KVCache, kv_budget_bytes
 from engine.logit_adjustments import adjust_logits
 from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import ScheduledBatch
 from engine.step_inputs import StepInputs, flatten_step
+from engine.token_mask import fill_token_bitmask
+from kernels import reference
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +208,12 @@ class ModelRunner:
         if logits is None:
             return LaunchedStep([], None, None, None)
         logits = logits.float()  # [num_sampled, V]
+        # Filled here, after the forward is queued: on a GPU the host fills masks meanwhile.
+        host_mask = fill_token_bitmask(rows, self.vocab_size)
         adjusted = adjust_logits(logits, rows)
+        if host_mask is not None:
+            mask = cpu_to_device(host_mask, self.device)
+            adjusted = reference.apply_token_bitmask_ref(adjusted, mask)
         tokens, logprobs = self.sampler(adjusted, self.sampling_batch(rows))
         if adjusted is not logits:  # report the model's own logprobs, before bias and penalties
             logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)

@@ -43,6 +43,9 @@ class Request:
     # (the lifecycle lives in engine/forks.py).
     pending_forks: list[Request] = field(default_factory=list)
     fork_parent: Request | None = None
+    # With a structured output: the sequence's grammar matcher (xgrammar.GrammarMatcher), fed
+    # every accepted token; it survives preemption (the outputs are kept, only K/V recomputed).
+    matcher: object | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.structured_output import StructuredOutput
+
 MAX_LOGPROBS = 20
 MAX_N = 128
 # Below these, float32 sampling degenerates (logits / T overflow; top_p * mass underflows, so
@@ -56,6 +58,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -262,3 +262,17 @@ def sample_ref(
     tokens = torch.where(temperature > 0, drawn, greedy)
     logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
     return tokens, logprobs
+
+
+def unpack_token_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``int32 [B, ceil(V / 32)]`` packed masks -> ``bool [B, V]``: token ``t`` is allowed
+    when bit ``t % 32`` of word ``t // 32`` is set."""
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    unpacked = (bitmask[:, :, None] >> bits) & 1  # [B, W, 32]; >> keeps the sign bit, & 1 drops it
+    return unpacked.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of ``logits [B, V]`` with every token the packed ``bitmask`` disallows at -inf."""
+    allowed = unpack_token_bitmask(bitmask, logits.shape[1])
+    return logits.masked_fill(~allowed, float("-inf"))

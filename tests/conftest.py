@@ -39,7 +39,7 @@ TINY_FAMILIES = {
 }
 
 
-def tiny_model(family: str, seed: int = 0) -> PreTrainedModel:
+def tiny_model(family: str, seed: int = 0, vocab_size: int = TINY_VOCAB) -> PreTrainedModel:
     """A 2-layer GQA model (4 query heads, 2 KV heads, head_dim 64) with random weights.
 
     initializer_range is larger than a real model's so the logits are peaked: near-ties between
@@ -47,7 +47,7 @@ def tiny_model(family: str, seed: int = 0) -> PreTrainedModel:
     """
     config_cls, model_cls = TINY_FAMILIES[family]
     config = config_cls(
-        vocab_size=TINY_VOCAB,
+        vocab_size=vocab_size,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
