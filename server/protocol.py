@@ -34,6 +34,9 @@ Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0)]
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
 MAX_STOP_TOKEN_IDS = 64
+# a logit_bias key is a token id written in ASCII digits; 10 digits hold any int32 id, and a
+# bound keeps int() away from Python's 4300-digit limit (a ValueError, once a 500)
+MAX_TOKEN_ID_DIGITS = 10
 
 T = TypeVar("T")
 
@@ -140,8 +143,13 @@ class SamplingFields(msgspec.Struct, kw_only=True):
                 f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed", "stop_token_ids"
             )
         for key, value in (self.logit_bias or {}).items():
-            if not key.isdecimal():
-                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            if not (key.isascii() and key.isdecimal() and len(key) <= MAX_TOKEN_ID_DIGITS):
+                shown = repr(key) if len(key) <= 32 else f"{key[:32]!r}... ({len(key)} characters)"
+                raise bad_request(
+                    f"logit_bias keys must be token ids in ASCII digits (at most "
+                    f"{MAX_TOKEN_ID_DIGITS}), got {shown}",
+                    "logit_bias",
+                )
             if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
                 raise bad_request(
                     f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "

@@ -135,6 +135,29 @@ def _cases_for(path: str) -> list[Case]:
     if path != "responses":
         cases += [
             Case("n-beyond-limit", path, _with(path, n=129), param="n"),
+            # int() of a 5000-digit key raised past Python's digit limit: a 500 (fixed bug)
+            Case(
+                "logit-bias-5000-digit-key",
+                path,
+                _with(path, logit_bias={"9" * 5000: 1}),
+                param="logit_bias",
+            ),
+            # U+0661 U+0662 are digits to str.isdecimal(): accepted as token 12 (fixed bug)
+            Case(
+                "logit-bias-non-ascii-key",
+                path,
+                _with(path, logit_bias={"\u0661\u0662": 1}),
+                param="logit_bias",
+            ),
+            Case(
+                "logit-bias-11-digit-key",
+                path,
+                _with(path, logit_bias={"1" * 11: 1}),
+                param="logit_bias",
+            ),
+            Case(
+                "logit-bias-signed-key", path, _with(path, logit_bias={"+5": 1}), param="logit_bias"
+            ),
             Case("n-zero", path, _with(path, n=0), param="n"),
             Case("five-stop-strings", path, _with(path, stop=list("abcde")), param="stop"),
             Case(
@@ -212,3 +235,11 @@ def test_a_served_odd_prompt_keeps_its_characters(base_url: str, engine: AsyncEn
     check_success("completions", body, reply)
     assert reply.json()["choices"][0]["text"].startswith(ODD_TEXT)
     assert reply.json()["usage"]["prompt_tokens"] == len(engine.tokenize(ODD_TEXT))
+
+
+def test_a_ten_digit_logit_bias_key_with_leading_zeros_is_a_token_id(base_url: str):
+    body = {"prompt": "Hi", "max_tokens": 1, "temperature": 0, "logit_bias": {"0000000005": 100}}
+    reply = post(base_url, "completions", body)
+    check_success("completions", body, reply)
+    plain = post(base_url, "completions", {**body, "logit_bias": {"5": 100}})
+    assert reply.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
