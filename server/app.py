@@ -141,7 +141,8 @@ def create_app(
         api_key_hashes=tuple(key_hash(k) for k in api_keys),
     )
     app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model}", retrieve_model)
+    # Hugging Face ids, the default served names, contain "/" ("org/name")
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_post("/v1/responses", create_response)
