@@ -31,6 +31,7 @@ from engine.async_engine import AsyncEngine
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.errors import SERVER_ERROR, APIError, error_response, from_http_exception
+from server.limits import ServerLimits
 from server.metrics import metrics
 from server.response_store import ResponseStore
 from server.responses import create_response, delete_response, retrieve_response
@@ -40,9 +41,6 @@ from server.state import OWNER, STATE, ServerState, key_hash
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-DEFAULT_MAX_BODY_BYTES = 1 << 20
-DEFAULT_MAX_STORED_RESPONSES = 1000
 
 
 @web.middleware
@@ -125,19 +123,21 @@ def create_app(
     *,
     served_model_name: str | None = None,
     api_keys: Sequence[str] = (),
-    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    limits: ServerLimits | None = None,
 ) -> web.Application:
-    """The app serving ``engine``. The caller owns the engine (and shuts it down)."""
+    """The app serving ``engine`` within ``limits`` (default: ``ServerLimits()``). The caller
+    owns the engine (and shuts it down)."""
     if any(not key for key in api_keys):
         raise ValueError("API keys must be non-empty strings")
+    limits = limits or ServerLimits()
     app = web.Application(
-        middlewares=[error_middleware, auth_middleware], client_max_size=max_body_bytes
+        middlewares=[error_middleware, auth_middleware], client_max_size=limits.max_request_bytes
     )
     app[STATE] = ServerState(
         engine=engine,
         served_model_name=served_model_name or engine.model_name,
-        store=ResponseStore(max_stored_responses),
+        limits=limits,
+        store=ResponseStore(limits.max_stored_responses),
         api_key_hashes=tuple(key_hash(k) for k in api_keys),
     )
     app.router.add_get("/v1/models", list_models)

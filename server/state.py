@@ -1,5 +1,5 @@
-"""What every handler shares: the engine, the served model name, the response store, and the
-ids of the engine requests in flight (so shutdown can abort them)."""
+"""What every handler shares: the engine, the served model name, the limits, the response store,
+and the ids of the engine requests in flight (so shutdown can abort them)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from aiohttp import web
 
 from engine.async_engine import AsyncEngine
 from server.errors import APIError
+from server.limits import ServerLimits
 from server.response_store import ResponseStore
 
 
@@ -20,6 +21,7 @@ class ServerState:
 
     engine: AsyncEngine
     served_model_name: str
+    limits: ServerLimits
     store: ResponseStore
     api_key_hashes: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))

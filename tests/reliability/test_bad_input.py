@@ -174,6 +174,14 @@ def _cases_for(path: str) -> list[Case]:
         ]
     if path == "completions":
         cases += [
+            # 130 sequences, over the default --max-sequences-per-request (128): the prompt list
+            # is what makes it too many (once 50 prompts x n 128 took 21.5 GB)
+            Case(
+                "prompts-times-n-beyond-cap",
+                path,
+                _with(path, prompt=[[1], [2]], n=65, temperature=1),
+                param="prompt",
+            ),
             Case("token-id-beyond-vocab", path, _with(path, prompt=[10**6]), param="prompt"),
             Case("negative-token-id", path, _with(path, prompt=[[1, 2], [-1]]), param="prompt"),
             Case("logprobs-beyond-limit", path, _with(path, logprobs=6), param="logprobs"),
