@@ -137,7 +137,7 @@ def create_app(
         engine=engine,
         served_model_name=served_model_name or engine.model_name,
         limits=limits,
-        store=ResponseStore(limits.max_stored_responses),
+        store=ResponseStore(limits.max_stored_responses, limits.max_response_store_bytes),
         api_key_hashes=tuple(key_hash(k) for k in api_keys),
     )
     app.router.add_get("/v1/models", list_models)

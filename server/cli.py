@@ -75,6 +75,13 @@ def _add_limit_args(parser: argparse.ArgumentParser) -> None:
         help="entries in the in-memory LRU store behind GET /v1/responses/{id} "
         "(default %(default)s)",
     )
+    group.add_argument(
+        "--max-response-store-bytes",
+        type=int,
+        default=default.max_response_store_bytes,
+        help="bytes of JSON that store may hold, least recently used evicted first "
+        "(default %(default)s)",
+    )
 
 
 # ServerLimits field -> its flag
@@ -82,6 +89,7 @@ LIMIT_FLAGS = {
     "max_request_bytes": "--max-request-bytes",
     "max_sequences_per_request": "--max-sequences-per-request",
     "max_stored_responses": "--max-stored-responses",
+    "max_response_store_bytes": "--max-response-store-bytes",
 }
 
 

@@ -132,6 +132,10 @@ def _cases_for(path: str) -> list[Case]:
         role_param = "messages[0].role" if path == "chat/completions" else "input[0].role"
         item = {"role": "wizard", "content": "Hi"}
         cases.append(Case("unknown-role", path, _with(path, **{prompt: [item]}), param=role_param))
+    cases += [
+        # OpenAI's limits on user ids (64 characters) and, below, on metadata
+        Case("user-too-long", path, _with(path, user="u" * 65), param="user"),
+    ]
     if path != "responses":
         cases += [
             Case("n-beyond-limit", path, _with(path, n=129), param="n"),
@@ -198,7 +202,8 @@ def _cases_for(path: str) -> list[Case]:
             Case("logprobs-string", path, _with(path, logprobs="yes"), param="logprobs"),
         ]
     if path == "responses":
-        cases.append(
+        pairs = {f"k{i}": "v" for i in range(17)}
+        cases += [
             Case(
                 "unknown-previous-response",
                 path,
@@ -206,8 +211,19 @@ def _cases_for(path: str) -> list[Case]:
                 status=404,
                 param="previous_response_id",
                 code="response_not_found",
-            )
-        )
+            ),
+            Case("metadata-17-pairs", path, _with(path, metadata=pairs), param="metadata"),
+            Case(
+                "metadata-long-key", path, _with(path, metadata={"k" * 65: "v"}), param="metadata"
+            ),
+            Case(
+                "metadata-long-value",
+                path,
+                _with(path, metadata={"k": "v" * 513}),
+                param="metadata",
+            ),
+            Case("metadata-number", path, _with(path, metadata={"k": 1}), param="metadata"),
+        ]
     return cases
 
 

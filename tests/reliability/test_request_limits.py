@@ -1,5 +1,6 @@
-"""Limits on what one request may cost: the sequences it starts (prompts x n), and the
-``paged-serve`` flags that set the limits. (The over-the-limit bodies on the default server are
+"""Limits on what one request may cost: the sequences it starts (prompts x n), the bytes the
+response store keeps for it, OpenAI's bounds on ``metadata`` and ``user`` at their edges, and
+the ``paged-serve`` flags that set them. (The over-the-limit bodies on the default server are
 in ``test_bad_input.py``.)
 """
 
@@ -16,15 +17,20 @@ from tests.reliability.conftest import (
     assert_error_object,
     check_success,
     post,
+    request,
 )
 from tests.server.conftest import ServerThread
 
 CAP = 4
+STORE_BUDGET = 12_000  # bytes: two or three of the responses below
+# OpenAI's maximum: 16 pairs, keys of 64 characters, values of 512 (9.5 KB of JSON)
+FULL_METADATA = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
 
 
 @pytest.fixture(scope="module")
 def limited(engine: AsyncEngine, server_thread: ServerThread) -> tuple[str, ServerState]:
-    app = create_app(engine, limits=ServerLimits(max_sequences_per_request=CAP))
+    limits = ServerLimits(max_sequences_per_request=CAP, max_response_store_bytes=STORE_BUDGET)
+    app = create_app(engine, limits=limits)
     return server_thread.serve(lambda: app), app[STATE]
 
 
@@ -62,6 +68,59 @@ def test_up_to_the_cap_is_served(limited, path: str, body: dict):
     check_success(path, body, post(url, path, body))
 
 
+# ------------------------------------------------------------------ the response store
+def _stored(url: str, response_id: str) -> bool:
+    reply = request("GET", f"{url}/v1/responses/{response_id}")
+    assert reply.status in (200, 404), reply.body[:200]
+    return reply.status == 200
+
+
+def _respond(url: str, text: str, **fields: object) -> dict:
+    body = {"input": text, "max_output_tokens": 1, "temperature": 0, **fields}
+    reply = post(url, "responses", body)
+    check_success("responses", body, reply)
+    return reply.json()
+
+
+def test_the_store_keeps_to_its_byte_budget(limited):
+    """Responses of ~5 KB (metadata and a long input) into a 12 KB store: the oldest go, the
+    store never holds more than its budget, and the newest is retrievable."""
+    url, state = limited
+    metadata = {f"{i:02d}" + "k" * 62: "v" * 60 for i in range(16)}
+    ids = []
+    for i in range(8):
+        ids.append(_respond(url, f"{i} " + "word " * 200, metadata=metadata)["id"])
+        assert state.store.nbytes <= STORE_BUDGET
+    kept = [_stored(url, rid) for rid in ids]
+    assert kept[-1] and not kept[0]
+    assert kept == sorted(kept)  # least recently used went first
+    assert 2 <= sum(kept) < len(ids)
+    fetched = request("GET", f"{url}/v1/responses/{ids[-1]}").json()
+    assert fetched["metadata"] == metadata
+
+
+def test_a_response_larger_than_the_whole_budget_is_returned_but_not_stored(limited):
+    url, state = limited
+    before = _respond(url, "small")["id"]
+    made = _respond(url, "word " * 400, metadata=FULL_METADATA)
+    assert made["status"] in ("completed", "incomplete")
+    assert not _stored(url, made["id"])
+    assert _stored(url, before)  # nothing was evicted for it
+    assert state.store.nbytes <= STORE_BUDGET
+
+
+# ------------------------------------------------------------------ OpenAI's edges
+def test_metadata_and_user_at_openai_limits_are_served(base_url: str):
+    body = {"input": "Hi", "max_output_tokens": 1, "metadata": FULL_METADATA, "user": "u" * 64}
+    reply = post(base_url, "responses", body)
+    check_success("responses", body, reply)
+    assert reply.json()["metadata"] == FULL_METADATA
+    chat = {"messages": [{"role": "user", "content": "Hi"}]}
+    for path, prompt in (("completions", {"prompt": "Hi"}), ("chat/completions", chat)):
+        body = {**prompt, "max_tokens": 1, "user": "u" * 64}
+        check_success(path, body, post(base_url, path, body))
+
+
 # ------------------------------------------------------------------ the flags
 def test_the_flags_set_the_limits():
     args = build_parser().parse_args(
@@ -69,12 +128,14 @@ def test_the_flags_set_the_limits():
             "--max-request-bytes=1000",
             "--max-sequences-per-request=7",
             "--max-stored-responses=9",
+            "--max-response-store-bytes=4096",
         ]
     )
     assert limits_from_args(args) == ServerLimits(
         max_request_bytes=1000,
         max_sequences_per_request=7,
         max_stored_responses=9,
+        max_response_store_bytes=4096,
     )
     assert limits_from_args(build_parser().parse_args([])) == ServerLimits()
 
@@ -83,6 +144,7 @@ def test_the_flags_set_the_limits():
     "flag, value",
     [
         ("--max-sequences-per-request", "0"),
+        ("--max-response-store-bytes", "-1"),
         ("--max-request-bytes", "0"),
         ("--max-stored-responses", "-1"),
     ],
