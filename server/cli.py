@@ -82,6 +82,26 @@ def _add_limit_args(parser: argparse.ArgumentParser) -> None:
         help="bytes of JSON that store may hold, least recently used evicted first "
         "(default %(default)s)",
     )
+    group.add_argument(
+        "--header-timeout",
+        type=float,
+        default=default.header_timeout_s,
+        help="seconds a connection has to send a complete request head, from when it opens or "
+        "its last response ended; also the idle keep-alive timeout (default %(default)s)",
+    )
+    group.add_argument(
+        "--body-timeout",
+        type=float,
+        default=default.body_timeout_s,
+        help="seconds a request has to send its whole body (408 beyond; default %(default)s)",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=int,
+        default=default.max_connections,
+        help="open connections; at the cap a new one closes the longest-idle one, or gets 503 "
+        "if all are running requests (default %(default)s)",
+    )
 
 
 # ServerLimits field -> its flag
@@ -90,6 +110,9 @@ LIMIT_FLAGS = {
     "max_sequences_per_request": "--max-sequences-per-request",
     "max_stored_responses": "--max-stored-responses",
     "max_response_store_bytes": "--max-response-store-bytes",
+    "header_timeout_s": "--header-timeout",
+    "body_timeout_s": "--body-timeout",
+    "max_connections": "--max-connections",
 }
 
 
@@ -103,11 +126,30 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
         raise ValueError(f"{LIMIT_FLAGS.get(field, field)} {rest}") from None
 
 
+def _check_fd_limit(max_connections: int) -> None:
+    """Warn when the open-file limit would be reached before the connection cap (new
+    connections would then fail to be accepted instead of displacing idle ones)."""
+    try:
+        import resource  # Unix only
+    except ImportError:
+        return
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    headroom = 64  # model files, the listening socket, logs
+    if soft != resource.RLIM_INFINITY and max_connections + headroom > soft:
+        logger.warning(
+            "--max-connections %d is close to the open-file limit %d (ulimit -n): lower it or "
+            "raise the limit",
+            max_connections,
+            soft,
+        )
+
+
 async def serve(engine: AsyncEngine, args: argparse.Namespace, limits: ServerLimits) -> None:
     """Serve until SIGINT or SIGTERM, then shut down cleanly."""
     app = create_app(
         engine, served_model_name=args.served_model_name, api_keys=args.api_key, limits=limits
     )
+    _check_fd_limit(limits.max_connections)
     runner = make_runner(app)
     await runner.setup()
     stop = asyncio.Event()

@@ -129,6 +129,9 @@ def test_the_flags_set_the_limits():
             "--max-sequences-per-request=7",
             "--max-stored-responses=9",
             "--max-response-store-bytes=4096",
+            "--header-timeout=2.5",
+            "--body-timeout=3",
+            "--max-connections=11",
         ]
     )
     assert limits_from_args(args) == ServerLimits(
@@ -136,6 +139,9 @@ def test_the_flags_set_the_limits():
         max_sequences_per_request=7,
         max_stored_responses=9,
         max_response_store_bytes=4096,
+        header_timeout_s=2.5,
+        body_timeout_s=3.0,
+        max_connections=11,
     )
     assert limits_from_args(build_parser().parse_args([])) == ServerLimits()
 
@@ -144,9 +150,11 @@ def test_the_flags_set_the_limits():
     "flag, value",
     [
         ("--max-sequences-per-request", "0"),
+        ("--max-connections", "0"),
+        ("--header-timeout", "0"),
+        ("--body-timeout", "nan"),
         ("--max-response-store-bytes", "-1"),
         ("--max-request-bytes", "0"),
-        ("--max-stored-responses", "-1"),
     ],
 )
 def test_a_bad_flag_value_is_refused_naming_the_flag(
