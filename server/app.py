@@ -11,15 +11,20 @@ Every failure leaves as the OpenAI error object (``server.errors``): the error m
 catches our APIError, aiohttp's HTTP exceptions (unknown route 404, wrong method 405, body over
 ``client_max_size`` 413) and anything unexpected (500 with a generic message; the traceback goes
 to the log, never to the client). With API keys set, every ``/v1`` route needs
-``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open.
+``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open. Then the body
+middleware reads the whole body within ``ServerLimits.body_timeout_s`` (408 and the connection
+closed otherwise) and marks the connection busy for the connection guard while the handler runs
+(``server.connections``).
 
 The runner cancels a handler whose client disconnects (``handler_cancellation``), which aborts
 its engine requests; on shutdown every request in flight is aborted so its stream ends with a
-final frame before the server closes.
+final frame before the server closes. It closes a connection that takes longer than
+``header_timeout_s`` to send a request head, and accepts connections through the guard.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -30,7 +35,9 @@ from aiohttp import web
 from engine.async_engine import AsyncEngine
 from server.chat import create_chat_completion
 from server.completions import create_completion
+from server.connections import ConnectionGuard, GuardedRunner
 from server.errors import SERVER_ERROR, APIError, error_response, from_http_exception
+from server.limits import ServerLimits
 from server.metrics import metrics
 from server.response_store import ResponseStore
 from server.responses import create_response, delete_response, retrieve_response
@@ -40,9 +47,6 @@ from server.state import OWNER, STATE, ServerState, key_hash
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-DEFAULT_MAX_BODY_BYTES = 1 << 20
-DEFAULT_MAX_STORED_RESPONSES = 1000
 
 
 @web.middleware
@@ -76,6 +80,29 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
             )
         request[OWNER] = given
     return await handler(request)
+
+
+@web.middleware
+async def body_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Read the whole body within the body timeout, then run the handler with the connection
+    marked busy (the connection guard does not evict it meanwhile)."""
+    state = request.app[STATE]
+    timeout = state.limits.body_timeout_s
+    try:
+        # read() caches the body: the handler's own read() returns it at once
+        await asyncio.wait_for(request.read(), timeout)
+    except asyncio.TimeoutError:
+        response = error_response(
+            APIError(
+                408,
+                f"the request body did not arrive within {timeout:g} s",
+                code="request_timeout",
+            )
+        )
+        response.force_close()
+        return response
+    with state.connections.busy(request.protocol):
+        return await handler(request)
 
 
 def _model_card(state: ServerState) -> dict:
@@ -125,23 +152,29 @@ def create_app(
     *,
     served_model_name: str | None = None,
     api_keys: Sequence[str] = (),
-    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    limits: ServerLimits | None = None,
 ) -> web.Application:
-    """The app serving ``engine``. The caller owns the engine (and shuts it down)."""
+    """The app serving ``engine`` within ``limits`` (default: ``ServerLimits()``). The caller
+    owns the engine (and shuts it down). Serve it with ``make_runner``, which applies the
+    connection limits."""
     if any(not key for key in api_keys):
         raise ValueError("API keys must be non-empty strings")
+    limits = limits or ServerLimits()
     app = web.Application(
-        middlewares=[error_middleware, auth_middleware], client_max_size=max_body_bytes
+        middlewares=[error_middleware, auth_middleware, body_middleware],
+        client_max_size=limits.max_request_bytes,
     )
     app[STATE] = ServerState(
         engine=engine,
         served_model_name=served_model_name or engine.model_name,
-        store=ResponseStore(max_stored_responses),
+        limits=limits,
+        store=ResponseStore(limits.max_stored_responses, limits.max_response_store_bytes),
+        connections=ConnectionGuard(limits.max_connections),
         api_key_hashes=tuple(key_hash(k) for k in api_keys),
     )
     app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model}", retrieve_model)
+    # Hugging Face ids, the default served names, contain "/" ("org/name")
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_post("/v1/responses", create_response)
@@ -154,6 +187,20 @@ def create_app(
 
 
 def make_runner(app: web.Application, *, shutdown_timeout: float = 10.0) -> web.AppRunner:
-    """A runner that cancels the handler of a client that disconnects (aiohttp does not by
-    default since 3.7), so its engine requests are aborted at once."""
-    return web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
+    """A runner for ``create_app``'s app that
+
+    * cancels the handler of a client that disconnects (aiohttp does not by default since
+      3.7), so its engine requests are aborted at once;
+    * closes a connection that has not sent a complete request head ``header_timeout_s``
+      after it opened or its previous response ended (aiohttp's ``keepalive_timeout`` is that
+      deadline: it closes a connection whose next request has not been parsed by then);
+    * accepts connections through the app's connection guard (``max_connections``).
+    """
+    state = app[STATE]
+    return GuardedRunner(
+        app,
+        state.connections,
+        handler_cancellation=True,
+        shutdown_timeout=shutdown_timeout,
+        keepalive_timeout=state.limits.header_timeout_s,
+    )

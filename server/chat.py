@@ -19,7 +19,7 @@ from server.logprobs import chat_logprobs
 from server.prompts import chat_message, chat_prompt_ids
 from server.protocol import ChatCompletionRequest, decode
 from server.reply import ReplyEnvelope
-from server.sampling import output_limit, request_params
+from server.sampling import check_sequences, output_limit, request_params
 from server.sse import frame, respond
 from server.state import STATE, ServerState
 
@@ -29,6 +29,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     body = decode(await request.read(), ChatCompletionRequest)
     body.check()
     state.check_model(body.model)
+    check_sequences(state.limits.max_sequences_per_request, 1, body.n)
     messages = [
         chat_message(m.role, m.content, f"messages[{i}]") for i, m in enumerate(body.messages)
     ]

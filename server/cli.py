@@ -18,12 +18,8 @@ from aiohttp import web
 from engine.async_engine import AsyncEngine
 from engine.cli import add_engine_args, engine_kwargs
 from engine.config import EngineConfig
-from server.app import (
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_MAX_STORED_RESPONSES,
-    create_app,
-    make_runner,
-)
+from server.app import create_app, make_runner
+from server.limits import ServerLimits
 from server.state import STATE
 
 logger = logging.getLogger("server")
@@ -48,18 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="require 'Authorization: Bearer KEY' on /v1 routes (repeat for several keys)",
     )
-    parser.add_argument(
-        "--max-stored-responses",
-        type=int,
-        default=DEFAULT_MAX_STORED_RESPONSES,
-        help="size of the in-memory LRU store behind GET /v1/responses/{id}",
-    )
-    parser.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        help="largest request body accepted (413 beyond)",
-    )
+    _add_limit_args(parser)
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
@@ -67,15 +52,104 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def serve(engine: AsyncEngine, args: argparse.Namespace) -> None:
+def _add_limit_args(parser: argparse.ArgumentParser) -> None:
+    """The ``ServerLimits`` flags (docs/reliability.md, "Limits")."""
+    default = ServerLimits()
+    group = parser.add_argument_group("limits")
+    group.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=default.max_request_bytes,
+        help="largest request body accepted (413 beyond; default %(default)s)",
+    )
+    group.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=default.max_sequences_per_request,
+        help="sequences one request may start, prompts x n (400 beyond; default %(default)s)",
+    )
+    group.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=default.max_stored_responses,
+        help="entries in the in-memory LRU store behind GET /v1/responses/{id} "
+        "(default %(default)s)",
+    )
+    group.add_argument(
+        "--max-response-store-bytes",
+        type=int,
+        default=default.max_response_store_bytes,
+        help="bytes of JSON that store may hold, least recently used evicted first "
+        "(default %(default)s)",
+    )
+    group.add_argument(
+        "--header-timeout",
+        type=float,
+        default=default.header_timeout_s,
+        help="seconds a connection has to send a complete request head, from when it opens or "
+        "its last response ended; also the idle keep-alive timeout (default %(default)s)",
+    )
+    group.add_argument(
+        "--body-timeout",
+        type=float,
+        default=default.body_timeout_s,
+        help="seconds a request has to send its whole body (408 beyond; default %(default)s)",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=int,
+        default=default.max_connections,
+        help="open connections; at the cap a new one closes the longest-idle one, or gets 503 "
+        "if all are running requests (default %(default)s)",
+    )
+
+
+# ServerLimits field -> its flag
+LIMIT_FLAGS = {
+    "max_request_bytes": "--max-request-bytes",
+    "max_sequences_per_request": "--max-sequences-per-request",
+    "max_stored_responses": "--max-stored-responses",
+    "max_response_store_bytes": "--max-response-store-bytes",
+    "header_timeout_s": "--header-timeout",
+    "body_timeout_s": "--body-timeout",
+    "max_connections": "--max-connections",
+}
+
+
+def limits_from_args(args: argparse.Namespace) -> ServerLimits:
+    """The flags as ``ServerLimits``; a bad value is a ValueError that names its flag."""
+    values = {f: getattr(args, flag[2:].replace("-", "_")) for f, flag in LIMIT_FLAGS.items()}
+    try:
+        return ServerLimits(**values)
+    except ValueError as exc:
+        field, _, rest = str(exc).partition(" ")
+        raise ValueError(f"{LIMIT_FLAGS.get(field, field)} {rest}") from None
+
+
+def _check_fd_limit(max_connections: int) -> None:
+    """Warn when the open-file limit would be reached before the connection cap (new
+    connections would then fail to be accepted instead of displacing idle ones)."""
+    try:
+        import resource  # Unix only
+    except ImportError:
+        return
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    headroom = 64  # model files, the listening socket, logs
+    if soft != resource.RLIM_INFINITY and max_connections + headroom > soft:
+        logger.warning(
+            "--max-connections %d is close to the open-file limit %d (ulimit -n): lower it or "
+            "raise the limit",
+            max_connections,
+            soft,
+        )
+
+
+async def serve(engine: AsyncEngine, args: argparse.Namespace, limits: ServerLimits) -> None:
     """Serve until SIGINT or SIGTERM, then shut down cleanly."""
     app = create_app(
-        engine,
-        served_model_name=args.served_model_name,
-        api_keys=args.api_key,
-        max_stored_responses=args.max_stored_responses,
-        max_body_bytes=args.max_request_bytes,
+        engine, served_model_name=args.served_model_name, api_keys=args.api_key, limits=limits
     )
+    _check_fd_limit(limits.max_connections)
     runner = make_runner(app)
     await runner.setup()
     stop = asyncio.Event()
@@ -106,10 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_waiting is not None and args.max_waiting < 0:
         parser.error("--max-waiting must be >= 0")
-    if args.max_stored_responses < 0:
-        parser.error("--max-stored-responses must be >= 0")
-    if args.max_request_bytes < 1:
-        parser.error("--max-request-bytes must be >= 1")
+    try:
+        limits = limits_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     if any(not key for key in args.api_key):
         parser.error("--api-key must not be empty")
     logging.basicConfig(
@@ -122,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("cannot start the engine: %s", exc)
         return 2
     try:
-        asyncio.run(serve(engine, args))
+        asyncio.run(serve(engine, args, limits))
     except OSError as exc:  # the address is in use, or not ours to bind
         logger.error("cannot serve on %s:%d: %s", args.host, args.port, exc)
         return 1

@@ -17,7 +17,7 @@ from server.logprobs import completion_logprobs
 from server.prompts import tokenize_prompt
 from server.protocol import CompletionRequest, decode
 from server.reply import ReplyEnvelope
-from server.sampling import output_limit, request_params
+from server.sampling import check_sequences, output_limit, request_params
 from server.sse import frame, respond
 from server.state import STATE, ServerState
 
@@ -28,6 +28,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     body.check()
     state.check_model(body.model)
     prompts = body.prompts()
+    check_sequences(state.limits.max_sequences_per_request, len(prompts), body.n)
     prompt_ids = [tokenize_prompt(state.engine, p, "prompt") for p in prompts]
     for ids in prompt_ids:
         output_limit(state.context_limit, len(ids), body.max_tokens, "prompt")

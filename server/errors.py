@@ -20,8 +20,9 @@ from aiohttp import web
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 
-# msgspec reports where a value failed as a JSONPath suffix: "... - at `$.messages[0].content`".
-_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+# msgspec reports where a value failed as a JSONPath suffix: "... - at `$.messages[0].content`";
+# a dict key as "- at `key` in `$.metadata`", a dict value as "- at `$.metadata[...]`".
+_PATH = re.compile(r" - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`$")
 _MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
 
 
@@ -70,17 +71,21 @@ def from_decode_error(exc: msgspec.DecodeError) -> APIError:
     if not isinstance(exc, msgspec.ValidationError):
         return bad_request(f"the request body is not valid JSON: {exc}")
     message = str(exc)
-    path = ""
+    path, what = "", "value for"
     match = _PATH.search(message)
     if match:
         path = match.group("path")
         message = message[: match.start()]
+        if match.group("key"):
+            what = "key in"
+        elif path.endswith("[...]"):
+            path, what = path.removesuffix("[...]"), "value in"
     missing = _MISSING.search(message)
     if missing:
         path = f"{path}.{missing.group('field')}"
     param = path.lstrip(".") or None
     if param and not missing:
-        message = f"invalid value for {param}: {message}"
+        message = f"invalid {what} {param}: {message}"
     return bad_request(message, param=param)
 
 

@@ -34,6 +34,15 @@ Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0)]
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
 MAX_STOP_TOKEN_IDS = 64
+# a logit_bias key is a token id written in ASCII digits; 10 digits hold any int32 id, and a
+# bound keeps int() away from Python's 4300-digit limit (a ValueError, once a 500)
+MAX_TOKEN_ID_DIGITS = 10
+# OpenAI's limits: 16 metadata pairs, keys up to 64 characters, values up to 512; user ids
+# (like safety_identifier) up to 64 characters
+MetadataKey = Annotated[str, msgspec.Meta(max_length=64)]
+MetadataValue = Annotated[str, msgspec.Meta(max_length=512)]
+Metadata = Annotated[dict[MetadataKey, MetadataValue], msgspec.Meta(max_length=16)]
+User = Annotated[str, msgspec.Meta(max_length=64)]
 
 T = TypeVar("T")
 
@@ -96,7 +105,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     seed: Seed | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: User | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[str, float] | None = None
@@ -140,8 +149,13 @@ class SamplingFields(msgspec.Struct, kw_only=True):
                 f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed", "stop_token_ids"
             )
         for key, value in (self.logit_bias or {}).items():
-            if not key.isdecimal():
-                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            if not (key.isascii() and key.isdecimal() and len(key) <= MAX_TOKEN_ID_DIGITS):
+                shown = repr(key) if len(key) <= 32 else f"{key[:32]!r}... ({len(key)} characters)"
+                raise bad_request(
+                    f"logit_bias keys must be token ids in ASCII digits (at most "
+                    f"{MAX_TOKEN_ID_DIGITS}), got {shown}",
+                    "logit_bias",
+                )
             if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
                 raise bad_request(
                     f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
@@ -286,8 +300,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     store: bool | None = True
     stream: bool | None = False
     previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
-    user: str | None = None
+    metadata: Metadata | None = None
+    user: User | None = None
     tools: list[Any] | None = None
 
     def __post_init__(self) -> None:

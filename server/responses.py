@@ -44,7 +44,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         previous = state.store.get(body.previous_response_id, owner)
         if previous is None:
             raise _not_found(body.previous_response_id, "previous_response_id")
-        history = list(previous.messages)
+        history = previous.conversation()
     if isinstance(body.input, str):
         new = [{"role": "user", "content": body.input}]
     else:
@@ -73,7 +73,7 @@ async def retrieve_response(request: web.Request) -> web.Response:
     entry = state.store.get(response_id, request.get(OWNER))
     if entry is None:
         raise _not_found(response_id)
-    return _json(entry.response)
+    return web.Response(body=entry.response, content_type="application/json")
 
 
 async def delete_response(request: web.Request) -> web.Response:
@@ -174,7 +174,8 @@ class _Reply:
         response = self._response(status, [message], usage)
         if self.body.store:
             conversation = [*self.messages, {"role": "assistant", "content": text}]
-            self.state.store.put(self.id, StoredResponse(response, conversation, self.owner))
+            entry = StoredResponse.encode(response, conversation, self.owner)
+            self.state.store.put(self.id, entry)
         return response
 
     async def complete(self, generation: Generation) -> dict:

@@ -38,6 +38,19 @@ def output_limit(
     return requested
 
 
+def check_sequences(limit: int, num_prompts: int, n: int) -> None:
+    """400 if a request would start more than ``limit`` sequences (``num_prompts`` x ``n``),
+    naming ``n`` if it alone is too many, else ``prompt``. Checked before any tokenizing."""
+    if num_prompts * n <= limit:
+        return
+    param = "n" if n > limit else "prompt"
+    raise bad_request(
+        f"this request asks for {num_prompts * n} sequences ({num_prompts} prompt(s) x n={n}); "
+        f"this server allows at most {limit} per request",
+        param,
+    )
+
+
 def build_params(
     *,
     max_tokens: int,

@@ -1,5 +1,6 @@
-"""What every handler shares: the engine, the served model name, the response store, and the
-ids of the engine requests in flight (so shutdown can abort them)."""
+"""What every handler shares: the engine, the served model name, the limits, the response store,
+the connection guard, and the ids of the engine requests in flight (so shutdown can abort
+them)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from engine.async_engine import AsyncEngine
+from server.connections import ConnectionGuard
 from server.errors import APIError
+from server.limits import ServerLimits
 from server.response_store import ResponseStore
 
 
@@ -20,7 +23,9 @@ class ServerState:
 
     engine: AsyncEngine
     served_model_name: str
+    limits: ServerLimits
     store: ResponseStore
+    connections: ConnectionGuard
     api_key_hashes: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
     in_flight: set[str] = field(default_factory=set)

@@ -132,9 +132,36 @@ def _cases_for(path: str) -> list[Case]:
         role_param = "messages[0].role" if path == "chat/completions" else "input[0].role"
         item = {"role": "wizard", "content": "Hi"}
         cases.append(Case("unknown-role", path, _with(path, **{prompt: [item]}), param=role_param))
+    cases += [
+        # OpenAI's limits on user ids (64 characters) and, below, on metadata
+        Case("user-too-long", path, _with(path, user="u" * 65), param="user"),
+    ]
     if path != "responses":
         cases += [
             Case("n-beyond-limit", path, _with(path, n=129), param="n"),
+            # int() of a 5000-digit key raised past Python's digit limit: a 500 (fixed bug)
+            Case(
+                "logit-bias-5000-digit-key",
+                path,
+                _with(path, logit_bias={"9" * 5000: 1}),
+                param="logit_bias",
+            ),
+            # U+0661 U+0662 are digits to str.isdecimal(): accepted as token 12 (fixed bug)
+            Case(
+                "logit-bias-non-ascii-key",
+                path,
+                _with(path, logit_bias={"\u0661\u0662": 1}),
+                param="logit_bias",
+            ),
+            Case(
+                "logit-bias-11-digit-key",
+                path,
+                _with(path, logit_bias={"1" * 11: 1}),
+                param="logit_bias",
+            ),
+            Case(
+                "logit-bias-signed-key", path, _with(path, logit_bias={"+5": 1}), param="logit_bias"
+            ),
             Case("n-zero", path, _with(path, n=0), param="n"),
             Case("five-stop-strings", path, _with(path, stop=list("abcde")), param="stop"),
             Case(
@@ -151,6 +178,14 @@ def _cases_for(path: str) -> list[Case]:
         ]
     if path == "completions":
         cases += [
+            # 130 sequences, over the default --max-sequences-per-request (128): the prompt list
+            # is what makes it too many (once 50 prompts x n 128 took 21.5 GB)
+            Case(
+                "prompts-times-n-beyond-cap",
+                path,
+                _with(path, prompt=[[1], [2]], n=65, temperature=1),
+                param="prompt",
+            ),
             Case("token-id-beyond-vocab", path, _with(path, prompt=[10**6]), param="prompt"),
             Case("negative-token-id", path, _with(path, prompt=[[1, 2], [-1]]), param="prompt"),
             Case("logprobs-beyond-limit", path, _with(path, logprobs=6), param="logprobs"),
@@ -167,7 +202,8 @@ def _cases_for(path: str) -> list[Case]:
             Case("logprobs-string", path, _with(path, logprobs="yes"), param="logprobs"),
         ]
     if path == "responses":
-        cases.append(
+        pairs = {f"k{i}": "v" for i in range(17)}
+        cases += [
             Case(
                 "unknown-previous-response",
                 path,
@@ -175,8 +211,19 @@ def _cases_for(path: str) -> list[Case]:
                 status=404,
                 param="previous_response_id",
                 code="response_not_found",
-            )
-        )
+            ),
+            Case("metadata-17-pairs", path, _with(path, metadata=pairs), param="metadata"),
+            Case(
+                "metadata-long-key", path, _with(path, metadata={"k" * 65: "v"}), param="metadata"
+            ),
+            Case(
+                "metadata-long-value",
+                path,
+                _with(path, metadata={"k": "v" * 513}),
+                param="metadata",
+            ),
+            Case("metadata-number", path, _with(path, metadata={"k": 1}), param="metadata"),
+        ]
     return cases
 
 
@@ -212,3 +259,11 @@ def test_a_served_odd_prompt_keeps_its_characters(base_url: str, engine: AsyncEn
     check_success("completions", body, reply)
     assert reply.json()["choices"][0]["text"].startswith(ODD_TEXT)
     assert reply.json()["usage"]["prompt_tokens"] == len(engine.tokenize(ODD_TEXT))
+
+
+def test_a_ten_digit_logit_bias_key_with_leading_zeros_is_a_token_id(base_url: str):
+    body = {"prompt": "Hi", "max_tokens": 1, "temperature": 0, "logit_bias": {"0000000005": 100}}
+    reply = post(base_url, "completions", body)
+    check_success("completions", body, reply)
+    plain = post(base_url, "completions", {**body, "logit_bias": {"5": 100}})
+    assert reply.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]

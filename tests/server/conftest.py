@@ -24,6 +24,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.model_loader import LoadedModel
 from server.app import create_app, make_runner
+from server.limits import ServerLimits
 
 KV_CACHE_BYTES = 64 << 20
 MAX_MODEL_LEN = 1024
@@ -82,7 +83,10 @@ def server_thread() -> Iterator[ServerThread]:
 def base_url(engine: AsyncEngine, server_thread: ServerThread) -> str:
     return server_thread.serve(
         lambda: create_app(
-            engine, max_body_bytes=MAX_BODY_BYTES, max_stored_responses=MAX_STORED_RESPONSES
+            engine,
+            limits=ServerLimits(
+                max_request_bytes=MAX_BODY_BYTES, max_stored_responses=MAX_STORED_RESPONSES
+            ),
         )
     )
 

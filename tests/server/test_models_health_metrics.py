@@ -6,7 +6,10 @@ import openai
 import pytest
 
 from engine.async_engine import AsyncEngine
-from tests.server.conftest import MAX_MODEL_LEN, assert_error, http, metric_values
+from server.app import create_app
+from tests.server.conftest import MAX_MODEL_LEN, ServerThread, assert_error, http, metric_values
+
+HF_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # a Hugging Face id: served names may have "/"
 
 GAUGES = [
     "paged_serve_requests_running",
@@ -48,6 +51,28 @@ def test_models_raw_shape(base_url: str, model_name: str):
     assert body["object"] == "list"
     assert body["data"][0]["id"] == model_name
     assert body["data"][0]["max_model_len"] == MAX_MODEL_LEN
+
+
+@pytest.fixture(scope="module")
+def hf_named_url(engine: AsyncEngine, server_thread: ServerThread) -> str:
+    return server_thread.serve(lambda: create_app(engine, served_model_name=HF_NAME))
+
+
+@pytest.mark.parametrize(
+    "name", [HF_NAME, HF_NAME.replace("/", "%2F"), HF_NAME.replace("/", "%2f")]
+)
+def test_a_served_name_with_a_slash_is_found(hf_named_url: str, name: str):
+    reply = http("GET", f"{hf_named_url}/v1/models/{name}")
+    assert reply.status == 200, reply.body
+    assert reply.json()["id"] == HF_NAME
+    client = openai.OpenAI(base_url=f"{hf_named_url}/v1", api_key="unused", max_retries=0)
+    assert client.models.retrieve(HF_NAME).id == HF_NAME
+
+
+@pytest.mark.parametrize("name", ["HuggingFaceTB/other", "HuggingFaceTB", f"{HF_NAME}/extra"])
+def test_another_name_with_a_slash_is_model_not_found(hf_named_url: str, name: str):
+    reply = http("GET", f"{hf_named_url}/v1/models/{name}")
+    assert_error(reply, 404, param="model", code="model_not_found")
 
 
 def test_health(base_url: str, engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch):

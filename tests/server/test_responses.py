@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 
 import openai
 import pytest
@@ -134,11 +135,11 @@ def test_stored_responses_are_scoped_to_the_api_key(keyed_url: str, model_name: 
 
 
 def _entry(owner: str | None = None) -> StoredResponse:
-    return StoredResponse({"id": "x"}, [], owner)
+    return StoredResponse.encode({"id": "x"}, [], owner)
 
 
 def test_store_is_a_bounded_lru():
-    store = ResponseStore(2)
+    store = ResponseStore(2, 1 << 20)
     store.put("a", _entry())
     store.put("b", _entry())
     assert store.get("a", None) is not None  # a is now the most recent
@@ -146,14 +147,64 @@ def test_store_is_a_bounded_lru():
     assert len(store) == 2
     assert store.get("b", None) is None  # evicted
     assert store.get("a", None) is not None and store.get("c", None) is not None
-    assert ResponseStore(0).get("a", None) is None
+    assert ResponseStore(0, 1 << 20).get("a", None) is None
 
 
 def test_store_scopes_entries_to_their_owner():
-    store = ResponseStore(4)
+    store = ResponseStore(4, 1 << 20)
     store.put("a", _entry("hash-1"))
     assert store.get("a", "hash-2") is None
     assert store.get("a", None) is None
     assert not store.delete("a", "hash-2")
     assert store.delete("a", "hash-1")
     assert store.get("a", "hash-1") is None
+
+
+def _sized(i: int, text_bytes: int) -> StoredResponse:
+    """An entry whose text (in the response and again in the conversation) is ``text_bytes``."""
+    text = f"{i:06d}" + "x" * (text_bytes - 6)
+    response = {"id": f"resp_{i}", "output": [{"content": [{"text": text}]}]}
+    return StoredResponse.encode(response, [{"role": "assistant", "content": text}], None)
+
+
+def test_store_is_bounded_by_bytes_and_counts_them_honestly():
+    """The issue's case: 200 responses of ~1 MB each once added 200 MB. Under a 16 MiB budget
+    the store keeps the newest that fit, and the memory it holds is what it counts."""
+    budget = 16 << 20
+    store = ResponseStore(1000, budget)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(200):
+            store.put(f"resp_{i}", _sized(i, 1 << 19))  # ~1 MB of JSON per entry
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert store.nbytes <= budget
+    per_entry = len("resp_199") + _sized(199, 1 << 19).nbytes
+    assert len(store) == budget // per_entry
+    assert store.get("resp_199", None) is not None and store.get("resp_0", None) is None
+    # what the store holds is what it counts, plus well under 1 KB of bookkeeping per entry
+    assert store.nbytes <= held <= store.nbytes + 1024 * len(store)
+
+
+def test_store_evicts_least_recently_used_bytes_first():
+    one_third = len("a") + _sized(0, 1000).nbytes
+    store = ResponseStore(100, 3 * one_third)
+    for name in "abc":
+        assert store.put(name, _sized(0, 1000))
+    assert store.get("a", None) is not None  # a is now the most recent
+    store.put("d", _sized(0, 1000))
+    assert store.get("b", None) is None
+    assert all(store.get(name, None) is not None for name in "acd")
+    assert store.nbytes == 3 * one_third
+    assert store.delete("c", None) and store.nbytes == 2 * one_third
+
+
+def test_an_entry_larger_than_the_budget_is_not_stored():
+    store = ResponseStore(100, 10_000)
+    assert store.put("small", _sized(0, 100))
+    assert not store.put("big", _sized(1, 10_000))
+    assert store.get("big", None) is None
+    assert store.get("small", None) is not None  # nothing was evicted for it
+    assert ResponseStore(100, 0).put("a", _sized(0, 10)) is False
