@@ -57,6 +57,8 @@ def make_samples(
         )
         for index, rid in enumerate(sample_ids(request_id, params.n))
     ]
+    if params.prompt_logprobs is not None:
+        samples[0].prompt_logprobs = [None]  # the forks copy the parent's when they join
     parent, *forks = samples
     parent.pending_forks = forks
     for child in forks:
@@ -91,6 +93,8 @@ def join_forks(batch: ScheduledBatch, block_manager: BlockManager, scheduler: Sc
             block_manager.fork(parent.request_id, child.request_id)
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
+            if parent.prompt_logprobs is not None:
+                child.prompt_logprobs = list(parent.prompt_logprobs)
             scheduler.add_running(child)
         parent.pending_forks = []
 

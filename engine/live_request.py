@@ -16,6 +16,7 @@ class LiveRequest:
 
     request: Request
     detokenizer: IncrementalDetokenizer
+    prompt_logprobs_sent: bool = False
 
     @classmethod
     def start(cls, request: Request, tokenizer: object | None) -> LiveRequest:
@@ -65,6 +66,9 @@ class LiveRequest:
         finished = finish_reason is not None
         if finished:
             self.detokenizer.flush()
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and not self.prompt_logprobs_sent:
+            prompt_logprobs, self.prompt_logprobs_sent = list(req.prompt_logprobs), True
         return RequestOutput(
             request_id=req.request_id,
             index=req.index,
@@ -79,6 +83,7 @@ class LiveRequest:
             stop_reason=stop_reason,
             metrics=metrics,
             error=error,
+            prompt_logprobs=prompt_logprobs,
         )
 
 

@@ -64,7 +64,11 @@ class LLMEngine:
             else None
         )
         self.runner = ModelRunner(
-            loaded.model, config, self.device, max_model_len=self.max_model_len
+            loaded.model,
+            config,
+            self.device,
+            max_model_len=self.max_model_len,
+            eos_token_ids=tuple(sorted(self.eos_token_ids)),
         )
         self.block_manager = BlockManager(
             self.runner.kv_cache.num_blocks,
@@ -221,6 +225,8 @@ class LLMEngine:
             req = sched.request
             req.num_computed_tokens = sched.end
             bm.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            if req.request_id in result.prompt_logprobs:
+                req.prompt_logprobs += result.prompt_logprobs[req.request_id]
         join_forks(batch, bm, self.scheduler)
         return self._process(result)
 
@@ -255,6 +261,8 @@ class LLMEngine:
         """Append the sampled token, detokenize, and decide whether the request is done."""
         req = live.request
         token = result.token_ids[i]
+        if req.params.max_tokens == 0:  # scoring only: the prompt is done, nothing to generate
+            return self._finish(live, "length", now=now)
         if token == INVALID_TOKEN:
             # The sampler found no usable logit in the row (NaN, +inf, or nothing finite):
             # fail the request rather than emit an arbitrary token.

@@ -7,7 +7,9 @@ generated ``c[j]`` times), in this order (vLLM's):
 2. ``repetition_penalty`` r: for every token in ``P`` or ``O``, a logit ``x > 0`` becomes
    ``x / r`` and ``x <= 0`` becomes ``x * r`` (Hugging Face's ``repetition_penalty``);
 3. ``frequency_penalty`` f: ``x[j] -= f * c[j]``;
-4. ``presence_penalty`` p: ``x[j] -= p`` for every ``j`` with ``c[j] > 0`` (OpenAI's rule).
+4. ``presence_penalty`` p: ``x[j] -= p`` for every ``j`` with ``c[j] > 0`` (OpenAI's rule);
+5. ``min_tokens`` m: while fewer than ``m`` tokens are generated, EOS and the request's
+   ``stop_token_ids`` are set to -inf (vLLM's rule), so they cannot be drawn.
 
 Only rows that ask for one of these are touched; the sampler (greedy or not) then draws from
 the result. The logprobs a request reports stay the model's own, as vLLM's do by default.
@@ -77,14 +79,25 @@ def _add_bias(logits: torch.Tensor, pairs: Sequence[Sequence[tuple[int, float]]]
     return flat.view_as(logits)
 
 
-def adjust_logits(logits: torch.Tensor, rows: Sequence[Request]) -> torch.Tensor:
-    """``logits`` ``[len(rows), V]`` with each row's logit bias, then penalties, applied;
-    ``logits`` itself when no row asks for either (the common case costs nothing).
+def _too_early(request: Request) -> bool:
+    return len(request.output_token_ids) < request.params.min_tokens
+
+
+def adjust_logits(
+    logits: torch.Tensor, rows: Sequence[Request], eos_token_ids: Sequence[int] = ()
+) -> torch.Tensor:
+    """``logits`` ``[len(rows), V]`` with each row's logit bias, then penalties, then its
+    ``min_tokens`` block of EOS and stop ids applied; ``logits`` itself when no row asks for
+    any of them (the common case costs nothing).
 
     One gather and one scatter of the rows that ask; within them, a row that asks only for a
     bias contributes no tokens to the penalties, and the other way round.
     """
-    wanted = [i for i, r in enumerate(rows) if r.params.logit_bias or r.params.has_penalties]
+    wanted = [
+        i
+        for i, r in enumerate(rows)
+        if r.params.logit_bias or r.params.has_penalties or _too_early(r)
+    ]
     if not wanted:
         return logits
     chosen = [rows[i].params for i in wanted]
@@ -99,4 +112,12 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence[Request]) -> torch.Tensor
         frequency=[p.frequency_penalty for p in chosen],
         presence=[p.presence_penalty for p in chosen],
     )
+    blocked = [
+        [*eos_token_ids, *rows[i].params.stop_token_ids] if _too_early(rows[i]) else []
+        for i in wanted
+    ]
+    if any(blocked):
+        flat = selected.flatten()
+        flat[cpu_to_device(_flat_index(blocked, logits.shape[1]), logits.device)] = float("-inf")
+        selected = flat.view_as(selected)
     return logits.index_copy(0, index, selected)

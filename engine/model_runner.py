@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,8 @@ from engine.forks import sampling_rows
 from engine.host_tensors import cpu_to_device, to_device
 from engine.kv_cache import KVCache, kv_budget_bytes
 from engine.logit_adjustments import adjust_logits
+from engine.outputs import TokenLogprob
+from engine.prompt_logprobs import PromptScores, PromptScoring, plan_prompt_scoring, score_prompt
 from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import ScheduledBatch
@@ -45,6 +47,8 @@ class StepResult:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]
+    # Per request id: the prompt tokens this step scored (requests that asked for them only).
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,17 +60,19 @@ class LaunchedStep:
     tokens: torch.Tensor | None
     logprobs: torch.Tensor | None
     top: tuple[torch.Tensor, torch.Tensor] | None
+    prompt_scores: PromptScores | None = None
 
     def read(self) -> StepResult:
         """Wait for the device and return the step's results as Python values."""
+        prompt = self.prompt_scores.read() if self.prompt_scores is not None else {}
         if self.tokens is None or self.logprobs is None:
-            return StepResult([], [], [], [])
+            return StepResult([], [], [], [], prompt)
         token_ids = self.tokens.tolist()  # the sync
         top: list[list[tuple[int, float]]] = [[] for _ in token_ids]
         if self.top is not None:
             values, indices = self.top
             top = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
-        return StepResult(self.request_ids, token_ids, self.logprobs.tolist(), top)
+        return StepResult(self.request_ids, token_ids, self.logprobs.tolist(), top, prompt)
 
 
 class ModelRunner:
@@ -85,8 +91,10 @@ class ModelRunner:
         device: torch.device,
         *,
         max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
     ):
         self.model = model
+        self.eos_token_ids = eos_token_ids  # blocked while a row is short of its min_tokens
         self.device = device
         self.backend_name = resolve_backend_name(config.attention_backend, device)
         self.backend = make_backend(self.backend_name)
@@ -158,11 +166,34 @@ class ModelRunner:
             ctx,
         )
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Logits ``[len(logit_rows), V]`` of the step, or None when no request samples.
+    def forward(
+        self, inputs: StepInputs, scoring: PromptScoring | None = None
+    ) -> tuple[torch.Tensor | None, PromptScores | None]:
+        """Logits ``[len(logit_rows), V]`` of the step (None when no request samples) and the
+        prompt scores ``scoring`` asks for.
 
         Decode-shaped steps replay a captured graph when one holds them; others run eagerly.
         """
+        if scoring is not None:
+            return self._forward_scoring(inputs, scoring)
+        return self._forward_logits(inputs), None
+
+    def _forward_scoring(
+        self, inputs: StepInputs, scoring: PromptScoring
+    ) -> tuple[torch.Tensor | None, PromptScores]:
+        """The eager forward to hidden states, then the LM head on the sampled rows and, chunk
+        by chunk, on the prompt rows being scored."""
+        input_ids, position_ids, ctx = self.build_context(inputs)
+        with attention_context(ctx):
+            out = self.model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        hidden = out.last_hidden_state[0]  # [T, H]
+        lm_head = self.model.get_output_embeddings()
+        logits = None
+        if inputs.logit_rows:
+            logits = lm_head(hidden.index_select(0, self._tensor(inputs.logit_rows, torch.long)))
+        return logits, score_prompt(hidden, lm_head, scoring)
+
+    def _forward_logits(self, inputs: StepInputs) -> torch.Tensor | None:
         if self.graphs is not None and self.graphs.holds(inputs):
             logits = self.graphs.run(inputs)
             if not inputs.logit_rows:
@@ -203,23 +234,26 @@ class ModelRunner:
         if batch.block_copies:
             mapping = self._tensor([list(p) for p in batch.block_copies], torch.int64)
             self.backend.copy_blocks(self.kv_cache.tensor, block_mapping=mapping)
-        logits = self.forward(flatten_step(batch, block_tables, self.block_size))
+        inputs = flatten_step(batch, block_tables, self.block_size)
+        logits, prompt_scores = self.forward(inputs, plan_prompt_scoring(batch, inputs.cu_seqlens))
         rows = sampling_rows(batch)
         if logits is None:
-            return LaunchedStep([], None, None, None)
+            return LaunchedStep([], None, None, None, prompt_scores)
         logits = logits.float()  # [num_sampled, V]
         # Filled here, after the forward is queued: on a GPU the host fills masks meanwhile.
         host_mask = fill_token_bitmask(rows, self.vocab_size)
-        adjusted = adjust_logits(logits, rows)
+        adjusted = adjust_logits(logits, rows, self.eos_token_ids)
         if host_mask is not None:
             mask = cpu_to_device(host_mask, self.device)
             adjusted = reference.apply_token_bitmask_ref(adjusted, mask)
         tokens, logprobs = self.sampler(adjusted, self.sampling_batch(rows))
         if adjusted is not logits:  # report the model's own logprobs, before bias and penalties
-            logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+            # (an INVALID_TOKEN row reads index 0: that request fails, its logprob is unused)
+            safe = tokens.clamp(min=0)[:, None]
+            logprobs = torch.log_softmax(logits, dim=-1).gather(1, safe).squeeze(1)
         k = max((r.params.logprobs or 0) for r in rows)
         top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1) if k > 0 else None
-        return LaunchedStep([r.request_id for r in rows], tokens, logprobs, top)
+        return LaunchedStep([r.request_id for r in rows], tokens, logprobs, top, prompt_scores)
 
     def execute(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> StepResult:
         """Run the step and read its sampled tokens back (the step's one host sync)."""

@@ -48,6 +48,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     index: int = 0  # which of the request's n samples this is
     error: str | None = None  # set with finish_reason "error": processing this request failed
+    # On a request's first output when it asked for prompt_logprobs: one entry per prompt
+    # token, None for the first (it has no context).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -61,10 +64,13 @@ class CompletionResult:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.token_ids += out.new_token_ids
         self.text += out.new_text
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.new_logprobs is not None:
             self.logprobs = (self.logprobs or []) + out.new_logprobs
         if out.finished:

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -46,6 +47,9 @@ class Request:
     # With a structured output: the sequence's grammar matcher (xgrammar.GrammarMatcher), fed
     # every accepted token; it survives preemption (the outputs are kept, only K/V recomputed).
     matcher: object | None = None
+    # With prompt_logprobs asked: one entry per prompt token scored so far (None for token 0,
+    # which has no context); see engine/prompt_logprobs.py.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -55,6 +59,13 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def needs_prompt_scoring(self) -> bool:
+        """Asked for prompt logprobs and some prompt token is not scored yet (such a request
+        computes its whole prompt: a cached block has no logits)."""
+        scored = self.prompt_logprobs
+        return scored is not None and len(scored) < len(self.prompt_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -40,6 +40,12 @@ class SamplingParams:
     logits of every token in the prompt or the output. logit_bias: (token id, bias in
     [-100, 100]) pairs added to those tokens' logits (a dict is accepted).
     See ``engine/logit_adjustments.py``.
+    structured_output: a constraint every output must satisfy (JSON schema, regex, choice,
+    grammar; see ``engine/structured_output.py``); None leaves the output free.
+    max_tokens 0 generates nothing: with prompt_logprobs, a request that only scores its prompt.
+    prompt_logprobs: report every prompt token's logprob with this many top alternatives (0:
+    the token's own only; None: none). See ``engine/prompt_logprobs.py``.
+    min_tokens: EOS and ``stop_token_ids`` cannot be sampled before this many tokens (vLLM's).
     """
 
     max_tokens: int = 16
@@ -59,6 +65,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured_output: StructuredOutput | None = None
+    prompt_logprobs: int | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,8 +79,17 @@ class SamplingParams:
             "logit_bias",
             tuple(tuple(p) for p in (bias.items() if isinstance(bias, dict) else bias)),
         )
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError(
+                "max_tokens must be an integer >= 1 (0 only scores a prompt, with prompt_logprobs)"
+            )
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -102,6 +119,10 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not math.isfinite(value) or abs(value) > MAX_PENALTY:

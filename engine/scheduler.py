@@ -116,7 +116,7 @@ class Scheduler:
             if seats + group_size(request) > self.max_num_seqs:
                 break
             tokens = request.all_token_ids
-            cached = bm.cached_prefix(tokens)
+            cached = [] if request.needs_prompt_scoring else bm.cached_prefix(tokens)
             start = len(cached) * bm.block_size
             num_new = min(request.num_tokens - start, budget)
             if not bm.can_allocate(start + num_new, cached):
