@@ -23,7 +23,9 @@ Algorithm (per row; all passes stream the row in chunks of ``BLOCK_V``)
    the mass strictly above ``t`` is ``< top_p * mass(top-k set)``: bin ``d`` holds a kept value
    iff it is non-empty and (mass above the prefix) + (mass of higher bins) < target, and we
    descend into the lowest such bin. Tokens with ``p >= t`` are exactly the reference's
-   nucleus (ties included, since "above" is strict).
+   nucleus (ties included, since "above" is strict). The mass of higher bins is a masked sum,
+   exactly 0 for the highest non-empty bin in any order, so the bin chosen at one level always
+   holds a qualifying bin at the next: the walk does not depend on exact float sums.
 5. min-p: ``p >= min_p * max p`` with ``max p = 1 / sum``.
 6. the race over kept tokens with ``u = tl.rand(seed, (step << 32) + token)``: Triton's Philox
    with the row's 64-bit seed as key and counter words (token, step mod 2^32, 0, 0). A seeded
@@ -65,6 +67,20 @@ def _ordered_key(x):
     # uint32 through a -1 that numpy 2 refuses to cast (compiled code is the same either way).
     all_ones = tl.full(bits.shape, 0xFFFFFFFF, tl.uint32)
     return tl.where((bits & sign) != 0, bits ^ all_ones, bits | sign)
+
+
+@triton.jit
+def _mass_of_higher_bins(mass):
+    """``[B, 16]`` bin masses -> ``[B, 16]``: for each bin ``d``, the mass of the bins above it.
+
+    A masked sum, not ``total - cumsum``: the bins above the highest non-empty one contribute
+    only zeros, so its result is exactly 0.0 whatever order the reduction adds in. (A GPU scans
+    with warp shuffles, so ``total - cum[d]`` is a few ulps off zero there, and a top-p walk
+    relying on it can find no qualifying bin, keep nothing and draw token 0.)
+    """
+    digits = tl.arange(0, 16)
+    higher = digits[None, :] > digits[:, None]  # [d, d']: bin d' is above bin d
+    return tl.sum(tl.where(higher[None, :, :], mass[:, None, :], 0.0), 2)
 
 
 @triton.jit
@@ -172,13 +188,13 @@ def _sample_kernel(
                 onehot = (digit[:, :, None] == digits[None, None, :]) & mask[:, :, None]
                 count += tl.sum(onehot.to(tl.int32), 1)
                 mass += tl.sum(tl.where(onehot, p[:, :, None], 0.0), 1)
-            cum = tl.cumsum(mass, 1)
-            total = tl.sum(tl.where(digits[None, :] == 15, cum, 0.0), 1)
             if r == 0:
-                target = top_p * total
-            # Mass strictly above the largest key of bin d. Computing it as total - cum keeps
-            # the chosen bin's value bit-identical to the next level's mass_above.
-            above = mass_above[:, None] + (total[:, None] - cum)
+                target = top_p * tl.sum(mass, 1)
+            # Mass strictly above the largest key of bin d. The highest non-empty bin gets
+            # exactly mass_above, in any summation order, so after the first level the bin
+            # holding the previous level's choice always qualifies: the walk cannot come out
+            # empty while target > 0.
+            above = mass_above[:, None] + _mass_of_higher_bins(mass)
             holds_kept = (count > 0) & (above < target[:, None])
             d_sel = tl.min(tl.where(holds_kept, digits[None, :], 16), 1)
             p_empty = p_empty | (d_sel == 16)
