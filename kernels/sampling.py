@@ -5,12 +5,15 @@ Semantics are exactly those of :func:`kernels.reference.sample_ref` (keep rule i
 top-k-renormalised distribution) and min-p on ``p = softmax(logits / temperature)``, and the
 draw is the exponential race ``argmax_i p_i / E_i``, ``E_i = -log(u_i)``, over kept tokens.
 Temperature-0 rows are argmax of the raw logits (lowest index on ties). The logprob is
-``log_softmax(logits)`` (unscaled) at the chosen token.
+``log_softmax(logits)`` (unscaled) at the chosen token. A row holding a NaN or +inf, or no
+finite value at all, is invalid: its token is -1 and its logprob NaN, at any temperature.
 
 Algorithm (per row; all passes stream the row in chunks of ``BLOCK_V``)
 --------------------------------------------------------------------
 1. max and argmax of the raw logits (greedy token); ``max z = max logits / temperature``
-   exactly, since division by a positive number is monotone.
+   exactly, since division by a positive number is monotone. The same pass counts NaN and
+   +inf entries (invalid rows) and keeps NaN out of the max/argmax, whose NaN handling on a
+   GPU depends on the reduction tree.
 2. ``sum exp(x - max x)`` (for the logprob) and ``sum exp(z - max z)`` (for ``p``).
 3. top-k threshold, only if some row in the tile uses top-k: a radix select of the k-th
    largest ``z``. ``z`` is mapped to a uint32 key that sorts like the float (-0.0 folded into
@@ -114,17 +117,23 @@ def _sample_kernel(
     k_on = row_mask & (top_k > 0) & (top_k < vocab_size)
     p_on = row_mask & (top_p < 1.0)
 
-    # -- pass 1: max and first argmax of the raw logits
+    # -- pass 1: max and first argmax of the raw logits; rows holding NaN or +inf
     x_max = tl.full([BLOCK_B], float("-inf"), dtype=tl.float32)
     greedy = tl.zeros([BLOCK_B], dtype=tl.int32)
+    num_bad = tl.zeros([BLOCK_B], dtype=tl.int32)
     for v0 in range(0, vocab_size, BLOCK_V):
         idx = v0 + cols
         mask = row_mask[:, None] & (idx < vocab_size)[None, :]
         x = tl.load(row_ptr[:, None] + idx[None, :], mask=mask, other=float("-inf"))
+        num_bad += tl.sum(((x != x) | (x == float("inf"))).to(tl.int32), 1)
+        # NaN never reaches the reductions: a GPU's tl.max skips it while tl.argmax keeps it
+        # or not depending on the reduction tree (the row's token is -1 anyway).
+        x = tl.where(x != x, float("-inf"), x)
         c_max = tl.max(x, 1)
         c_arg = tl.argmax(x, 1, tie_break_left=True)
         greedy = tl.where(c_max > x_max, v0 + c_arg, greedy)  # strict: earlier chunk wins ties
         x_max = tl.maximum(x_max, c_max)
+    invalid = (num_bad > 0) | (x_max == float("-inf"))  # NaN, +inf or nothing finite
     x_ref = tl.where(x_max == float("-inf"), 0.0, x_max)
     z_max = x_ref / temp
 
@@ -226,8 +235,8 @@ def _sample_kernel(
         drawn = tl.where(c_best > best, v0 + c_arg, drawn)
         best = tl.maximum(best, c_best)
 
-    token = tl.where(temperature > 0.0, drawn, greedy)
-    x_tok = tl.load(row_ptr + token, mask=row_mask, other=0.0)
+    token = tl.where(invalid, -1, tl.where(temperature > 0.0, drawn, greedy))
+    x_tok = tl.load(row_ptr + token, mask=row_mask & ~invalid, other=float("nan"))
     logprob = x_tok - x_ref - tl.log(tl.where(sum_x > 0.0, sum_x, 1.0))
     tl.store(tokens_ptr + rows, token.to(tl.int64), mask=row_mask)
     tl.store(logprobs_ptr + rows, logprob, mask=row_mask)
@@ -276,6 +285,8 @@ def sample(
     steps: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; returns ``(token_ids [B] int64, logprobs [B] fp32)``.
+
+    Rows holding a NaN or +inf, or no finite value, get token -1 and logprob NaN.
 
     logits: ``[B, V]`` fp32 (last dim contiguous); temperature, top_p, min_p: ``[B]`` fp32
     (temperature 0 = greedy); top_k: ``[B]`` int32 (``<= 0`` or ``>= V`` disables); seeds,

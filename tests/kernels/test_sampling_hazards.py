@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.reference import sampling_keep_mask
-from kernels.sampling import sample
+from kernels.reference import greedy_ref, invalid_rows, sample_ref, sampling_keep_mask
+from kernels.sampling import sample, sampling_uniforms
 
 VOCAB = 1024
 # Slack for the keep-set check: near a boundary kernel and reference may round either way.
@@ -96,3 +96,68 @@ def test_top_p_near_boundary_sweep_cuda(device):
         part = {k: v[chunk] for k, v in params.items()}
         tokens, _ = sample(logits[chunk], **part)
         assert_draws_in_support(logits[chunk], part, tokens)
+
+
+def non_finite_batch(device):
+    """16 logit rows over two vocabulary chunks, the first 8 invalid, each at T = 0 and T > 0.
+
+    Returns ``(logits [32, V], params, invalid [32] bool)``.
+    """
+    vocab = 1500  # two chunks of 1024: bad entries in either chunk
+    nan, inf = float("nan"), float("inf")
+    gen = torch.Generator().manual_seed(17)
+    logits = torch.randn(16, vocab, generator=gen) * 2
+    logits[0, 5] = nan  # one NaN in the first chunk
+    logits[1, 1400] = nan  # ... in the second
+    logits[2] = nan  # all NaN
+    logits[3, 17] = inf  # one +inf
+    logits[4, [3, 1030]] = torch.tensor([inf, nan])
+    logits[5] = -inf  # nothing finite
+    logits[6] = -inf
+    logits[6, 1200] = nan  # NaN among -inf
+    logits[7, 1024:] = inf  # a whole chunk of +inf
+    # Valid rows, some with -inf entries (a masked vocabulary is fine) and one finite token.
+    logits[9, ::2] = -inf
+    logits[10, :-1] = -inf
+    logits[11, 1300] = 1e30  # huge but finite
+    invalid = torch.tensor([True] * 8 + [False] * 8).repeat(2)
+    logits = logits.repeat(2, 1)
+    params = dict(
+        temperature=torch.tensor([0.0] * 16 + [0.9] * 16),
+        top_k=torch.tensor([0, 5, 0, 40] * 8, dtype=torch.int32),
+        top_p=torch.tensor([1.0, 1.0, 0.8, 0.5] * 8),
+        min_p=torch.tensor([0.0, 0.1] * 16),
+        seeds=torch.arange(32, dtype=torch.int64) + 1000,
+        steps=torch.full((32,), 5, dtype=torch.int64),
+    )
+    return logits.to(device), {k: v.to(device) for k, v in params.items()}, invalid.to(device)
+
+
+@pytest.mark.gpu_hazard
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf - inf
+def test_non_finite_rows_give_minus_one(device, interpreter_order):
+    logits, params, invalid = non_finite_batch(device)
+    assert torch.equal(invalid_rows(logits), invalid)
+    tokens, logprobs = sample(logits, **params)
+    assert (tokens[invalid] == -1).all(), tokens.tolist()
+    assert logprobs[invalid].isnan().all()
+    valid = ~invalid
+    assert (tokens[valid] >= 0).all() and logprobs[valid].isfinite().all()
+
+    # The reference agrees row for row, valid rows included (same uniforms).
+    uniforms = sampling_uniforms(
+        seeds=params["seeds"], steps=params["steps"], vocab_size=logits.shape[1]
+    )
+    keep_args = {k: params[k] for k in ("temperature", "top_k", "top_p", "min_p")}
+    ref_tokens, ref_logprobs = sample_ref(logits, uniforms=uniforms, **keep_args)
+    assert torch.equal(tokens, ref_tokens)
+    assert ref_logprobs[invalid].isnan().all()
+    torch.testing.assert_close(logprobs[valid], ref_logprobs[valid], atol=1e-5, rtol=1e-5)
+    greedy, _ = greedy_ref(logits)
+    greedy_rows = params["temperature"] == 0
+    assert torch.equal(greedy[greedy_rows], tokens[greedy_rows])
+
+    # Valid rows are unaffected by invalid neighbours: the same tokens sampled without them.
+    alone, alone_logprobs = sample(logits[valid], **{k: v[valid] for k, v in params.items()})
+    assert torch.equal(alone, tokens[valid])
+    assert torch.equal(alone_logprobs, logprobs[valid])
