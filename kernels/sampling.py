@@ -54,6 +54,7 @@ import triton.language as tl
 _MAX_BLOCK_V = 1024
 _TILE_CUDA = 1024
 _TILE_INTERPRET = 65536
+_NUM_WARPS = 8
 
 
 def _interpreting() -> bool:
@@ -329,7 +330,7 @@ def sample(
         logits.stride(0),
         BLOCK_B=block_b,
         BLOCK_V=block_v,
-        num_warps=8,
+        num_warps=_NUM_WARPS,
     )
     return tokens, logprobs
 
