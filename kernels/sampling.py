@@ -200,10 +200,8 @@ def _sample_kernel(
                 mass += tl.sum(tl.where(onehot, p[:, :, None], 0.0), 1)
             if r == 0:
                 target = top_p * tl.sum(mass, 1)
-            # Mass strictly above the largest key of bin d. The highest non-empty bin gets
-            # exactly mass_above, in any summation order, so after the first level the bin
-            # holding the previous level's choice always qualifies: the walk cannot come out
-            # empty while target > 0.
+            # Mass strictly above the largest key of bin d; exactly mass_above for the highest
+            # non-empty bin, so the previous level's choice always qualifies here.
             above = mass_above[:, None] + _mass_of_higher_bins(mass)
             holds_kept = (count > 0) & (above < target[:, None])
             d_sel = tl.min(tl.where(holds_kept, digits[None, :], 16), 1)
