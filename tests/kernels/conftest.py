@@ -13,6 +13,7 @@ runs every kernel test of the session in the GPU's tree order (CI does both).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from tests.kernels.gpu_order import ORDERS, reduction_order  # noqa: E402
+from tests.kernels.gpu_order import ORDERS  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 SESSION_ORDER = os.environ.get("PAGED_SERVE_INTERPRETER_ORDER", "sequential")
@@ -56,10 +57,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def _reduction_order(order: str):
+    """The interpreter's reduction order for a block; a GPU runs its own, so nothing there."""
+    if HAS_CUDA:
+        return contextlib.nullcontext()
+    from tests.kernels.gpu_order import reduction_order
+
+    return reduction_order(order)
+
+
 @pytest.fixture(autouse=True)
 def _session_reduction_order():
     """Every kernel test runs in ``PAGED_SERVE_INTERPRETER_ORDER`` (default: sequential)."""
-    with reduction_order("sequential" if HAS_CUDA else SESSION_ORDER):
+    with _reduction_order(SESSION_ORDER):
         yield
 
 
@@ -71,7 +81,7 @@ def interpreter_order(request: pytest.FixtureRequest):
     """
     if HAS_CUDA and request.param != "sequential":
         pytest.skip("a GPU reduces in its own order")
-    with reduction_order(request.param):
+    with _reduction_order(request.param):
         yield request.param
 
 

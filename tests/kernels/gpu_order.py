@@ -26,6 +26,7 @@ interpreter's order.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -50,18 +51,20 @@ def _argbest(better: Callable[[np.ndarray, np.ndarray], np.ndarray], tie_left: b
     return combine
 
 
-def _reduce_combine(combine_fn) -> Combine | None:
-    std = tl.standard
-    table = {
-        std._sum_combine: lambda a, b: (a[0] + b[0],),
-        std._elementwise_max: lambda a, b: (np.fmax(a[0], b[0]),),
-        std._elementwise_min: lambda a, b: (np.fmin(a[0], b[0]),),
-        std._argmax_combine_tie_break_left: _argbest(np.greater, True),
-        std._argmax_combine_tie_break_fast: _argbest(np.greater, False),
-        std._argmin_combine_tie_break_left: _argbest(np.less, True),
-        std._argmin_combine_tie_break_fast: _argbest(np.less, False),
+@functools.cache
+def _combines() -> dict:
+    """Triton's combine functions this module knows, by identity, as array combines."""
+    by_name = {
+        "_sum_combine": lambda a, b: (a[0] + b[0],),
+        "_elementwise_max": lambda a, b: (np.fmax(a[0], b[0]),),
+        "_elementwise_min": lambda a, b: (np.fmin(a[0], b[0]),),
+        "_argmax_combine_tie_break_left": _argbest(np.greater, True),
+        "_argmax_combine_tie_break_fast": _argbest(np.greater, False),
+        "_argmin_combine_tie_break_left": _argbest(np.less, True),
+        "_argmin_combine_tie_break_fast": _argbest(np.less, False),
     }
-    return table.get(combine_fn)
+    std = tl.standard
+    return {getattr(std, n): f for n, f in by_name.items() if hasattr(std, n)}
 
 
 def tree_reduce(arrays: tuple[np.ndarray, ...], axis: int, combine: Combine) -> tuple:
@@ -89,7 +92,7 @@ def tree_cumsum(data: np.ndarray, axis: int) -> np.ndarray:
 
 def _tree_reduce_impl(original):
     def apply_impl(self, input):
-        combine = _reduce_combine(self.combine_fn)
+        combine = _combines().get(self.combine_fn)
         arity = 2 if self.combine_fn.__name__.startswith("_arg") else 1  # (value, index) pairs
         if combine is None or len(input) != arity:
             return original(self, input)
@@ -100,10 +103,10 @@ def _tree_reduce_impl(original):
         out = tree_reduce(tuple(datas), axis, combine)
         ret = []
         for value, t in zip(out, input):
-            if self.keep_dims:
-                value = np.expand_dims(value, axis if self.axis is not None else 0)
-                if self.axis is None:
-                    value = value.reshape((1,) * t.handle.data.ndim)
+            if self.keep_dims and self.axis is None:
+                value = np.reshape(value, (1,) * t.handle.data.ndim)
+            elif self.keep_dims:
+                value = np.expand_dims(value, axis)
             ret.append(self.to_tensor(value, t.dtype))
         return ret
 
@@ -125,8 +128,12 @@ def _tree_scan_impl(original):
     return apply_impl
 
 
-_SEQUENTIAL = (interpreter.ReduceOps.apply_impl, interpreter.ScanOps.apply_impl)
-_TREE = (_tree_reduce_impl(_SEQUENTIAL[0]), _tree_scan_impl(_SEQUENTIAL[1]))
+@functools.cache
+def _implementations() -> dict[str, tuple]:
+    """(reduce, scan) implementations per order; the interpreter's own, read on first use."""
+    reduce_impl, scan_impl = interpreter.ReduceOps.apply_impl, interpreter.ScanOps.apply_impl
+    tree = (_tree_reduce_impl(reduce_impl), _tree_scan_impl(scan_impl))
+    return {"sequential": (reduce_impl, scan_impl), "tree": tree}
 
 
 @contextlib.contextmanager
@@ -138,8 +145,8 @@ def reduction_order(order: str) -> Iterator[None]:
     """
     if order not in ORDERS:
         raise ValueError(f"reduction order must be one of {ORDERS}, got {order!r}")
+    reduce_impl, scan_impl = _implementations()[order]
     saved = (interpreter.ReduceOps.apply_impl, interpreter.ScanOps.apply_impl)
-    reduce_impl, scan_impl = _TREE if order == "tree" else _SEQUENTIAL
     interpreter.ReduceOps.apply_impl = reduce_impl
     interpreter.ScanOps.apply_impl = scan_impl
     try:
