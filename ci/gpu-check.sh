@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # One prepared check for a machine with a GPU and no internet, in under 8 minutes:
-#   1. kernels[cuda]   pytest tests/kernels -m cuda         the CUDA grids, compiled Triton
-#   2. kernels[other]  pytest tests/kernels -m "not cuda"   the rest of the kernel tests, on CUDA
-#   3. engine[cuda]    pytest tests -m cuda (engine files)  decode CUDA graphs, no host sync
-#   4. perf            pytest perf/                         microbenchmarks and their table
-#   5. e2e             python -m perf.bench_e2e --device cuda --model-shape qwen3-0.6b (scaled),
+#   1. hazards         pytest -m gpu_hazard (issue 17)      what the interpreter cannot show:
+#                      a 154,200-row near-boundary top-p sweep (no draw outside the support),
+#                      NaN/+inf/all -inf rows (token -1), CUDA graphs vs eager vs float64 HF
+#   2. kernels[cuda]   pytest tests/kernels -m cuda         the CUDA grids, compiled Triton
+#   3. kernels[other]  pytest tests/kernels -m "not cuda"   the rest of the kernel tests, on CUDA
+#   4. engine[cuda]    pytest tests -m cuda (engine files)  decode CUDA graphs, no host sync
+#   5. perf            pytest perf/                         microbenchmarks and their table
+#   6. e2e             python -m perf.bench_e2e --device cuda --model-shape qwen3-0.6b (scaled),
 #                      graphs on and off (--compare-eager)
+# Steps 2-4 leave out the gpu_hazard tests, which step 1 runs.
 # each under its own time limit, then a summary table, printed last (GPU, driver, versions,
 # pass/fail counts, the issue's targets, the e2e ratios). Exit 0 when every step passed; a
 # target that is not met never fails the check. Nothing is downloaded: missing packages are
@@ -21,8 +25,8 @@
 #   GPU_CHECK_JOBS         parallel shards for the kernel tests: compiling is CPU-bound (6)
 #   GPU_CHECK_E2E_SCALE    fraction of the issue's e2e workload, 0 < s <= 1 (0.25)
 #   GPU_CHECK_BUDGET_S     limit for the whole script; no step runs past it (465)
-#   GPU_CHECK_TIMEOUT_KERNELS_CUDA / _KERNELS_OTHER / _ENGINE / _PERF / _E2E
-#                          step limits, s (140/45/45/150/85)
+#   GPU_CHECK_TIMEOUT_HAZARDS / _KERNELS_CUDA / _KERNELS_OTHER / _ENGINE / _PERF / _E2E
+#                          step limits, s (60/125/40/30/130/80)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
@@ -41,11 +45,12 @@ PY="${PYTHON:-python3}"
 BUDGET_S="${GPU_CHECK_BUDGET_S:-465}"
 JOBS="${GPU_CHECK_JOBS:-6}"
 SCALE="${GPU_CHECK_E2E_SCALE:-0.25}"
-T_KERNELS_CUDA="${GPU_CHECK_TIMEOUT_KERNELS_CUDA:-140}"
-T_KERNELS_OTHER="${GPU_CHECK_TIMEOUT_KERNELS_OTHER:-45}"
-T_ENGINE="${GPU_CHECK_TIMEOUT_ENGINE:-45}"
-T_PERF="${GPU_CHECK_TIMEOUT_PERF:-150}"
-T_E2E="${GPU_CHECK_TIMEOUT_E2E:-85}"
+T_HAZARDS="${GPU_CHECK_TIMEOUT_HAZARDS:-60}"
+T_KERNELS_CUDA="${GPU_CHECK_TIMEOUT_KERNELS_CUDA:-125}"
+T_KERNELS_OTHER="${GPU_CHECK_TIMEOUT_KERNELS_OTHER:-40}"
+T_ENGINE="${GPU_CHECK_TIMEOUT_ENGINE:-30}"
+T_PERF="${GPU_CHECK_TIMEOUT_PERF:-130}"
+T_E2E="${GPU_CHECK_TIMEOUT_E2E:-80}"
 WHEELS="${GPU_CHECK_WHEELS:-}"
 if [ -z "$WHEELS" ] && [ -d .whl ]; then WHEELS="$REPO/.whl"; fi
 if [ "$DRY_RUN" = 1 ]; then
@@ -57,7 +62,7 @@ else
   # Only this script's own files from an earlier run (the folder may be shared).
   rm -f "$LOG_DIR"/steps.tsv "$LOG_DIR"/env.json "$LOG_DIR"/perf.json "$LOG_DIR"/benchmark.json \
     "$LOG_DIR"/kernels_*.xml "$LOG_DIR"/kernels_*.log "$LOG_DIR"/kernels_*.out \
-    "$LOG_DIR"/kernels_*.err "$LOG_DIR"/engine_cuda* "$LOG_DIR"/perf.xml "$LOG_DIR"/perf.out "$LOG_DIR"/perf.err \
+    "$LOG_DIR"/kernels_*.err "$LOG_DIR"/engine_cuda* "$LOG_DIR"/hazards.* "$LOG_DIR"/perf.xml "$LOG_DIR"/perf.out "$LOG_DIR"/perf.err \
     "$LOG_DIR"/e2e.out "$LOG_DIR"/e2e.err
 fi
 LOG_DIR="$(cd "$LOG_DIR" && pwd)"
@@ -72,6 +77,8 @@ export PAGED_SERVE_PERF_JSON="$LOG_DIR/perf.json"
 say() { echo "gpu-check: $*"; }
 # The engine's CUDA-only tests (real graph capture, sync debug mode); the rest of tests/ is CPU's.
 ENGINE_TESTS="tests/test_decode_graphs.py tests/test_no_host_sync.py"
+# Issue 17's checks of what the interpreter cannot show (the gpu_hazard marker).
+HAZARD_TESTS="tests/kernels/test_sampling_hazards.py tests/test_decode_graphs.py"
 HELPER=("$PY" "$REPO/ci/gpu_check.py")
 
 # ------------------------------------------------------------------------------ prerequisites
@@ -80,7 +87,7 @@ if ! command -v "$PY" >/dev/null 2>&1; then
   say "no Python at '$PY' (set PYTHON to a Python that has torch, triton, transformers, pytest)"
   exit 1
 fi
-for path in tests/kernels $ENGINE_TESTS perf/conftest.py perf/bench_e2e.py perf/model_shapes.py ci/gpu_check.py; do
+for path in tests/kernels $ENGINE_TESTS $HAZARD_TESTS perf/conftest.py perf/bench_e2e.py perf/model_shapes.py ci/gpu_check.py; do
   if [ ! -e "$path" ]; then say "missing $path (run from a paged-serve checkout)"; problems=1; fi
 done
 awk -v s="$SCALE" 'BEGIN { exit !(s + 0 > 0 && s + 0 <= 1) }' \
@@ -105,6 +112,9 @@ E2E_WORKLOAD="scale $SCALE of the issue's: $E2E_REQUESTS requests (issue 256), p
 ignore_eos; vs HF padded generate and generate_batch"
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider)
+M_KERNELS_CUDA="cuda and not gpu_hazard"
+M_KERNELS_OTHER="not cuda and not gpu_hazard"
+M_ENGINE="cuda and not gpu_hazard"
 BENCH_ARGS=()
 if "$PY" -c "import pytest_benchmark" >/dev/null 2>&1; then
   BENCH_ARGS=(--benchmark-json="$LOG_DIR/benchmark.json" --benchmark-columns=min,median,rounds
@@ -118,11 +128,12 @@ E2E_CMD=("$PY" -m perf.bench_e2e --device cuda --model-shape qwen3-0.6b
 
 print_steps() {
   say "steps (each under its own limit; the whole script under ${BUDGET_S} s):"
-  echo "  1. kernels[cuda]   limit ${T_KERNELS_CUDA} s, ${JOBS} shards: ${PYTEST[*]} tests/kernels -m cuda"
-  echo "  2. kernels[other]  limit ${T_KERNELS_OTHER} s, ${JOBS} shards: ${PYTEST[*]} tests/kernels -m 'not cuda'"
-  echo "  3. engine[cuda]    limit ${T_ENGINE} s: ${PYTEST[*]} $ENGINE_TESTS -m cuda"
-  echo "  4. perf            limit ${T_PERF} s: PAGED_SERVE_PERF_JSON=$PAGED_SERVE_PERF_JSON ${PYTEST[*]} perf ${BENCH_ARGS[*]+"${BENCH_ARGS[*]}"}"
-  echo "  5. e2e             limit ${T_E2E} s: ${E2E_CMD[*]}"
+  echo "  1. hazards         limit ${T_HAZARDS} s: ${PYTEST[*]} $HAZARD_TESTS -m gpu_hazard"
+  echo "  2. kernels[cuda]   limit ${T_KERNELS_CUDA} s, ${JOBS} shards: ${PYTEST[*]} tests/kernels -m '$M_KERNELS_CUDA'"
+  echo "  3. kernels[other]  limit ${T_KERNELS_OTHER} s, ${JOBS} shards: ${PYTEST[*]} tests/kernels -m '$M_KERNELS_OTHER'"
+  echo "  4. engine[cuda]    limit ${T_ENGINE} s: ${PYTEST[*]} $ENGINE_TESTS -m '$M_ENGINE'"
+  echo "  5. perf            limit ${T_PERF} s: PAGED_SERVE_PERF_JSON=$PAGED_SERVE_PERF_JSON ${PYTEST[*]} perf ${BENCH_ARGS[*]+"${BENCH_ARGS[*]}"}"
+  echo "  6. e2e             limit ${T_E2E} s: ${E2E_CMD[*]}"
   echo "     e2e workload: $E2E_WORKLOAD"
 }
 
@@ -154,7 +165,7 @@ elif [ -n "$missing" ]; then
 fi
 if [ "$rc" != 0 ]; then
   say "prerequisites not met (exit $rc above): no step can run"
-  for name in "kernels[cuda]" "kernels[other]" "engine[cuda]" perf e2e; do
+  for name in hazards "kernels[cuda]" "kernels[other]" "engine[cuda]" perf e2e; do
     "${HELPER[@]}" skip --log-dir "$LOG_DIR" --name "$name" --note "prerequisites not met"
   done
   "${HELPER[@]}" summary --log-dir "$LOG_DIR" --e2e-workload "$E2E_WORKLOAD"
@@ -187,9 +198,10 @@ run_step() {
     "${junit_flag[@]}" -- "$@"
 }
 
-run_step "kernels[cuda]" "$T_KERNELS_CUDA" "$JOBS" 1 "${PYTEST[@]}" tests/kernels -m cuda
-run_step "kernels[other]" "$T_KERNELS_OTHER" "$JOBS" 1 "${PYTEST[@]}" tests/kernels -m "not cuda"
-run_step "engine[cuda]" "$T_ENGINE" 1 1 "${PYTEST[@]}" $ENGINE_TESTS -m cuda
+run_step hazards "$T_HAZARDS" 1 1 "${PYTEST[@]}" $HAZARD_TESTS -m gpu_hazard
+run_step "kernels[cuda]" "$T_KERNELS_CUDA" "$JOBS" 1 "${PYTEST[@]}" tests/kernels -m "$M_KERNELS_CUDA"
+run_step "kernels[other]" "$T_KERNELS_OTHER" "$JOBS" 1 "${PYTEST[@]}" tests/kernels -m "$M_KERNELS_OTHER"
+run_step "engine[cuda]" "$T_ENGINE" 1 1 "${PYTEST[@]}" $ENGINE_TESTS -m "$M_ENGINE"
 run_step perf "$T_PERF" 1 1 "${PYTEST[@]}" perf ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
 run_step e2e "$T_E2E" 1 0 "${E2E_CMD[@]}"
 

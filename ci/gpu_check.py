@@ -56,7 +56,7 @@ MODULES: tuple[tuple[str, str, bool, str], ...] = (
     ("aiohttp", "aiohttp", False, "the server only: not used by this check"),
     ("msgspec", "msgspec", False, "the server only: not used by this check"),
 )
-STEPS = ("kernels[cuda]", "kernels[other]", "engine[cuda]", "perf", "e2e")
+STEPS = ("hazards", "kernels[cuda]", "kernels[other]", "engine[cuda]", "perf", "e2e")
 KILL_GRACE_S = 20.0
 WIDTH = 100
 

@@ -52,12 +52,14 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits: ``[B, V]``; returns (token ids ``[B]`` int64, logprobs ``[B]`` fp32)."""
+        """logits: ``[B, V]``; returns (token ids ``[B]`` int64, logprobs ``[B]`` fp32).
+
+        A row holding a NaN or +inf, or no finite value, gets token -1 (logprob NaN) on every
+        path: the engine fails that request rather than emit a token chosen from garbage.
+        """
         logits = logits.float()
         if batch.all_greedy:
-            tokens = logits.argmax(dim=-1)
-            logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-            return tokens, logprobs
+            return reference.greedy_ref(logits)
         if self._triton_sample is not None:
             return self._triton_sample(
                 logits,

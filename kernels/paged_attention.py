@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -275,6 +276,51 @@ def _paged_attention_reduce_kernel(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionTiles:
+    """Launch settings of ``_paged_attention_kernel``: a fixed function of the shapes.
+
+    ``head_dim_pad``: head dim padded to a power of two >= 16; ``block_m``: rows (query token,
+    query head) per program; ``tokens_per_tile = block_m // group``; ``tile_n``: keys per
+    inner-loop step; ``num_warps``; ``num_stages``: software-pipelining depth of the key loop;
+    ``maxnreg``: registers per thread ptxas may use (None: its own choice).
+    """
+
+    head_dim_pad: int
+    block_m: int
+    tokens_per_tile: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+    maxnreg: int | None
+
+
+def attention_tiles(
+    *, head_dim: int, group: int, decode_only: bool, dtype: torch.dtype
+) -> AttentionTiles:
+    """Tile sizes for one launch (untuned defaults; never a function of the batch size).
+
+    ``block_m`` is 16 for decode-only batches, else 64 (32 for head dims > 128), raised to the
+    group size if larger. fp16/bf16: ``tile_n`` 64 (32 for head dims > 128), 4 warps (8 for head
+    dims > 128), Triton's default 3 stages. fp32 (exactness tests) runs its dots as fp32 FMAs,
+    not tensor-core MMAs, with every operand tile in registers: ``tile_n`` 16, 16 warps, 2
+    stages and ``maxnreg`` 128 (all a 512-thread block can have) build for sm_90 with no spills
+    (``ci/aot_compile.py``). Left to itself ptxas gave such builds as few as 32 (fp16's tiles)
+    or 64 (these) registers and spilled; 8 warps needed more than 255 registers in some builds.
+    """
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    wide = head_dim_pad > 128
+    block_m = 16 if decode_only else (32 if wide else 64)
+    block_m = max(block_m, triton.next_power_of_2(group))
+    if dtype == torch.float32:
+        tile_n, num_warps, num_stages, maxnreg = 16, 16, 2, 128
+    else:
+        tile_n, num_warps, num_stages, maxnreg = (32 if wide else 64), (8 if wide else 4), 3, None
+    return AttentionTiles(
+        head_dim_pad, block_m, block_m // group, tile_n, num_warps, num_stages, maxnreg
+    )
+
+
 def choose_num_kv_splits(
     *, num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int
 ) -> int:
@@ -443,13 +489,9 @@ def paged_attention(
     else:
         part_out = part_lse = out  # unused (SPLIT=False)
 
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     decode_only = max_seqlen_q == 1
-    block_m = 16 if decode_only else (64 if head_dim_pad <= 128 else 32)
-    block_m = max(block_m, triton.next_power_of_2(group))
-    tokens_per_tile = block_m // group
-    tile_n = 64 if head_dim_pad <= 128 else 32
-    num_q_tiles = num_seqs if decode_only else num_tokens // tokens_per_tile + num_seqs
+    tiles = attention_tiles(head_dim=head_dim, group=group, decode_only=decode_only, dtype=q.dtype)
+    num_q_tiles = num_seqs if decode_only else num_tokens // tiles.tokens_per_tile + num_seqs
     dot_fp32 = q.dtype == torch.bfloat16 and _interpreting()
     fp32_operands = q.dtype == torch.float32 or dot_fp32
 
@@ -477,18 +519,20 @@ def paged_attention(
         k_cache.stride(2),
         block_tables.stride(0),
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
+        HEAD_DIM_PAD=tiles.head_dim_pad,
         GROUP=group,
-        BLOCK_M=block_m,
-        TOKENS_PER_TILE=tokens_per_tile,
-        TILE_N=tile_n,
+        BLOCK_M=tiles.block_m,
+        TOKENS_PER_TILE=tiles.tokens_per_tile,
+        TILE_N=tiles.tile_n,
         BLOCK_SIZE=block_size,
         DECODE_ONLY=decode_only,
         USE_WINDOW=sliding_window is not None,
         SPLIT=split,
         DOT_FP32=dot_fp32,
         DOT_PRECISION="ieee" if fp32_operands else "tf32",
-        num_warps=4 if head_dim_pad <= 128 else 8,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+        maxnreg=tiles.maxnreg,
     )
     if split:
         block_h = min(16, triton.next_power_of_2(num_q_heads))
@@ -501,7 +545,7 @@ def paged_attention(
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
+            HEAD_DIM_PAD=tiles.head_dim_pad,
             BLOCK_H=block_h,
             SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
         )

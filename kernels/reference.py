@@ -25,6 +25,9 @@ Shared conventions (the kernels follow them exactly):
   tokens, which picks ``i`` with probability ``p_i / sum(kept p)``. Rows with temperature 0 are
   argmax of the raw logits (lowest index on ties). The returned logprob is
   ``log_softmax(logits)`` (unscaled) at the chosen token, as vLLM and OpenAI report it.
+* A logits row holding a NaN or +inf, or no finite value at all (every entry -inf), is
+  *invalid*: sampling returns token -1 (logprob NaN) for it at any temperature, and the engine
+  fails that request instead of emitting a silent token.
 """
 
 from __future__ import annotations
@@ -249,7 +252,8 @@ def sample_ref(
 
     logits: ``[B, V]`` fp32; uniforms: ``[B, V]`` fp32 in (0, 1), the random numbers of the
     exponential race (the caller decides how they are seeded). Returns
-    ``(token_ids [B] int64, logprobs [B] fp32)``.
+    ``(token_ids [B] int64, logprobs [B] fp32)``; invalid rows (:func:`invalid_rows`) get
+    token -1 and logprob NaN.
     """
     logits = logits.float()
     keep, probs = sampling_keep_mask(
@@ -259,9 +263,33 @@ def sample_ref(
     race = torch.where(keep, probs / exp, torch.full_like(probs, -1.0))
     drawn = race.argmax(dim=-1)
     greedy = logits.argmax(dim=-1)
-    tokens = torch.where(temperature > 0, drawn, greedy)
-    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-    return tokens, logprobs
+    return _with_logprobs(logits, torch.where(temperature > 0, drawn, greedy))
+
+
+def greedy_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature-0 sampling of every row: argmax (lowest index on ties), invalid rows -1.
+
+    logits: ``[B, V]``. Returns ``(token_ids [B] int64, logprobs [B] fp32)``, the same as
+    ``sample_ref`` with every temperature 0.
+    """
+    logits = logits.float()
+    return _with_logprobs(logits, logits.argmax(dim=-1))
+
+
+def invalid_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: rows holding a NaN or +inf, or no finite value (all -inf).
+
+    One reduction: ``amax`` propagates NaN, so the row maximum is finite exactly for valid rows.
+    """
+    return ~torch.isfinite(logits.amax(dim=-1))
+
+
+def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Set invalid rows' tokens to -1 and gather the (unscaled) logprob of each token."""
+    invalid = invalid_rows(logits)
+    tokens = tokens.masked_fill(invalid, -1)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens.clamp(min=0)[:, None])
+    return tokens, logprobs.squeeze(1).masked_fill(invalid, float("nan"))
 
 
 def unpack_token_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -5,12 +5,15 @@ Semantics are exactly those of :func:`kernels.reference.sample_ref` (keep rule i
 top-k-renormalised distribution) and min-p on ``p = softmax(logits / temperature)``, and the
 draw is the exponential race ``argmax_i p_i / E_i``, ``E_i = -log(u_i)``, over kept tokens.
 Temperature-0 rows are argmax of the raw logits (lowest index on ties). The logprob is
-``log_softmax(logits)`` (unscaled) at the chosen token.
+``log_softmax(logits)`` (unscaled) at the chosen token. A row holding a NaN or +inf, or no
+finite value at all, is invalid: its token is -1 and its logprob NaN, at any temperature.
 
 Algorithm (per row; all passes stream the row in chunks of ``BLOCK_V``)
 --------------------------------------------------------------------
 1. max and argmax of the raw logits (greedy token); ``max z = max logits / temperature``
-   exactly, since division by a positive number is monotone.
+   exactly, since division by a positive number is monotone. The same pass counts NaN and
+   +inf entries (invalid rows) and keeps NaN out of the max/argmax, whose NaN handling on a
+   GPU depends on the reduction tree.
 2. ``sum exp(x - max x)`` (for the logprob) and ``sum exp(z - max z)`` (for ``p``).
 3. top-k threshold, only if some row in the tile uses top-k: a radix select of the k-th
    largest ``z``. ``z`` is mapped to a uint32 key that sorts like the float (-0.0 folded into
@@ -23,7 +26,9 @@ Algorithm (per row; all passes stream the row in chunks of ``BLOCK_V``)
    the mass strictly above ``t`` is ``< top_p * mass(top-k set)``: bin ``d`` holds a kept value
    iff it is non-empty and (mass above the prefix) + (mass of higher bins) < target, and we
    descend into the lowest such bin. Tokens with ``p >= t`` are exactly the reference's
-   nucleus (ties included, since "above" is strict).
+   nucleus (ties included, since "above" is strict). The mass of higher bins is a masked sum,
+   exactly 0 for the highest non-empty bin in any order, so the bin chosen at one level always
+   holds a qualifying bin at the next: the walk does not depend on exact float sums.
 5. min-p: ``p >= min_p * max p`` with ``max p = 1 / sum``.
 6. the race over kept tokens with ``u = tl.rand(seed, (step << 32) + token)``: Triton's Philox
    with the row's 64-bit seed as key and counter words (token, step mod 2^32, 0, 0). A seeded
@@ -49,6 +54,7 @@ import triton.language as tl
 _MAX_BLOCK_V = 1024
 _TILE_CUDA = 1024
 _TILE_INTERPRET = 65536
+_NUM_WARPS = 8
 
 
 def _interpreting() -> bool:
@@ -65,6 +71,20 @@ def _ordered_key(x):
     # uint32 through a -1 that numpy 2 refuses to cast (compiled code is the same either way).
     all_ones = tl.full(bits.shape, 0xFFFFFFFF, tl.uint32)
     return tl.where((bits & sign) != 0, bits ^ all_ones, bits | sign)
+
+
+@triton.jit
+def _mass_of_higher_bins(mass):
+    """``[B, 16]`` bin masses -> ``[B, 16]``: for each bin ``d``, the mass of the bins above it.
+
+    A masked sum, not ``total - cumsum``: the bins above the highest non-empty one contribute
+    only zeros, so its result is exactly 0.0 whatever order the reduction adds in. (A GPU scans
+    with warp shuffles, so ``total - cum[d]`` is a few ulps off zero there, and a top-p walk
+    relying on it can find no qualifying bin, keep nothing and draw token 0.)
+    """
+    digits = tl.arange(0, 16)
+    higher = digits[None, :] > digits[:, None]  # [d, d']: bin d' is above bin d
+    return tl.sum(tl.where(higher[None, :, :], mass[:, None, :], 0.0), 2)
 
 
 @triton.jit
@@ -98,17 +118,23 @@ def _sample_kernel(
     k_on = row_mask & (top_k > 0) & (top_k < vocab_size)
     p_on = row_mask & (top_p < 1.0)
 
-    # -- pass 1: max and first argmax of the raw logits
+    # -- pass 1: max and first argmax of the raw logits; rows holding NaN or +inf
     x_max = tl.full([BLOCK_B], float("-inf"), dtype=tl.float32)
     greedy = tl.zeros([BLOCK_B], dtype=tl.int32)
+    num_bad = tl.zeros([BLOCK_B], dtype=tl.int32)
     for v0 in range(0, vocab_size, BLOCK_V):
         idx = v0 + cols
         mask = row_mask[:, None] & (idx < vocab_size)[None, :]
         x = tl.load(row_ptr[:, None] + idx[None, :], mask=mask, other=float("-inf"))
+        num_bad += tl.sum(((x != x) | (x == float("inf"))).to(tl.int32), 1)
+        # NaN never reaches the reductions: a GPU's tl.max skips it while tl.argmax keeps it
+        # or not depending on the reduction tree (the row's token is -1 anyway).
+        x = tl.where(x != x, float("-inf"), x)
         c_max = tl.max(x, 1)
         c_arg = tl.argmax(x, 1, tie_break_left=True)
         greedy = tl.where(c_max > x_max, v0 + c_arg, greedy)  # strict: earlier chunk wins ties
         x_max = tl.maximum(x_max, c_max)
+    invalid = (num_bad > 0) | (x_max == float("-inf"))  # NaN, +inf or nothing finite
     x_ref = tl.where(x_max == float("-inf"), 0.0, x_max)
     z_max = x_ref / temp
 
@@ -172,13 +198,11 @@ def _sample_kernel(
                 onehot = (digit[:, :, None] == digits[None, None, :]) & mask[:, :, None]
                 count += tl.sum(onehot.to(tl.int32), 1)
                 mass += tl.sum(tl.where(onehot, p[:, :, None], 0.0), 1)
-            cum = tl.cumsum(mass, 1)
-            total = tl.sum(tl.where(digits[None, :] == 15, cum, 0.0), 1)
             if r == 0:
-                target = top_p * total
-            # Mass strictly above the largest key of bin d. Computing it as total - cum keeps
-            # the chosen bin's value bit-identical to the next level's mass_above.
-            above = mass_above[:, None] + (total[:, None] - cum)
+                target = top_p * tl.sum(mass, 1)
+            # Mass strictly above the largest key of bin d; exactly mass_above for the highest
+            # non-empty bin, so the previous level's choice always qualifies here.
+            above = mass_above[:, None] + _mass_of_higher_bins(mass)
             holds_kept = (count > 0) & (above < target[:, None])
             d_sel = tl.min(tl.where(holds_kept, digits[None, :], 16), 1)
             p_empty = p_empty | (d_sel == 16)
@@ -210,8 +234,8 @@ def _sample_kernel(
         drawn = tl.where(c_best > best, v0 + c_arg, drawn)
         best = tl.maximum(best, c_best)
 
-    token = tl.where(temperature > 0.0, drawn, greedy)
-    x_tok = tl.load(row_ptr + token, mask=row_mask, other=0.0)
+    token = tl.where(invalid, -1, tl.where(temperature > 0.0, drawn, greedy))
+    x_tok = tl.load(row_ptr + token, mask=row_mask & ~invalid, other=float("nan"))
     logprob = x_tok - x_ref - tl.log(tl.where(sum_x > 0.0, sum_x, 1.0))
     tl.store(tokens_ptr + rows, token.to(tl.int64), mask=row_mask)
     tl.store(logprobs_ptr + rows, logprob, mask=row_mask)
@@ -261,6 +285,8 @@ def sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; returns ``(token_ids [B] int64, logprobs [B] fp32)``.
 
+    Rows holding a NaN or +inf, or no finite value, get token -1 and logprob NaN.
+
     logits: ``[B, V]`` fp32 (last dim contiguous); temperature, top_p, min_p: ``[B]`` fp32
     (temperature 0 = greedy); top_k: ``[B]`` int32 (``<= 0`` or ``>= V`` disables); seeds,
     steps: ``[B]`` int64 -- the draw's uniforms are keyed by (seed, step, token index).
@@ -302,7 +328,7 @@ def sample(
         logits.stride(0),
         BLOCK_B=block_b,
         BLOCK_V=block_v,
-        num_warps=8,
+        num_warps=_NUM_WARPS,
     )
     return tokens, logprobs
 

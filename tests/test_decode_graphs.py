@@ -13,7 +13,13 @@ import torch
 from engine import LLM, SamplingParams
 from engine.decode_graphs import DecodeGraphs, EagerReplay, graph_batch_sizes
 from engine.step_inputs import StepInputs
+from kernels.paged_attention import choose_num_kv_splits
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts, tiny_model
+from tests.greedy_reference import (
+    assert_greedy_within_tolerance,
+    float64_copy,
+    greedy_reference,
+)
 
 HAS_CUDA = torch.cuda.is_available()
 LENGTHS = [1, 5, 15, 16, 17, 31, 40, 63, 100]
@@ -21,8 +27,10 @@ LENGTHS = [1, 5, 15, 16, 17, 31, 40, 63, 100]
 MAX_TOKENS = [3, 5, 7, 9, 11, 13, 15, 17, 20]
 
 
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+def greedy(max_tokens: int, logprobs: int | None = None) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, ignore_eos=True
+    )
 
 
 def with_graphs(llm: LLM, max_batch_size: int) -> DecodeGraphs:
@@ -176,10 +184,12 @@ def test_run_rejects_what_it_cannot_hold():
 
 
 def test_triton_kernels_in_the_graph_path():
-    """The kernels with the graphs' fixed launch shape (capacity-sized split-KV) match HF."""
+    """The kernels with the graphs' fixed launch shape (capacity-sized split-KV: 2 splits here,
+    where eager steps use 1) follow float64 HF within the stated tolerance, token for token."""
     model = tiny_model("qwen3", seed=4)
     prompts = random_prompts([1, 17, 33], seed=31)
-    want = [hf_greedy(model, p, 5) for p in prompts]
+    model64 = float64_copy(model)
+    refs = [greedy_reference(model64, p, 5) for p in prompts]
     llm = LLM(
         loaded=loaded(model),
         kv_cache_memory=2 << 20,
@@ -187,9 +197,21 @@ def test_triton_kernels_in_the_graph_path():
         max_model_len=1024,
     )
     graphs = with_graphs(llm, max_batch_size=4)
-    assert [r.token_ids for r in llm.generate(prompts, greedy(5))] == want
+    assert graph_splits(graphs, num_seqs=4, num_kv_heads=2) == 2
+    for result, ref in zip(llm.generate(prompts, greedy(5, logprobs=1)), refs):
+        assert_greedy_within_tolerance(result, ref)
     assert graphs.replays[4] > 0
     assert_pool_clean(llm.engine.block_manager)
+
+
+def graph_splits(graphs: DecodeGraphs, *, num_seqs: int, num_kv_heads: int) -> int:
+    """The split-KV factor the graphs' decode steps run with (eager steps: from true lengths)."""
+    return choose_num_kv_splits(
+        num_seqs=num_seqs,
+        num_kv_heads=num_kv_heads,
+        max_seqlen_q=1,
+        max_seqlen_k=graphs.max_seqlen_k,
+    )
 
 
 # ---------------------------------------------------------------------------------- on a GPU
@@ -201,23 +223,36 @@ def on_cuda(model: torch.nn.Module):
 
 
 @pytest.mark.cuda
+@pytest.mark.gpu_hazard
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_cuda_graphs_equal_eager_and_hf(family):
-    """Real capture on CUDA (fp32, triton backend): graphs, eager and HF agree token for token."""
+    """Real capture on CUDA (fp32, triton backend): graphs, eager and HF agree token for token.
+
+    Graph steps declare the table capacity as ``max_seqlen_k``, so they split KV where eager
+    steps do not, and their GEMMs run on the padded bucket: the two paths are not bit-identical.
+    Each is therefore checked at every step against float64 HF within ``LOGPROB_TOL``
+    (``tests/greedy_reference.py``), on data whose float64 margins exceed twice that, so token
+    equality follows from a checked tolerance rather than from equal rounding.
+    """
     model = tiny_model(family, seed=1)
     prompts = random_prompts(LENGTHS, seed=1)
-    want = [hf_greedy(model, p, n) for p, n in zip(prompts, MAX_TOKENS)]
-    params = [greedy(n) for n in MAX_TOKENS]
+    model64 = float64_copy(model)
+    refs = [greedy_reference(model64, p, n) for p, n in zip(prompts, MAX_TOKENS)]
+    params = [greedy(n, logprobs=1) for n in MAX_TOKENS]
     kwargs = dict(device="cuda", dtype="float32", max_num_seqs=16, kv_cache_memory=4 << 20)
     eager = LLM(loaded=on_cuda(model), enforce_eager=True, **kwargs)
     assert eager.engine.runner.graphs is None
-    eager_tokens = [r.token_ids for r in eager.generate(prompts, params)]
+    eager_results = eager.generate(prompts, params)
     del eager
     llm = LLM(loaded=on_cuda(model), **kwargs)
     graphs = llm.engine.runner.graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 16]
-    got = [r.token_ids for r in llm.generate(prompts, params)]
-    assert got == eager_tokens == want
+    assert graph_splits(graphs, num_seqs=1, num_kv_heads=2) > 1  # eager: 1 (contexts < 512)
+    graph_results = llm.generate(prompts, params)
+    for results in (eager_results, graph_results):
+        for result, ref in zip(results, refs):
+            assert_greedy_within_tolerance(result, ref)
+    assert [r.token_ids for r in graph_results] == [r.token_ids for r in eager_results]
     assert set(graphs.replays) >= {1, 2, 4, 8, 16}
     assert_pool_clean(llm.engine.block_manager)

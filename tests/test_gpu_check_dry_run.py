@@ -59,9 +59,11 @@ def test_dry_run_checks_prerequisites(dry_run):
 
 def test_dry_run_prints_every_step(dry_run):
     out = dry_run.stdout
-    assert "-m pytest -q -p no:cacheprovider tests/kernels -m cuda" in out
-    assert "tests/kernels -m 'not cuda'" in out
-    assert "tests/test_decode_graphs.py tests/test_no_host_sync.py -m cuda" in out
+    assert "-m pytest -q -p no:cacheprovider tests/kernels -m 'cuda and not gpu_hazard'" in out
+    assert "tests/kernels -m 'not cuda and not gpu_hazard'" in out
+    assert (
+        "tests/test_decode_graphs.py tests/test_no_host_sync.py -m 'cuda and not gpu_hazard'" in out
+    )
     assert "-m pytest -q -p no:cacheprovider perf" in out
     assert "--compare-eager" in out
     assert "-m perf.bench_e2e --device cuda --model-shape qwen3-0.6b" in out
@@ -74,11 +76,51 @@ def test_dry_run_ends_with_the_summary_table(dry_run):
     header = next(i for i, line in enumerate(lines) if line.startswith("step "))
     assert lines[header].split()[:3] == ["step", "status", "secs"]
     for i, name in enumerate(
-        ["kernels[cuda]", "kernels[other]", "engine[cuda]", "perf", "e2e"], header + 1
+        ["hazards", "kernels[cuda]", "kernels[other]", "engine[cuda]", "perf", "e2e"], header + 1
     ):
         assert lines[i].split()[:2] == [name, "DRY-RUN"]
     assert lines[-2] == "overall   DRY RUN (exit 0)"
     assert set(lines[-1]) == {"="}
+
+
+def test_dry_run_runs_the_issue_17_hazards_first(dry_run):
+    """The checks the interpreter cannot make run first, so the first GPU session settles them:
+    the near-boundary top-p sweep, the invalid rows and the graphs-vs-eager comparison."""
+    steps = [line.split()[:2] for line in dry_run.stdout.splitlines() if line[:5] == "  1. "]
+    assert steps == [["1.", "hazards"]]
+    hazards = next(line for line in dry_run.stdout.splitlines() if line.startswith("  1. "))
+    assert hazards.endswith(
+        "-m pytest -q -p no:cacheprovider tests/kernels/test_sampling_hazards.py "
+        "tests/test_decode_graphs.py -m gpu_hazard"
+    )
+
+
+def test_the_hazard_step_selects_the_gpu_checks_the_issue_asks_for():
+    """Collected on this machine, ``-m gpu_hazard`` over the step's files is the top-p sweep
+    (interpreter-sized and 154,200-row CUDA versions), the invalid rows and the CUDA graphs vs
+    eager vs HF comparison; the other steps' marker expressions exclude exactly these."""
+    files = ["tests/kernels/test_sampling_hazards.py", "tests/test_decode_graphs.py"]
+
+    def collect(*args: str) -> set[str]:
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider"]
+            + [*files, *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        ).stdout
+        return {line.split("[")[0] for line in out.splitlines() if "::" in line}
+
+    hazards = collect("-m", "gpu_hazard")
+    assert hazards == {
+        "tests/kernels/test_sampling_hazards.py::test_top_p_near_boundary_never_leaves_the_support",
+        "tests/kernels/test_sampling_hazards.py::test_top_p_near_boundary_sweep_cuda",
+        "tests/kernels/test_sampling_hazards.py::test_non_finite_rows_give_minus_one",
+        "tests/test_decode_graphs.py::test_cuda_graphs_equal_eager_and_hf",
+    }
+    assert not hazards & collect("-m", "cuda and not gpu_hazard")
+    assert not hazards & collect("-m", "not cuda and not gpu_hazard")
 
 
 def test_bad_arguments_are_refused():

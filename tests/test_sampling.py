@@ -1,5 +1,5 @@
 """Engine sampling: seeded draws reproducible and batch-independent, top_k=1 is greedy,
-logprobs, stop strings and stop token ids."""
+logprobs, stop strings and stop token ids; the sampler's token -1 for non-finite rows."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import dataclasses
 import math
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
+from engine.sampler import Sampler, SamplingBatch
 from tests.conftest import assert_pool_clean, loaded, random_prompts, tiny_model
 
 
@@ -126,3 +128,36 @@ def test_vanishing_temperature_and_top_p_mean_the_most_likely_token(llm):
         SamplingParams(max_tokens=6, temperature=1.0, top_p=1e-45, seed=1, ignore_eos=True),
     ):
         assert llm.generate([PROMPTS[1]], params)[0].token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter
+def test_sampler_gives_minus_one_for_non_finite_rows(backend, temperature):
+    """NaN, +inf or nothing finite: token -1 and a NaN logprob on every path (the all-greedy
+    fast path at temperature 0, the kernel or the reference otherwise); the valid row's token
+    is the one it gets alone."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 3
+    logits[1, 7] = float("nan")
+    logits[2, 250] = float("inf")
+    logits[3] = float("-inf")
+
+    def batch(rows: int) -> SamplingBatch:
+        return SamplingBatch(
+            temperature=torch.full((rows,), temperature),
+            top_k=torch.full((rows,), 50, dtype=torch.int32),
+            top_p=torch.full((rows,), 0.9),
+            min_p=torch.zeros(rows),
+            seeds=torch.full((rows,), 42, dtype=torch.int64),
+            steps=torch.full((rows,), 3, dtype=torch.int64),
+            all_greedy=temperature == 0,
+        )
+
+    sampler = Sampler(backend)
+    tokens, logprobs = sampler(logits, batch(4))
+    assert tokens[1:].tolist() == [-1, -1, -1]
+    assert logprobs[1:].isnan().all()
+    alone, alone_logprob = sampler(logits[:1], batch(1))
+    assert tokens[0] == alone[0] >= 0 and logprobs[0] == alone_logprob[0]
+    if temperature == 0:
+        assert tokens[0] == logits[0].argmax()

@@ -5,10 +5,15 @@ between compiling and interpreting when a kernel module is *imported*, so TRITON
 set here, before any test module imports ``kernels.*``; the check below fails loudly if a kernel
 module was imported earlier without it (the tests would then launch real GPU kernels on CPU
 tensors and die with an obscure error).
+
+The interpreter reduces and scans in sequential order; a GPU does not (``gpu_order.py``). The
+``interpreter_order`` fixture runs a test once per order; ``PAGED_SERVE_INTERPRETER_ORDER=tree``
+runs every kernel test of the session in the GPU's tree order (CI does both).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -21,7 +26,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from tests.kernels.gpu_order import ORDERS  # noqa: E402
+
 HAS_CUDA = torch.cuda.is_available()
+SESSION_ORDER = os.environ.get("PAGED_SERVE_INTERPRETER_ORDER", "sequential")
+if SESSION_ORDER not in ORDERS:
+    raise RuntimeError(f"PAGED_SERVE_INTERPRETER_ORDER must be in {ORDERS}, got {SESSION_ORDER}")
 _HERE = Path(__file__).parent
 
 for _name in (
@@ -45,6 +55,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords and _HERE in Path(item.path).parents:
             item.add_marker(skip)
+
+
+def _reduction_order(order: str):
+    """The interpreter's reduction order for a block; a GPU runs its own, so nothing there."""
+    if HAS_CUDA:
+        return contextlib.nullcontext()
+    from tests.kernels.gpu_order import reduction_order
+
+    return reduction_order(order)
+
+
+@pytest.fixture(autouse=True)
+def _session_reduction_order():
+    """Every kernel test runs in ``PAGED_SERVE_INTERPRETER_ORDER`` (default: sequential)."""
+    with _reduction_order(SESSION_ORDER):
+        yield
+
+
+@pytest.fixture(params=ORDERS)
+def interpreter_order(request: pytest.FixtureRequest):
+    """Run the test in the interpreter's sequential order and in the GPU's tree order.
+
+    A GPU runs its own order, so there the ``tree`` case is skipped.
+    """
+    if HAS_CUDA and request.param != "sequential":
+        pytest.skip("a GPU reduces in its own order")
+    with _reduction_order(request.param):
+        yield request.param
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,267 @@
+"""Compile the kernels for sm_90 without a GPU; report registers, spills and shared memory.
+
+    python ci/aot_compile.py [--dtypes fp32,fp16,bf16] [--head-dims 64,80,96,128,256]
+                             [--groups 1,4,8,16] [--vocabs 1000,32000,151936] [--jobs N] [--json]
+                             [--tiles TILE_N,NUM_WARPS,NUM_STAGES,MAXNREG]
+
+A configuration is compiled as the launcher would launch it: the attention tiles come from
+``kernels.paged_attention.attention_tiles`` and the sampling tile from ``kernels.sampling``,
+pointers and the strides a contiguous cache makes multiples of 16 carry the JIT's launch-time
+``tt.divisibility=16`` specialisation, and the target is ``GPUTarget("cuda", 90, 32)``. ptxas
+(the one Triton itself runs for sm_90) is run again with ``-v`` on the PTX for the registers,
+spill stores/loads and stack of each kernel. Prints one row per configuration; exits 1 if any
+configuration spills, fails to compile or needs more shared memory than sm_90 has. ``--tiles``
+replaces the launcher's attention ``tile_n``, warps, stages and ``maxnreg`` (0: ptxas' own
+choice), to compare candidates.
+
+The interpreter never compiles, so this is the only check of resource use that needs no GPU.
+It proves nothing numerical: agreement on a GPU is what the ``cuda`` tests check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile, never interpret (before triton loads)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SM90_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
+DTYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One kernel build: ``kind`` is ``attention`` or ``sampling``."""
+
+    kind: str
+    dtype: str = "fp32"
+    head_dim: int = 128
+    group: int = 1
+    decode_only: bool = True
+    split: bool = False
+    window: bool = False
+    vocab: int = 0
+    tiles: tuple[int, ...] | None = None  # (tile_n, num_warps, num_stages, maxnreg) override
+
+    @property
+    def name(self) -> str:
+        if self.kind == "sampling":
+            return f"sampling V={self.vocab}"
+        mode = "decode" if self.decode_only else "prefill"
+        extra = "".join((" split" if self.split else "", " window" if self.window else ""))
+        tiles = f" tiles={','.join(map(str, self.tiles))}" if self.tiles else ""
+        return f"attention {self.dtype} D={self.head_dim} G={self.group} {mode}{extra}{tiles}"
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What ptxas reports for one build (bytes, except ``registers``)."""
+
+    config: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack: int
+    shared: int
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not self.error
+            and self.spill_stores == 0
+            and self.spill_loads == 0
+            and self.shared <= SM90_SHARED_BYTES
+        )
+
+
+def _attention_source(cfg: Config):
+    import torch
+    from triton.compiler import ASTSource
+
+    from kernels.paged_attention import _paged_attention_kernel, attention_tiles
+
+    torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    tiles = attention_tiles(
+        head_dim=cfg.head_dim,
+        group=cfg.group,
+        decode_only=cfg.decode_only,
+        dtype=torch_dtype[cfg.dtype],
+    )
+    if cfg.tiles is not None:
+        tile_n, num_warps, num_stages, maxnreg = cfg.tiles
+        tiles = replace(
+            tiles,
+            tile_n=tile_n,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            maxnreg=maxnreg or None,
+        )
+    constants = dict(
+        HEAD_DIM=cfg.head_dim,
+        HEAD_DIM_PAD=tiles.head_dim_pad,
+        GROUP=cfg.group,
+        BLOCK_M=tiles.block_m,
+        TOKENS_PER_TILE=tiles.tokens_per_tile,
+        TILE_N=tiles.tile_n,
+        BLOCK_SIZE=16,
+        DECODE_ONLY=cfg.decode_only,
+        USE_WINDOW=cfg.window,
+        SPLIT=cfg.split,
+        DOT_FP32=False,
+        DOT_PRECISION="ieee" if cfg.dtype == "fp32" else "tf32",
+    )
+    # Strides of contiguous [.., H, D] tensors are multiples of D; block_tables' row stride and
+    # the scalar sizes are left unspecialised.
+    aligned = {"stride_qt", "stride_qh", "stride_ot", "stride_oh"}
+    aligned |= {"stride_cache_block", "stride_cache_slot", "stride_cache_head"}
+    int_ptrs = {"block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr"}
+    signature, attrs = {}, {}
+    for i, arg in enumerate(_paged_attention_kernel.arg_names):
+        if arg in constants:
+            signature[arg] = "constexpr"
+        elif arg.endswith("_ptr"):
+            fp32_scratch = arg.startswith("part_")
+            dtype = "*i32" if arg in int_ptrs else "*fp32" if fp32_scratch else DTYPES[cfg.dtype]
+            signature[arg] = dtype
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[arg] = "fp32" if arg == "scale_log2" else "i32"
+            if arg in aligned and cfg.head_dim % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+    if tiles.maxnreg is not None:
+        options["maxnreg"] = tiles.maxnreg
+    return ASTSource(_paged_attention_kernel, signature, constants, attrs), options
+
+
+def _sampling_source(cfg: Config):
+    from triton.compiler import ASTSource
+
+    from kernels.sampling import _NUM_WARPS, _sample_kernel, _tile_shape
+
+    block_b, block_v = _tile_shape(cfg.vocab)
+    constants = dict(BLOCK_B=block_b, BLOCK_V=block_v)
+    signature, attrs = {}, {}
+    for i, arg in enumerate(_sample_kernel.arg_names):
+        if arg in constants:
+            signature[arg] = "constexpr"
+        elif arg.endswith("_ptr"):
+            kinds = {"top_k_ptr": "*i32", "seeds_ptr": "*i64", "steps_ptr": "*i64"}
+            signature[arg] = kinds.get(arg, "*i64" if arg == "tokens_ptr" else "*fp32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[arg] = "i32"
+    return ASTSource(_sample_kernel, signature, constants, attrs), {"num_warps": _NUM_WARPS}
+
+
+def _ptxas_report(ptx: str) -> tuple[int, int, int, int]:
+    from triton import knobs
+
+    ptxas = knobs.nvidia.ptxas_blackwell.path  # what Triton runs for sm_90 and newer
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        log = subprocess.run(
+            [
+                ptxas,
+                "-v",
+                "--regAllocOptLevel=2",
+                "--gpu-name=sm_90a",
+                str(src),
+                "-o",
+                str(Path(tmp) / "kernel.cubin"),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    stack = int(re.search(r"(\d+) bytes stack frame", log).group(1))
+    return registers, int(spill.group(1)), int(spill.group(2)), stack
+
+
+def measure(cfg: Config) -> Resources:
+    """Compile ``cfg`` for sm_90 and read its resource use (errors are reported, not raised)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    try:
+        make = _attention_source if cfg.kind == "attention" else _sampling_source
+        source, options = make(cfg)
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        registers, stores, loads, stack = _ptxas_report(kernel.asm["ptx"])
+        return Resources(cfg.name, registers, stores, loads, stack, kernel.metadata.shared)
+    except Exception as exc:  # noqa: BLE001 -- a failed build is a result to report
+        return Resources(cfg.name, 0, 0, 0, 0, 0, f"{type(exc).__name__}: {exc}"[:300])
+
+
+def configs(args: argparse.Namespace) -> list[Config]:
+    out = []
+    for dtype in args.dtypes:
+        for head_dim in args.head_dims:
+            for group in args.groups:
+                for decode_only in (True, False):
+                    out.append(Config("attention", dtype, head_dim, group, decode_only))
+            # The epilogue and mask variants, once per head dim, on the largest group.
+            group = max(args.groups)
+            out.append(Config("attention", dtype, head_dim, group, True, split=True))
+            out.append(Config("attention", dtype, head_dim, group, False, True, True))
+    if args.tiles is not None:
+        out = [replace(c, tiles=tuple(args.tiles)) for c in out]
+    out += [Config("sampling", vocab=v) for v in args.vocabs]
+    return out
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtypes", type=lambda s: s.split(","), default=["fp32", "fp16", "bf16"])
+    p.add_argument("--head-dims", type=_ints, default=[64, 80, 96, 128, 256])
+    p.add_argument("--groups", type=_ints, default=[1, 4, 8, 16])
+    p.add_argument("--vocabs", type=_ints, default=[64, 1000, 32000, 151936])
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--tiles", type=_ints, help="TILE_N,NUM_WARPS,NUM_STAGES,MAXNREG override")
+    args = p.parse_args(argv)
+    if args.tiles is not None and len(args.tiles) != 4:
+        p.error(f"--tiles takes TILE_N,NUM_WARPS,NUM_STAGES,MAXNREG, got {args.tiles}")
+    unknown = set(args.dtypes) - set(DTYPES)
+    if unknown:
+        p.error(f"unknown dtypes {sorted(unknown)}; choose from {sorted(DTYPES)}")
+
+    todo = configs(args)
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = list(pool.map(measure, todo))
+    for r in results:
+        if args.json:
+            print(json.dumps({**asdict(r), "ok": r.ok}))
+        else:
+            status = "ok" if r.ok else "FAIL"
+            print(
+                f"{r.config:<44} regs {r.registers:>3}  spill {r.spill_stores:>6}/"
+                f"{r.spill_loads:<6} stack {r.stack:>6}  smem {r.shared:>7}  {status} {r.error}"
+            )
+    bad = [r for r in results if not r.ok]
+    print(
+        f"{len(results) - len(bad)} of {len(results)} builds for sm_90 without spills",
+        file=sys.stderr,
+    )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

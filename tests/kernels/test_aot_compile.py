@@ -1,0 +1,68 @@
+"""The kernels build for sm_90 without register spills: ``ci/aot_compile.py``, no GPU needed.
+
+fp32 attention is only for exactness tests, but ``ci/gpu-check.sh`` runs those inside a time
+budget, and with fp16's tiles (64 keys per step, 4 warps) the fp32 builds spilled up to 18 KB
+per thread. The check compiles what the launchers would launch for sm_90 and reads ptxas'
+register and spill counts; it runs in a child process because the kernels must be compiled,
+not interpreted. The second test shows the check sees spills when there are some.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from triton import knobs
+
+REPO = Path(__file__).resolve().parents[2]
+
+try:
+    _PTXAS = Path(knobs.nvidia.ptxas_blackwell.path)
+except (AttributeError, RuntimeError):  # a Triton without its bundled CUDA tools
+    _PTXAS = None
+pytestmark = [
+    pytest.mark.skipif(
+        _PTXAS is None or not _PTXAS.exists(), reason="needs Triton's bundled ptxas"
+    ),
+    # CPU CI runs this check; a GPU machine's time (ci/gpu-check.sh) goes to what needs one.
+    pytest.mark.skipif(torch.cuda.is_available(), reason="checked without a GPU, in CPU CI"),
+]
+
+
+def aot_compile(*args: str) -> tuple[int, list[dict]]:
+    """Run the check; returns (exit code, one dict per build)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "ci" / "aot_compile.py"), "--json", "--jobs", "2", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert rows, proc.stdout + proc.stderr
+    return proc.returncode, rows
+
+
+def test_fp32_attention_and_sampling_build_without_spills():
+    rc, rows = aot_compile(
+        "--dtypes", "fp32", "--head-dims", "64,80,128,256", "--groups", "1,8", "--vocabs", "1000"
+    )
+    assert len(rows) == 4 * (2 * 2 + 2) + 1
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, bad
+    assert rc == 0
+    assert all(r["registers"] <= 255 and r["spill_stores"] == 0 for r in rows)
+
+
+def test_the_check_sees_the_spills_of_fp16_sized_fp32_tiles():
+    rc, rows = aot_compile(
+        "--dtypes", "fp32", "--head-dims", "128", "--groups", "1", "--vocabs", "",
+        "--tiles", "64,4,3,0",
+    )  # fmt: skip
+    prefill = next(r for r in rows if r["config"].startswith("attention fp32 D=128 G=1 prefill"))
+    assert prefill["spill_stores"] > 1000 and not prefill["ok"]
+    assert rc == 1
