@@ -30,7 +30,6 @@ from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import ScheduledBatch
 from engine.step_inputs import StepInputs, flatten_step
 from engine.token_mask import fill_token_bitmask
-from kernels import reference
 
 logger = logging.getLogger(__name__)
 
@@ -243,11 +242,10 @@ class ModelRunner:
         # Filled here, after the forward is queued: on a GPU the host fills masks meanwhile.
         host_mask = fill_token_bitmask(rows, self.vocab_size)
         adjusted = adjust_logits(logits, rows, self.eos_token_ids)
-        if host_mask is not None:
-            mask = cpu_to_device(host_mask, self.device)
-            adjusted = reference.apply_token_bitmask_ref(adjusted, mask)
-        tokens, logprobs = self.sampler(adjusted, self.sampling_batch(rows))
-        if adjusted is not logits:  # report the model's own logprobs, before bias and penalties
+        mask = cpu_to_device(host_mask, self.device) if host_mask is not None else None
+        tokens, logprobs = self.sampler(adjusted, self.sampling_batch(rows), mask)
+        if adjusted is not logits or mask is not None:
+            # report the model's own logprobs, before bias, penalties and the grammar mask
             # (an INVALID_TOKEN row reads index 0: that request fails, its logprob is unused)
             safe = tokens.clamp(min=0)[:, None]
             logprobs = torch.log_softmax(logits, dim=-1).gather(1, safe).squeeze(1)

@@ -50,17 +50,18 @@ class Sampler:
             self._triton_sample = sample
 
     def __call__(
-        self, logits: torch.Tensor, batch: SamplingBatch
+        self, logits: torch.Tensor, batch: SamplingBatch, token_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """logits: ``[B, V]``; returns (token ids ``[B]`` int64, logprobs ``[B]`` fp32).
 
+        token_mask: optional packed ``int32 [B, ceil(V / 32)]`` bitmask of allowed tokens (see
+        ``engine/token_mask.py``); the triton backend applies it inside the sampling kernel,
+        the torch backend with the reference first.
         A row holding a NaN or +inf, or no finite value, gets token -1 (logprob NaN) on every
         path: the engine fails that request rather than emit a token chosen from garbage.
         """
         logits = logits.float()
-        if batch.all_greedy:
-            return reference.greedy_ref(logits)
-        if self._triton_sample is not None:
+        if self._triton_sample is not None and (token_mask is not None or not batch.all_greedy):
             return self._triton_sample(
                 logits,
                 temperature=batch.temperature,
@@ -69,7 +70,12 @@ class Sampler:
                 min_p=batch.min_p,
                 seeds=batch.seeds,
                 steps=batch.steps,
+                token_mask=token_mask,
             )
+        if token_mask is not None:
+            logits = reference.apply_token_bitmask_ref(logits, token_mask)
+        if batch.all_greedy:
+            return reference.greedy_ref(logits)
         vocab = logits.shape[1]
         uniforms = torch.stack(
             [

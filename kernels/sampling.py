@@ -41,6 +41,12 @@ BLOCK_V`` = 1024 on CUDA, 65536 under the interpreter, where per-op overhead dom
 depend on the vocabulary size only, never on the batch, so a row's arithmetic (reduction order
 included) is batch-independent.
 Cost: 3 + (8 if any top-k) + (8 if any top-p) streaming passes over the row, no sort.
+
+Grammar masks: with a ``token_mask`` (``int32 [B, ceil(V / 32)]``, bit ``t % 32`` of word
+``t // 32`` set when token ``t`` is allowed), every pass reads disallowed tokens as -inf
+(``_load_chunk``), so the same launch samples constrained and free rows, greedy ones too, from
+the constrained distribution. ``HAS_MASK`` is a compile-time switch: a batch without
+constrained rows runs a kernel with no mask loads at all.
 """
 
 from __future__ import annotations
@@ -88,6 +94,24 @@ def _mass_of_higher_bins(mass):
 
 
 @triton.jit
+def _load_chunk(row_ptr, mask_row_ptr, rows_ok, v0, cols, vocab_size, HAS_MASK: tl.constexpr):
+    """One ``[BLOCK_B, BLOCK_V]`` chunk of logits from column ``v0``: ``(x, in_vocab)``.
+
+    Columns past the vocabulary and, with ``HAS_MASK``, tokens the row's packed bitmask does not
+    allow (bit ``t % 32`` of int32 word ``t // 32``) read as -inf, so every pass sees the
+    constrained distribution. Every pass loads through here.
+    """
+    idx = v0 + cols
+    in_vocab = rows_ok[:, None] & (idx < vocab_size)[None, :]
+    x = tl.load(row_ptr[:, None] + idx[None, :], mask=in_vocab, other=float("-inf"))
+    if HAS_MASK:
+        words = tl.load(mask_row_ptr[:, None] + (idx // 32)[None, :], mask=in_vocab, other=0)
+        allowed = ((words >> (idx % 32)[None, :]) & 1) != 0
+        x = tl.where(allowed, x, float("-inf"))
+    return x, in_vocab
+
+
+@triton.jit
 def _sample_kernel(
     logits_ptr,
     temperature_ptr,
@@ -98,15 +122,19 @@ def _sample_kernel(
     steps_ptr,
     tokens_ptr,
     logprobs_ptr,
+    token_mask_ptr,
     num_rows,
     vocab_size,
     stride_row,
+    stride_mask_row,
     BLOCK_B: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    HAS_MASK: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     row_mask = rows < num_rows
     row_ptr = logits_ptr + rows * stride_row
+    mask_row_ptr = token_mask_ptr + rows * stride_mask_row
     cols = tl.arange(0, BLOCK_V)
     digits = tl.arange(0, 16)
 
@@ -123,9 +151,7 @@ def _sample_kernel(
     greedy = tl.zeros([BLOCK_B], dtype=tl.int32)
     num_bad = tl.zeros([BLOCK_B], dtype=tl.int32)
     for v0 in range(0, vocab_size, BLOCK_V):
-        idx = v0 + cols
-        mask = row_mask[:, None] & (idx < vocab_size)[None, :]
-        x = tl.load(row_ptr[:, None] + idx[None, :], mask=mask, other=float("-inf"))
+        x, mask = _load_chunk(row_ptr, mask_row_ptr, row_mask, v0, cols, vocab_size, HAS_MASK)
         num_bad += tl.sum(((x != x) | (x == float("inf"))).to(tl.int32), 1)
         # NaN never reaches the reductions: a GPU's tl.max skips it while tl.argmax keeps it
         # or not depending on the reduction tree (the row's token is -1 anyway).
@@ -142,9 +168,7 @@ def _sample_kernel(
     sum_x = tl.zeros([BLOCK_B], dtype=tl.float32)
     sum_z = tl.zeros([BLOCK_B], dtype=tl.float32)
     for v0 in range(0, vocab_size, BLOCK_V):
-        idx = v0 + cols
-        mask = row_mask[:, None] & (idx < vocab_size)[None, :]
-        x = tl.load(row_ptr[:, None] + idx[None, :], mask=mask, other=float("-inf"))
+        x, mask = _load_chunk(row_ptr, mask_row_ptr, row_mask, v0, cols, vocab_size, HAS_MASK)
         sum_x += tl.sum(tl.exp(x - x_ref[:, None]), 1)
         sum_z += tl.sum(tl.exp(x / temp[:, None] - z_max[:, None]), 1)
     sum_z = tl.where(sum_z > 0.0, sum_z, 1.0)
@@ -157,9 +181,9 @@ def _sample_kernel(
         for r in tl.static_range(8):
             hist = tl.zeros([BLOCK_B, 16], dtype=tl.int32)
             for v0 in range(0, vocab_size, BLOCK_V):
-                idx = v0 + cols
-                mask = row_mask[:, None] & (idx < vocab_size)[None, :]
-                x = tl.load(row_ptr[:, None] + idx[None, :], mask=mask, other=float("-inf"))
+                x, mask = _load_chunk(
+                    row_ptr, mask_row_ptr, row_mask, v0, cols, vocab_size, HAS_MASK
+                )
                 key = _ordered_key(x / temp[:, None])
                 if r > 0:
                     mask = mask & ((key >> (32 - 4 * r)) == (prefix >> (32 - 4 * r))[:, None])
@@ -185,9 +209,9 @@ def _sample_kernel(
             count = tl.zeros([BLOCK_B, 16], dtype=tl.int32)
             mass = tl.zeros([BLOCK_B, 16], dtype=tl.float32)
             for v0 in range(0, vocab_size, BLOCK_V):
-                idx = v0 + cols
-                mask = row_mask[:, None] & (idx < vocab_size)[None, :]
-                x = tl.load(row_ptr[:, None] + idx[None, :], mask=mask, other=float("-inf"))
+                x, mask = _load_chunk(
+                    row_ptr, mask_row_ptr, row_mask, v0, cols, vocab_size, HAS_MASK
+                )
                 z = x / temp[:, None]
                 mask = mask & (_ordered_key(z) >= k_key[:, None])  # nucleus of the top-k set
                 p = tl.exp(z - z_max[:, None]) / sum_z[:, None]
@@ -219,13 +243,12 @@ def _sample_kernel(
     best = tl.full([BLOCK_B], float("-inf"), dtype=tl.float32)
     drawn = tl.zeros([BLOCK_B], dtype=tl.int32)
     for v0 in range(0, vocab_size, BLOCK_V):
-        idx = v0 + cols
-        mask = row_mask[:, None] & (idx < vocab_size)[None, :]
-        x = tl.load(row_ptr[:, None] + idx[None, :], mask=mask, other=float("-inf"))
+        x, mask = _load_chunk(row_ptr, mask_row_ptr, row_mask, v0, cols, vocab_size, HAS_MASK)
         z = x / temp[:, None]
         p = tl.exp(z - z_max[:, None]) / sum_z[:, None]
         keep = (_ordered_key(z) >= k_key[:, None]) & (_ordered_key(p) >= p_key[:, None])
         keep = keep & (p >= min_p_rel[:, None]) & ~p_empty[:, None]
+        idx = v0 + cols
         u = tl.rand(seed[:, None], counter_hi[:, None] + idx[None, :].to(tl.int64))
         race = p / -tl.log(tl.maximum(u, 1.1754943508222875e-38))
         race = tl.where(mask, tl.where(keep, race, -1.0), float("-inf"))
@@ -282,10 +305,15 @@ def sample(
     min_p: torch.Tensor,
     seeds: torch.Tensor,
     steps: torch.Tensor,
+    token_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; returns ``(token_ids [B] int64, logprobs [B] fp32)``.
 
     Rows holding a NaN or +inf, or no finite value, get token -1 and logprob NaN.
+    token_mask: optional ``[B, ceil(V / 32)]`` int32 packed bitmask of the allowed tokens
+    (grammar-constrained rows; all ones for free rows). Disallowed tokens count as -inf in
+    every pass, greedy rows included, and the logprob is then over the allowed tokens. Without
+    it the kernel is compiled without the mask loads.
 
     logits: ``[B, V]`` fp32 (last dim contiguous); temperature, top_p, min_p: ``[B]`` fp32
     (temperature 0 = greedy); top_k: ``[B]`` int32 (``<= 0`` or ``>= V`` disables); seeds,
@@ -307,6 +335,15 @@ def sample(
     _check_row_param("min_p", min_p, torch.float32, num_rows, device)
     _check_row_param("seeds", seeds, torch.int64, num_rows, device)
     _check_row_param("steps", steps, torch.int64, num_rows, device)
+    words = (vocab_size + 31) // 32
+    if token_mask is not None:
+        if token_mask.dtype != torch.int32 or tuple(token_mask.shape) != (num_rows, words):
+            raise ValueError(
+                f"token_mask must be int32 [{num_rows}, {words}], "
+                f"got {token_mask.dtype} {tuple(token_mask.shape)}"
+            )
+        if token_mask.device != device or token_mask.stride(-1) != 1:
+            raise ValueError("token_mask must be on the logits' device with a contiguous last dim")
 
     tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
     logprobs = torch.empty(num_rows, dtype=torch.float32, device=device)
@@ -323,11 +360,14 @@ def sample(
         steps,
         tokens,
         logprobs,
+        token_mask if token_mask is not None else tokens,  # unused without HAS_MASK
         num_rows,
         vocab_size,
         logits.stride(0),
+        token_mask.stride(0) if token_mask is not None else 0,
         BLOCK_B=block_b,
         BLOCK_V=block_v,
+        HAS_MASK=token_mask is not None,
         num_warps=_NUM_WARPS,
     )
     return tokens, logprobs
