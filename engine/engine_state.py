@@ -2,18 +2,22 @@
 
 ::
 
-    GET /v1/engine/state ──> AsyncEngine.engine_state() ──> StateWatch.want()
-                                  │  fresh enough? return the latest EngineState
-                                  │  engine idle and the state stale? take one now, under the
-                                  │  state lock (the engine is between steps by construction)
-    engine thread, after every step (state lock held):
-        StateWatch.after_step(): watched in the last WATCH_WINDOW_S and the last take older
-        than MIN_INTERVAL_S? take one; otherwise return at once
+    GET /v1/engine/state -> AsyncEngine.engine_state(): StateWatch.want(), then
+        the state lock free (the engine is between steps, idle for one)? take_if_due() here
+        else: the latest state (the engine thread takes a fresh one after its step)
+    engine thread, after every step, state lock held: StateWatch.after_step()
+        nobody asked in the last WATCH_WINDOW_S? return (a clock read and a comparison)
+        else: take_if_due()
+    take_if_due(): the latest state is of this very moment, or not yet due? keep it
+        else take one and set when the next is due: after MIN_INTERVAL_S, or after
+        take time / MAX_BUSY_FRACTION if that is longer
 
-When nobody watches, ``after_step`` reads the clock and compares two floats: nothing
-measurable next to a step. When someone does, a take costs one pass over the free pool and
-the block tables (``BlockManager.pool_map``) and the running requests, at most once per
-``MIN_INTERVAL_S`` however many watchers poll. The JSON is documented in docs/api.md
+When nobody watches, ``after_step`` is the whole cost: nothing measurable next to a step.
+When someone does, a take costs one pass over the free pool and the block tables
+(``BlockManager.pool_map``, ``usage()``) and the running requests: at most five a second
+however many watchers poll, and never more than ``MAX_BUSY_FRACTION`` of the engine thread's
+time (a pool of hundreds of thousands of blocks is taken every few seconds instead).
+perf/bench_engine_state.py measures both; the JSON is documented in docs/api.md
 ("GET /v1/engine/state").
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +39,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MIN_INTERVAL_S = 0.2  # at most five takes a second, however many watchers poll
+MAX_BUSY_FRACTION = 0.02  # of the engine thread's time spent taking states while watched
 WATCH_WINDOW_S = 2.0  # a request keeps the engine thread taking states this long
 MAX_WAITING_LISTED = 32  # the head of the waiting queue; its length is in the gauges
 
@@ -129,29 +135,35 @@ class StateWatch:
     """Takes ``EngineState``s while someone asks for them, rate-limited.
 
     ``want()`` and ``latest`` are for any thread; ``take_if_due`` and ``after_step`` run with
-    the engine's state lock held.
+    the engine's state lock held. ``clock`` is ``time.monotonic`` but in tests.
     """
 
     def __init__(
-        self, min_interval_s: float = MIN_INTERVAL_S, window_s: float = WATCH_WINDOW_S
+        self,
+        min_interval_s: float = MIN_INTERVAL_S,
+        window_s: float = WATCH_WINDOW_S,
+        max_busy_fraction: float = MAX_BUSY_FRACTION,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.min_interval_s = min_interval_s
         self.window_s = window_s
+        self.max_busy_fraction = max_busy_fraction
+        self.clock = clock
         self.latest: EngineState | None = None
         self.num_taken = 0
         self.broken = False  # a take raised: take no more (the engine goes on)
         # Written by any thread, read by the engine thread: one float, so no lock is needed.
         self._wanted_until = float("-inf")
-        self._taken_at = float("-inf")
+        self._next_due = float("-inf")
 
     def want(self) -> None:
         """Someone is watching: keep taking states for the next ``window_s`` seconds."""
         if not self.broken:
-            self._wanted_until = time.monotonic() + self.window_s
+            self._wanted_until = self.clock() + self.window_s
 
     def after_step(self, engine: LLMEngine, gauges: object) -> None:
-        """After an engine step: take a state if one is wanted and the last is old enough."""
-        if time.monotonic() > self._wanted_until:
+        """After an engine step: take a state if one is wanted and due."""
+        if self.clock() > self._wanted_until:
             return  # nobody watches: this comparison is the whole cost
         try:
             self.take_if_due(engine, gauges)
@@ -161,16 +173,14 @@ class StateWatch:
             self.broken = True
 
     def take_if_due(self, engine: LLMEngine, gauges: object) -> EngineState | None:
-        """Take a state unless the latest is the current one or younger than the interval."""
-        now = time.monotonic()
+        """Take a state unless the latest is of this moment (``gauges``, the snapshot of the
+        last step) or the next is not due yet; the latest state either way."""
+        now = self.clock()
         latest = self.latest
-        if (
-            self.broken
-            or latest is not None
-            and (latest.gauges is gauges or now - self._taken_at < self.min_interval_s)
-        ):
+        if self.broken or latest is not None and (latest.gauges is gauges or now < self._next_due):
             return latest
         self.latest = take_state(engine, gauges)
-        self._taken_at = now
+        took = self.clock() - now
+        self._next_due = now + max(self.min_interval_s, took / self.max_busy_fraction)
         self.num_taken += 1
         return self.latest

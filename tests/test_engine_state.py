@@ -8,11 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from engine import engine_state
 from engine.block_manager import RECENT_COPIES, BlockManager
 from engine.engine_state import StateWatch, take_state
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+
+INF = float("inf")  # no bound on the time spent taking states
 
 
 def check_map_agrees(bm: BlockManager) -> str:
@@ -100,7 +103,7 @@ def test_take_state_lists_requests_with_their_tables():
 
 def test_the_watch_takes_nothing_unless_wanted():
     engine = _engine(BlockManager(4, 4))
-    watch = StateWatch(min_interval_s=0.0)
+    watch = StateWatch(min_interval_s=0.0, max_busy_fraction=INF)
     for gauges in range(5):
         watch.after_step(engine, gauges)
     assert watch.num_taken == 0 and watch.latest is None
@@ -111,7 +114,7 @@ def test_the_watch_takes_nothing_unless_wanted():
 
 def test_the_watch_does_not_retake_a_current_state():
     engine = _engine(BlockManager(4, 4))
-    watch = StateWatch(min_interval_s=0.0)
+    watch = StateWatch(min_interval_s=0.0, max_busy_fraction=INF)
     watch.want()
     gauges = object()
     first = watch.take_if_due(engine, gauges)
@@ -131,9 +134,52 @@ def test_the_watch_respects_its_interval():
     assert watch.num_taken == 1
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_slow_take_is_taken_less_often(monkeypatch):
+    """A take of 0.5 s at a 2% time budget is next due 25 s later, not after 0.2 s."""
+    clock = FakeClock()
+
+    def slow_take(engine, gauges):
+        clock.now += 0.5
+        return take_state(engine, gauges)
+
+    monkeypatch.setattr(engine_state, "take_state", slow_take)
+    engine = _engine(BlockManager(4, 4))
+    watch = StateWatch(min_interval_s=0.2, max_busy_fraction=0.02, clock=clock)
+    watch.want()
+    first = watch.take_if_due(engine, "a")
+    for t in (1.0, 10.0, 24.0):  # seconds after the take began
+        clock.now = 100.0 + t
+        watch.want()
+        watch.after_step(engine, f"at {t}")
+        assert watch.latest is first
+    clock.now = 125.0
+    watch.after_step(engine, "due")
+    assert watch.latest.gauges == "due" and watch.num_taken == 2
+
+
+def test_the_watch_window_lapses():
+    clock = FakeClock()
+    engine = _engine(BlockManager(4, 4))
+    watch = StateWatch(min_interval_s=0.0, window_s=2.0, max_busy_fraction=INF, clock=clock)
+    watch.want()
+    clock.now += 1.9
+    watch.after_step(engine, "watched")
+    clock.now += 0.2  # 2.1 s after the last request
+    watch.after_step(engine, "unwatched")
+    assert watch.num_taken == 1 and watch.latest.gauges == "watched"
+
+
 def test_a_failing_take_never_reaches_the_engine_loop(monkeypatch, caplog):
     engine = _engine(BlockManager(4, 4))
-    watch = StateWatch(min_interval_s=0.0)
+    watch = StateWatch(min_interval_s=0.0, max_busy_fraction=INF)
 
     def broken(*args):
         raise RuntimeError("boom")

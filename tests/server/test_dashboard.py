@@ -124,6 +124,7 @@ def test_the_state_mid_run_agrees_with_metrics_and_the_pool(
 ):
     # A state after every step while watched, so the one frozen below is the last step's.
     monkeypatch.setattr(engine.state_watch, "min_interval_s", 0.0)
+    monkeypatch.setattr(engine.state_watch, "max_busy_fraction", float("inf"))
     cow_before = engine_state(base_url)["engine"]["kv"]["copy_on_write_total"]
     body = {
         "model": model_name,
