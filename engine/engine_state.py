@@ -18,7 +18,7 @@ When someone does, a take costs one pass over the free pool and the block tables
 however many watchers poll, and never more than ``MAX_BUSY_FRACTION`` of the engine thread's
 time (a pool of hundreds of thousands of blocks is taken every few seconds instead).
 perf/bench_engine_state.py measures both; the JSON is documented in docs/api.md
-("GET /v1/engine/state").
+("The dashboard: GET / and GET /v1/engine/state").
 """
 
 from __future__ import annotations
