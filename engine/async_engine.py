@@ -16,10 +16,12 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
+from engine.engine_state import EngineState, StateWatch
 from engine.forks import sample_ids
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStats
@@ -82,6 +84,7 @@ class AsyncEngine:
         self._stopping = False
         self.dead: BaseException | None = None
         self._snapshot = self._take_snapshot()
+        self.state_watch = StateWatch()  # the dashboard's detailed state, taken when watched
         self._thread = threading.Thread(target=self._run, name="paged-serve-engine", daemon=True)
         self._thread.start()
 
@@ -205,6 +208,29 @@ class AsyncEngine:
             num_graph_steps=e.num_graph_steps,
         )
 
+    def engine_state(self) -> EngineState | None:
+        """The detailed state for the dashboard (``engine.engine_state``); never waits for a step.
+
+        Asking marks the state wanted, so the engine thread takes one after its steps for the
+        next few seconds (at most every ``MIN_INTERVAL_S``). If the engine is between steps now
+        (idle, for one) and the latest state is due, it is taken here. None until a first state
+        exists (the engine thread takes one after its current step).
+        """
+        watch = self.state_watch
+        watch.want()
+        if self._state_lock.acquire(blocking=False):
+            try:
+                return watch.take_if_due(self.engine, self._snapshot)
+            finally:
+                self._state_lock.release()
+        return watch.latest
+
+    @contextmanager
+    def between_steps(self) -> Iterator[LLMEngine]:
+        """Hold the engine thread between two steps and yield the engine to read (tests)."""
+        with self._state_lock:
+            yield self.engine
+
     def check_integrity(self) -> None:
         """Check the block pool between steps (raises AssertionError on a leak or bad count)."""
         with self._state_lock:
@@ -262,6 +288,7 @@ class AsyncEngine:
                     if not (stopping and not self.engine.has_unfinished):
                         replies += [(o.request_id, o) for o in self.engine.step()]
                     self._snapshot = self._take_snapshot()
+                    self.state_watch.after_step(self.engine, self._snapshot)
                 with self._lock:
                     for request_id, item in replies:
                         self._deliver(request_id, item)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,6 +42,9 @@ def prefix_key(parent_key: bytes, token_ids: tuple[int, ...]) -> bytes:
 
 # The parent of a block in a prefix chain: (block id, its generation), or None for a first block.
 ParentRef = tuple[int, int] | None
+
+
+RECENT_COPIES = 16  # copy-on-write pairs kept for the dashboard
 
 
 class OutOfBlocksError(RuntimeError):
@@ -97,6 +100,9 @@ class BlockManager:
         self._num_tokens: dict[str, int] = {}
         self._hashed: dict[str, int] = {}  # request -> number of its leading blocks hashed
         self._cache: dict[bytes, int] = {}  # prefix_key -> block id
+        # Copy-on-write so far, and the last few (src, dst) pairs (the dashboard flashes them).
+        self.copy_on_write_total = 0
+        self.recent_copies: deque[tuple[int, int]] = deque(maxlen=RECENT_COPIES)
 
     # ----------------------------------------------------------------- queries
     def blocks_for(self, num_tokens: int) -> int:
@@ -203,6 +209,8 @@ class BlockManager:
                 self._blocks[shared].ref_count -= 1
                 table[write_from] = fresh
                 copies.append((shared, fresh))
+                self.copy_on_write_total += 1
+                self.recent_copies.append((shared, fresh))
         while len(table) < self.blocks_for(num_tokens):
             table.append(self._pop_free())
         for i in range(write_from, len(table)):
@@ -276,6 +284,21 @@ class BlockManager:
             free_blocks=len(self._free),
             cached_blocks=cached,
         )
+
+    def pool_map(self) -> str:
+        """One character per block, by block id: ``.`` free, ``c`` free but cached (a prefix
+        cache entry, evictable), ``u`` held by one request, ``s`` shared (ref count > 1).
+
+        Counts agree with ``usage()``: ``u`` + ``s`` = used, ``c`` = cached, ``.`` + ``c`` = free.
+        """
+        pool = bytearray(b"." * self.num_blocks)
+        for block_id in self._free:
+            if self._blocks[block_id].block_hash is not None:
+                pool[block_id] = 0x63  # c
+        for table in self._tables.values():
+            for block_id in table:
+                pool[block_id] = 0x75 if self._blocks[block_id].ref_count == 1 else 0x73  # u, s
+        return pool.decode("ascii")
 
     def check_integrity(self) -> None:
         """Raise AssertionError if reference counts, the free pool or the cache disagree."""

@@ -6,6 +6,7 @@ Routes::
     POST /v1/completions              POST /v1/chat/completions
     POST /v1/responses                GET|DELETE /v1/responses/{response_id}
     GET  /health                      GET  /metrics
+    GET  /, /dashboard                GET  /v1/engine/state    (server.dashboard)
 
 Every failure leaves as the OpenAI error object (``server.errors``): the error middleware
 catches our APIError, aiohttp's HTTP exceptions (unknown route 404, wrong method 405, body over
@@ -36,6 +37,7 @@ from engine.async_engine import AsyncEngine
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.connections import ConnectionGuard, GuardedRunner
+from server.dashboard import add_dashboard
 from server.errors import SERVER_ERROR, APIError, error_response, from_http_exception
 from server.limits import ServerLimits
 from server.metrics import metrics
@@ -153,10 +155,12 @@ def create_app(
     served_model_name: str | None = None,
     api_keys: Sequence[str] = (),
     limits: ServerLimits | None = None,
+    dashboard: bool = True,
 ) -> web.Application:
-    """The app serving ``engine`` within ``limits`` (default: ``ServerLimits()``). The caller
-    owns the engine (and shuts it down). Serve it with ``make_runner``, which applies the
-    connection limits."""
+    """The app serving ``engine`` within ``limits`` (default: ``ServerLimits()``), with the
+    dashboard page and its state endpoint unless ``dashboard`` is False. The caller owns the
+    engine (and shuts it down). Serve it with ``make_runner``, which applies the connection
+    limits."""
     if any(not key for key in api_keys):
         raise ValueError("API keys must be non-empty strings")
     limits = limits or ServerLimits()
@@ -182,6 +186,8 @@ def create_app(
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    if dashboard:
+        add_dashboard(app)
     app.on_shutdown.append(_abort_in_flight)
     return app
 

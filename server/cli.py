@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import signal
 import sys
@@ -43,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="require 'Authorization: Bearer KEY' on /v1 routes (repeat for several keys)",
+    )
+    parser.add_argument(
+        "--no-dashboard",
+        action="store_true",
+        help="do not serve the dashboard page (GET /) and its state endpoint /v1/engine/state",
     )
     _add_limit_args(parser)
     parser.add_argument(
@@ -144,10 +150,37 @@ def _check_fd_limit(max_connections: int) -> None:
         )
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name, or "" (every interface)
+        return False
+
+
+def _log_dashboard(url: str, host: str, keyed: bool) -> None:
+    """The dashboard's URL; a warning when it is reachable beyond this machine."""
+    logger.info("dashboard at %s", url)
+    if not _is_loopback(host):
+        logger.warning(
+            "the dashboard is served wherever the API is (--host %s), so beyond this machine;"
+            " %s; --no-dashboard turns it off",
+            host,
+            "its engine state needs an API key"
+            if keyed
+            else "without --api-key anyone who reaches the server can read its engine state",
+        )
+
+
 async def serve(engine: AsyncEngine, args: argparse.Namespace, limits: ServerLimits) -> None:
     """Serve until SIGINT or SIGTERM, then shut down cleanly."""
     app = create_app(
-        engine, served_model_name=args.served_model_name, api_keys=args.api_key, limits=limits
+        engine,
+        served_model_name=args.served_model_name,
+        api_keys=args.api_key,
+        limits=limits,
+        dashboard=not args.no_dashboard,
     )
     _check_fd_limit(limits.max_connections)
     runner = make_runner(app)
@@ -169,6 +202,8 @@ async def serve(engine: AsyncEngine, args: argparse.Namespace, limits: ServerLim
         host, port = runner.addresses[0][:2]
         host = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
         logger.info("serving %s at http://%s:%d/v1", app[STATE].served_model_name, host, port)
+        if not args.no_dashboard:
+            _log_dashboard(f"http://{host}:{port}/", args.host, bool(args.api_key))
         await stop.wait()
         logger.info("shutting down")
     finally:
