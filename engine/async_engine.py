@@ -83,6 +83,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stopping = False
         self.dead: BaseException | None = None
+        self._in_transit = 0  # requests taken from the inbox into the running step
         self._snapshot = self._take_snapshot()
         self.state_watch = StateWatch()  # the dashboard's detailed state, taken when watched
         self._thread = threading.Thread(target=self._run, name="paged-serve-engine", daemon=True)
@@ -186,21 +187,26 @@ class AsyncEngine:
                 self._wake.notify()
 
     def snapshot(self) -> EngineSnapshot:
-        """The gauges as of the end of the last step (never waits for a running step)."""
-        snap = self._snapshot
+        """The gauges as of the end of the last step (never waits for a running step).
+
+        Requests added since count as waiting, including those the engine thread has taken
+        from the inbox into the step now running: an idle snapshot means no request is live.
+        """
         with self._lock:
-            pending = len(self._adds)
+            snap = self._snapshot
+            pending = len(self._adds) + self._in_transit
         return replace(snap, num_waiting=snap.num_waiting + pending)
 
     def _take_snapshot(self) -> EngineSnapshot:
+        """The gauges now, in O(1) of the pool size (runs after every step)."""
         e = self.engine
-        usage = e.block_manager.usage()
+        bm = e.block_manager
         return EngineSnapshot(
             num_running=e.num_running,
             num_waiting=e.num_waiting,
-            kv_blocks_total=e.block_manager.num_blocks,
-            kv_blocks_used=usage.used_blocks,
-            kv_blocks_cached=usage.cached_blocks,
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_cached=bm.num_cached_blocks,
             num_preemptions=e.scheduler.num_preemptions,
             prefix_query_tokens=e.scheduler.prefix_query_tokens,
             prefix_hit_tokens=e.scheduler.prefix_hit_tokens,
@@ -282,14 +288,16 @@ class AsyncEngine:
                         self._wake.wait()
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
+                    self._in_transit = len(adds)
                     stopping = self._stopping
                 with self._state_lock:
                     replies = self._apply(adds, aborts)
                     if not (stopping and not self.engine.has_unfinished):
                         replies += [(o.request_id, o) for o in self.engine.step()]
-                    self._snapshot = self._take_snapshot()
-                    self.state_watch.after_step(self.engine, self._snapshot)
+                    snapshot = self._take_snapshot()
+                    self.state_watch.after_step(self.engine, snapshot)
                 with self._lock:
+                    self._snapshot, self._in_transit = snapshot, 0
                     for request_id, item in replies:
                         self._deliver(request_id, item)
                     for request_id in aborts:  # aborted before the engine knew it

@@ -100,6 +100,7 @@ class BlockManager:
         self._num_tokens: dict[str, int] = {}
         self._hashed: dict[str, int] = {}  # request -> number of its leading blocks hashed
         self._cache: dict[bytes, int] = {}  # prefix_key -> block id
+        self._num_cached_free = 0  # free blocks that still carry a key (kept for usage())
         # Copy-on-write so far, and the last few (src, dst) pairs (the dashboard flashes them).
         self.copy_on_write_total = 0
         self.recent_copies: deque[tuple[int, int]] = deque(maxlen=RECENT_COPIES)
@@ -108,6 +109,16 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks some live request holds (O(1), for per-step gauges)."""
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks the prefix cache still holds, reusable until evicted (O(1))."""
+        return self._num_cached_free
 
     @property
     def num_free_blocks(self) -> int:
@@ -266,6 +277,8 @@ class BlockManager:
             if block.ref_count == 0:
                 if block.block_hash is None:
                     block.num_tokens = 0
+                else:
+                    self._num_cached_free += 1
                 self._free[block_id] = None
 
     # ----------------------------------------------------------------- metrics
@@ -326,6 +339,9 @@ class BlockManager:
                 )
         if len(self._free) + sum(1 for r in refs if r) != self.num_blocks:
             raise AssertionError("blocks lost: free + used != total")
+        cached = sum(1 for b in self._free if self._blocks[b].block_hash is not None)
+        if cached != self._num_cached_free:
+            raise AssertionError(f"{cached} cached free blocks, counted {self._num_cached_free}")
 
     # ----------------------------------------------------------------- internals
     def _fresh_blocks_needed(self, request_id: str, num_tokens: int) -> int:
@@ -346,6 +362,7 @@ class BlockManager:
         block = self._blocks[block_id]
         if block.ref_count == 0:
             del self._free[block_id]
+            self._num_cached_free -= 1  # only keyed blocks are taken back from the pool
         block.ref_count += 1
 
     def _pop_free(self) -> int:
@@ -353,6 +370,7 @@ class BlockManager:
         block_id, _ = self._free.popitem(last=False)
         block = self._blocks[block_id]
         if block.block_hash is not None:
+            self._num_cached_free -= 1
             if self._cache.get(block.block_hash) == block_id:
                 del self._cache[block.block_hash]
             block.block_hash = None
