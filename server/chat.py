@@ -17,26 +17,23 @@ from aiohttp import web
 from server.generation import Generation, Job, start_generation
 from server.logprobs import chat_logprobs
 from server.prompts import chat_message, chat_prompt_ids
-from server.protocol import ChatCompletionRequest, decode
+from server.protocol import ChatCompletionRequest, read_request
 from server.reply import ReplyEnvelope
-from server.sampling import check_sequences, output_limit, request_params
+from server.sampling import check_sequences, output_limit
 from server.sse import frame, respond
 from server.state import STATE, ServerState
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = decode(await request.read(), ChatCompletionRequest)
-    body.check()
-    state.check_model(body.model)
+    body = await read_request(request, ChatCompletionRequest)
     check_sequences(state.limits.max_sequences_per_request, 1, body.n)
     messages = [
         chat_message(m.role, m.content, f"messages[{i}]") for i, m in enumerate(body.messages)
     ]
     prompt_ids = chat_prompt_ids(state.engine, messages, "messages")
     max_tokens = output_limit(state.context_limit, len(prompt_ids), body.output_limit, "messages")
-    params = request_params(
-        body,
+    params = body.to_params(
         state.engine.vocab_size,
         max_tokens=max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,

@@ -15,25 +15,23 @@ from aiohttp import web
 from server.generation import Generation, Job, start_generation
 from server.logprobs import completion_logprobs
 from server.prompts import tokenize_prompt
-from server.protocol import CompletionRequest, decode
+from server.protocol import CompletionRequest, read_request
 from server.reply import ReplyEnvelope
-from server.sampling import check_sequences, output_limit, request_params
+from server.sampling import check_sequences, output_limit
 from server.sse import frame, respond
 from server.state import STATE, ServerState
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = decode(await request.read(), CompletionRequest)
-    body.check()
-    state.check_model(body.model)
+    body = await read_request(request, CompletionRequest)
     prompts = body.prompts()
     check_sequences(state.limits.max_sequences_per_request, len(prompts), body.n)
     prompt_ids = [tokenize_prompt(state.engine, p, "prompt") for p in prompts]
     for ids in prompt_ids:
         output_limit(state.context_limit, len(ids), body.max_tokens, "prompt")
-    params = request_params(
-        body, state.engine.vocab_size, max_tokens=body.max_tokens, logprobs=body.logprobs
+    params = body.to_params(
+        state.engine.vocab_size, max_tokens=body.max_tokens, logprobs=body.logprobs
     )
     n = body.n
     jobs = [Job(p * n, ids, params) for p, ids in enumerate(prompt_ids)]

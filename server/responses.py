@@ -26,18 +26,16 @@ from aiohttp import web
 from server.errors import APIError
 from server.generation import Generation, Job, start_generation
 from server.prompts import chat_message, chat_prompt_ids
-from server.protocol import ResponsesRequest, decode
+from server.protocol import ResponsesRequest, read_request
 from server.response_store import StoredResponse
-from server.sampling import build_params, output_limit
+from server.sampling import output_limit
 from server.sse import frame, respond
 from server.state import OWNER, STATE, ServerState
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = decode(await request.read(), ResponsesRequest)
-    body.check()
-    state.check_model(body.model)
+    body = await read_request(request, ResponsesRequest)
     owner = request.get(OWNER)
     history: list[dict] = []
     if body.previous_response_id is not None:
@@ -57,7 +55,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     prompt_ids = chat_prompt_ids(state.engine, system + history + new, "input")
     max_tokens = output_limit(state.context_limit, len(prompt_ids), body.max_output_tokens, "input")
-    params = build_params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p)
+    params = body.to_params(max_tokens=max_tokens)
     reply = _Reply(state, body, owner, history + new, len(prompt_ids))
     with start_generation(state, reply.id, [Job(0, prompt_ids, params)], "input") as generation:
         if body.stream:
@@ -134,8 +132,8 @@ class _Reply:
             "parallel_tool_calls": False,
             "previous_response_id": b.previous_response_id,
             "store": b.store,
-            "temperature": 1.0 if b.temperature is None else b.temperature,
-            "top_p": 1.0 if b.top_p is None else b.top_p,
+            "temperature": b.temperature,
+            "top_p": b.top_p,
             "text": {"format": {"type": "text"}},
             "tool_choice": "none",
             "tools": [],
