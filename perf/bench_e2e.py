@@ -6,17 +6,11 @@
 One synthetic workload (fixed seed) runs, in the same process, through:
 
 * ``paged_serve``: ``engine.LLM.generate`` with every request submitted at once (continuous
-  batching, chunked prefill, paged KV cache);
-* ``hf_static``: one padded static batch through ``model.generate`` (left padding with an
-  attention mask, greedy, ``max_new_tokens`` = the largest request's ``max_tokens``). The batch
-  runs until its longest request is done; only each request's own ``max_tokens`` tokens are
-  counted as output, the rest is padding work a static batch cannot avoid;
-* ``hf_cb``: transformers' own continuous batching (``generate_batch``'s manager) with
-  per-request ``max_new_tokens`` through ``ContinuousBatchingManager.add_request``, so it does
-  exactly the useful work;
-* ``hf_generate_batch``: the one-call ``model.generate_batch(...)``, which takes a single
-  ``max_new_tokens`` for the whole batch: every request generates the largest ``max_tokens`` and
-  only its own share is counted.
+  batching, chunked prefill, paged KV cache); ``paged_serve_eager`` the same without decode
+  CUDA graphs (``--compare-eager``);
+* ``hf_static``, ``hf_cb``, ``hf_generate_batch``: Hugging Face transformers' padded static
+  batch, its continuous batching with per-request limits, and its one-call ``generate_batch``
+  (``perf.hf_baselines`` says how each counts its output).
 
 All are greedy with EOS ignored, so every system produces exactly the requested token counts.
 Prompts are random ids from the tokenizer's ordinary (non-special) vocabulary. Each timed run is
@@ -36,116 +30,56 @@ import argparse
 import functools
 import gc
 import json
-import math
 import os
 import platform
-import random
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import transformers
-from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers import ContinuousBatchingConfig
 
 from engine import LLM
 from engine.model_loader import LoadedModel, load_model, resolve_dtype
 from engine.sampling_params import SamplingParams
+from perf.e2e_workload import SystemResult, Workload, agreement, finish, make_workload, timed
+from perf.hf_baselines import (
+    HF_SYSTEMS,
+    hf_cb_config,
+    hf_cb_page_size,
+    hf_generate_padded,
+    run_hf_cb,
+    run_hf_generate_batch,
+    run_hf_static,
+)
 from perf.model_shapes import MODEL_SHAPES, random_weight_model
 
-HF_SYSTEMS = ("hf_static", "hf_cb", "hf_generate_batch")
 PROGRESS_PREFIX = "bench_e2e progress: "  # then one system's summary as JSON, on one line
 
 
 @dataclass(frozen=True, slots=True)
-class Workload:
-    """Prompts (token ids) and each request's output length."""
+class SpeedGoals:
+    """The end-to-end targets: paged-serve's output tokens/s over the best HF system's, per
+    device type. The report says whether the run met its device's goal; nothing asserts it.
 
-    prompts: list[list[int]]
-    max_tokens: list[int]
+    The CPU goal is the lower one because there both systems spend most of their time in the
+    same torch matmuls (docs/performance.md, "Where paged-serve's time goes"): only batching
+    and scheduling can win. On a GPU the paged kernels and decode graphs add their share.
+    """
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
+    cuda: float
+    cpu: float
 
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.max_tokens)
-
-
-@dataclass(slots=True)
-class SystemResult:
-    """One system's run. Times in seconds; ``tokens`` holds each request's useful outputs."""
-
-    name: str
-    wall_s: float | None = None
-    useful_output_tokens: int = 0
-    generated_tokens: int = 0
-    output_tokens_per_s: float | None = None
-    error: str | None = None
-    notes: str = ""
-    wall_s_runs: list[float | None] = field(default_factory=list)
-    load_average: list[dict[str, list[float] | None]] = field(default_factory=list)
-    tokens: list[list[int]] = field(default_factory=list)
-
-    def summary(self) -> dict[str, Any]:
-        out = asdict(self)
-        del out["tokens"]
-        return out
+    def for_device(self, device: torch.device) -> float:
+        return self.cuda if device.type == "cuda" else self.cpu
 
 
-def make_workload(
-    tokenizer: Any,
-    vocab_size: int,
-    *,
-    num_requests: int,
-    min_prompt: int,
-    max_prompt: int,
-    min_tokens: int,
-    max_tokens: int,
-    seed: int,
-) -> Workload:
-    """Random prompts (uniform lengths, ordinary-vocabulary ids) and uniform output lengths."""
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    ordinary = [t for t in range(vocab_size) if t not in special]
-    rng = random.Random(seed)
-    prompts = [
-        [rng.choice(ordinary) for _ in range(rng.randint(min_prompt, max_prompt))]
-        for _ in range(num_requests)
-    ]
-    outputs = [rng.randint(min_tokens, max_tokens) for _ in range(num_requests)]
-    return Workload(prompts, outputs)
+E2E_GOALS = SpeedGoals(cuda=3.0, cpu=1.5)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
-    _sync(device)
-    start = time.perf_counter()
-    value = fn()
-    _sync(device)
-    return value, time.perf_counter() - start
-
-
-def _finish(result: SystemResult, workload: Workload, wall: float) -> SystemResult:
-    result.wall_s = round(wall, 3)
-    result.useful_output_tokens = sum(len(t) for t in result.tokens)
-    result.output_tokens_per_s = round(result.useful_output_tokens / wall, 2)
-    if result.useful_output_tokens != workload.num_output_tokens:
-        result.notes += (
-            f" produced {result.useful_output_tokens} of {workload.num_output_tokens}"
-            " requested tokens."
-        )
-    return result
-
-
-# ---------------------------------------------------------------------------------- paged-serve
 def run_paged(
     make_llm: Callable[[], LLM], workload: Workload, device: torch.device, name: str = "paged_serve"
 ) -> SystemResult:
@@ -157,9 +91,10 @@ def run_paged(
     params = [
         SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in workload.max_tokens
     ]
-    warm = [workload.prompts[0][:8], workload.prompts[-1][:8]]
-    llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    results, wall = _timed(device, lambda: llm.generate(workload.prompts, params))
+    llm.generate(
+        workload.warmup_prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    )
+    results, wall = timed(device, lambda: llm.generate(workload.prompts, params))
     result = SystemResult(name, tokens=[list(r.token_ids) for r in results])
     result.generated_tokens = sum(len(t) for t in result.tokens)
     graphs = llm.engine.runner.graphs
@@ -168,206 +103,9 @@ def run_paged(
             f"{sum(graphs.replays.values())} steps replayed decode graphs "
             f"(sizes up to {graphs.max_batch_size}, {graphs.padded_rows} padding rows)"
         )
-    return _finish(result, workload, wall)
+    return finish(result, workload, wall)
 
 
-# ------------------------------------------------------------------------------ HF static batch
-def hf_generate_padded(
-    model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, pad_token_id: int
-) -> list[list[int]]:
-    """Greedy ``generate`` on a left-padded batch; returns every row's new tokens."""
-    device = model.device
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p) :] = 1
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=None,
-        do_sample=False,
-        eos_token_id=[],  # ignore EOS: every row generates max_new_tokens
-        pad_token_id=pad_token_id,
-    )
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=input_ids.to(device), attention_mask=mask.to(device), generation_config=config
-        )
-    return out[:, width:].tolist()
-
-
-def run_hf_static(model: Any, workload: Workload, pad_token_id: int) -> SystemResult:
-    """One padded batch of every request, run to the longest ``max_tokens``."""
-    longest = max(workload.max_tokens)
-    hf_generate_padded(model, [workload.prompts[0][:8], workload.prompts[-1][:8]], 4, pad_token_id)
-    rows, wall = _timed(
-        model.device, lambda: hf_generate_padded(model, workload.prompts, longest, pad_token_id)
-    )
-    result = SystemResult(
-        "hf_static",
-        tokens=[row[:m] for row, m in zip(rows, workload.max_tokens)],
-        generated_tokens=sum(len(r) for r in rows),
-        notes=(
-            f"padded static batch of {len(rows)} run to max_new_tokens={longest}; only each "
-            "request's own max_tokens count as output."
-        ),
-    )
-    return _finish(result, workload, wall)
-
-
-# ---------------------------------------------------------------------- HF continuous batching
-def hf_cb_page_size(config: ContinuousBatchingConfig) -> int:
-    """Tokens per KV page of HF's CB cache: ``page_size`` in the transformers CI installs
-    (5.24), ``block_size`` in 5.17 (the GPU machine's), which has no ``page_size``."""
-    page_size = getattr(config, "page_size", None)
-    return int(page_size if page_size is not None else config.block_size)
-
-
-def hf_cb_config(args: argparse.Namespace, kv_tokens: int | None) -> ContinuousBatchingConfig:
-    """HF's CB sized like paged-serve: the same KV capacity in tokens and the same budgets.
-
-    On CPU transformers otherwise sizes the cache from total system RAM.
-    """
-    page_size = hf_cb_page_size(ContinuousBatchingConfig())
-    return ContinuousBatchingConfig(
-        num_blocks=None if kv_tokens is None else math.ceil(kv_tokens / page_size),
-        max_batch_tokens=args.max_num_batched_tokens,
-        max_requests_per_batch=args.max_num_seqs,
-    )
-
-
-def _greedy_no_eos(max_new_tokens: int, pad_token_id: int) -> GenerationConfig:
-    # eos_token_id=-1 is continuous batching's "no EOS".
-    return GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=pad_token_id
-    )
-
-
-def _check_outputs(outputs: Sequence[Any], n: int) -> str | None:
-    missing = n - len(outputs)
-    failed = [o.error for o in outputs if o.error is not None]
-    if missing or failed:
-        return f"{missing} requests missing, {len(failed)} failed: {failed[:1]}"
-    return None
-
-
-def hf_cb_per_request(
-    model: Any,
-    prompts: Sequence[Sequence[int]],
-    max_tokens: Sequence[int],
-    cb_config: ContinuousBatchingConfig,
-    pad_token_id: int,
-) -> list[Any]:
-    """transformers' CB manager, each request with its own ``max_new_tokens``."""
-    config = _greedy_no_eos(max(max_tokens), pad_token_id)
-    done: dict[str, Any] = {}
-    # No inference_mode() here: the manager's worker thread updates tensors this thread creates
-    # in add_request, which transformers 5.17 then refuses as inference tensors.
-    with model.continuous_batching_context_manager(
-        generation_config=config, continuous_batching_config=cb_config, block=True, timeout=5
-    ) as manager:
-        ids = [
-            manager.add_request(
-                input_ids=list(p), request_id=f"r{i}", max_new_tokens=m, eos_token_id=-1
-            )
-            for i, (p, m) in enumerate(zip(prompts, max_tokens))
-        ]
-        while len(done) < len(ids):
-            out = manager.get_result(timeout=1)
-            if out is None:
-                if not manager.is_running():
-                    break
-                continue
-            if out.is_finished():
-                done[out.request_id] = out
-    return [done[i] for i in ids if i in done]
-
-
-def run_hf_cb(
-    model: Any, workload: Workload, cb_config: ContinuousBatchingConfig, pad_token_id: int
-) -> SystemResult:
-    result = SystemResult(
-        "hf_cb",
-        notes="transformers continuous batching manager, per-request max_new_tokens.",
-    )
-    warm = [workload.prompts[0][:8], workload.prompts[-1][:8]]
-    hf_cb_per_request(model, warm, [4, 4], cb_config, pad_token_id)
-    outputs, wall = _timed(
-        model.device,
-        lambda: hf_cb_per_request(
-            model, workload.prompts, workload.max_tokens, cb_config, pad_token_id
-        ),
-    )
-    result.error = _check_outputs(outputs, len(workload.prompts))
-    result.tokens = [list(o.generated_tokens) for o in outputs]
-    result.generated_tokens = sum(len(t) for t in result.tokens)
-    return _finish(result, workload, wall)
-
-
-def run_hf_generate_batch(
-    model: Any, workload: Workload, cb_config: ContinuousBatchingConfig, pad_token_id: int
-) -> SystemResult:
-    longest = max(workload.max_tokens)
-    result = SystemResult(
-        "hf_generate_batch",
-        notes=(
-            f"model.generate_batch takes one max_new_tokens: all requests ran to {longest}; only "
-            "each request's own max_tokens count as output."
-        ),
-    )
-    warm = [workload.prompts[0][:8], workload.prompts[-1][:8]]
-    model.generate_batch(
-        inputs=warm,
-        generation_config=_greedy_no_eos(4, pad_token_id),
-        continuous_batching_config=cb_config,
-    )
-    config = _greedy_no_eos(longest, pad_token_id)
-    outputs, wall = _timed(
-        model.device,
-        lambda: list(
-            model.generate_batch(
-                inputs=workload.prompts,
-                generation_config=config,
-                continuous_batching_config=cb_config,
-            ).values()
-        ),
-    )
-    result.error = _check_outputs(outputs, len(workload.prompts))
-    rows = [list(o.generated_tokens) for o in outputs]
-    result.generated_tokens = sum(len(r) for r in rows)
-    result.tokens = [r[:m] for r, m in zip(rows, workload.max_tokens)]
-    return _finish(result, workload, wall)
-
-
-# ------------------------------------------------------------------------------------ agreement
-def agreement(reference: Sequence[Sequence[int]], other: Sequence[Sequence[int]]) -> dict:
-    """Token-for-token agreement of greedy outputs, request by request.
-
-    A greedy sequence that differs once continues differently, so the matched length is the
-    length of the common prefix; ``first_divergence`` maps request index to that position.
-    """
-    matched = total = exact = 0
-    divergence: dict[int, int] = {}
-    for i, (ref, out) in enumerate(zip(reference, other)):
-        prefix = 0
-        while prefix < min(len(ref), len(out)) and ref[prefix] == out[prefix]:
-            prefix += 1
-        matched += prefix
-        total += len(ref)
-        if prefix == len(ref) == len(out):
-            exact += 1
-        else:
-            divergence[i] = prefix
-    return {
-        "requests": min(len(reference), len(other)),
-        "exact_requests": exact,
-        "token_match_rate": round(matched / total, 4) if total else None,
-        "first_divergence": divergence,
-    }
-
-
-# ----------------------------------------------------------------------------------------- main
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-requests", type=int, default=24)
@@ -474,18 +212,23 @@ def _release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _guarded(name: str, fn: Callable[[], SystemResult]) -> SystemResult:
-    """Run one HF system; a failure is reported in the output, not raised."""
-    try:
-        return fn()
-    except Exception as exc:  # any baseline failure is a result to report, not a crash
-        return SystemResult(name, error=f"{type(exc).__name__}: {exc}")
+@dataclass(frozen=True, slots=True)
+class BenchSetup:
+    """What every system's runs share, built once before any is timed."""
+
+    device: torch.device
+    dtype: torch.dtype
+    workload: Workload
+    make_llm: Callable[[], LLM]  # paged-serve as asked (decode graphs unless --enforce-eager)
+    make_eager_llm: Callable[[], LLM]
+    hf: Any  # a second copy of the model: the engine swaps the first one's attention
+    pad_token_id: int
+    kv_tokens: int  # paged-serve's KV capacity
+    cb_config: ContinuousBatchingConfig
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    source = _source_revision()  # before the runs: the tree may change while they go on
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+def prepare(args: argparse.Namespace) -> BenchSetup:
+    """Load the model twice (paged-serve, HF), draw the workload, size HF's CB like ours."""
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype, device)
 
@@ -518,112 +261,164 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs,
     )
     make_eager_llm = functools.partial(make_llm, enforce_eager=True)
-    if args.enforce_eager:
-        make_llm = make_eager_llm
     bm = make_eager_llm().engine.block_manager  # sizes only: no graphs to capture
     kv_tokens = bm.num_blocks * bm.block_size
-    hf = load().model  # a second copy: the engine swaps the first one's attention
-    cb_config = hf_cb_config(args, kv_tokens if device.type == "cpu" else None)
+    return BenchSetup(
+        device=device,
+        dtype=dtype,
+        workload=workload,
+        make_llm=make_eager_llm if args.enforce_eager else make_llm,
+        make_eager_llm=make_eager_llm,
+        hf=load().model,
+        pad_token_id=pad_token_id,
+        kv_tokens=kv_tokens,
+        cb_config=hf_cb_config(
+            kv_tokens if device.type == "cpu" else None,
+            max_batch_tokens=args.max_num_batched_tokens,
+            max_requests=args.max_num_seqs,
+        ),
+    )
 
-    systems: list[tuple[str, Callable[[], SystemResult]]] = [
-        ("paged_serve", lambda: run_paged(make_llm, workload, device))
-    ]
+
+def chosen_systems(args: argparse.Namespace) -> list[str]:
+    """The systems to time, in order, as the selection flags ask."""
+    names = ["paged_serve"]
     if args.compare_eager and not args.enforce_eager:
-        systems.append(
-            (
-                "paged_serve_eager",
-                lambda: run_paged(make_eager_llm, workload, device, "paged_serve_eager"),
-            )
-        )
+        names.append("paged_serve_eager")
     if not args.skip_hf_static:
-        systems.append(("hf_static", lambda: run_hf_static(hf, workload, pad_token_id)))
+        names.append("hf_static")
     if not args.skip_hf_batch and args.hf_batch_api in ("both", "manager"):
-        systems.append(("hf_cb", lambda: run_hf_cb(hf, workload, cb_config, pad_token_id)))
+        names.append("hf_cb")
     if not args.skip_hf_batch and args.hf_batch_api in ("both", "generate_batch"):
-        systems.append(
-            (
-                "hf_generate_batch",
-                lambda: run_hf_generate_batch(hf, workload, cb_config, pad_token_id),
-            )
-        )
+        names.append("hf_generate_batch")
+    return names
 
-    # Round-robin repeats, so a burst of load from other processes hits every system alike;
-    # each system keeps its fastest run (interference only ever adds time).
+
+def run_system(name: str, setup: BenchSetup) -> SystemResult:
+    """One timed run of ``name``; an HF system's failure is reported in its result."""
+    s = setup
+    if name == "paged_serve":
+        return run_paged(s.make_llm, s.workload, s.device)
+    if name == "paged_serve_eager":
+        return run_paged(s.make_eager_llm, s.workload, s.device, name)
+    hf_runs: dict[str, Callable[[], SystemResult]] = {
+        "hf_static": lambda: run_hf_static(s.hf, s.workload, s.pad_token_id),
+        "hf_cb": lambda: run_hf_cb(s.hf, s.workload, s.cb_config, s.pad_token_id),
+        "hf_generate_batch": lambda: run_hf_generate_batch(
+            s.hf, s.workload, s.cb_config, s.pad_token_id
+        ),
+    }
+    try:
+        return hf_runs[name]()
+    except Exception as exc:  # any baseline failure is a result to report, not a crash
+        return SystemResult(name, error=f"{type(exc).__name__}: {exc}")
+
+
+def time_systems(names: Sequence[str], setup: BenchSetup, repeats: int) -> dict[str, SystemResult]:
+    """Each system's fastest of ``repeats`` runs, with every run's wall time.
+
+    The systems take turns (round-robin), so a burst of load from other processes hits every
+    system alike; the fastest run is kept because interference only ever adds time.
+    """
     results: dict[str, SystemResult] = {}
-    for _ in range(args.repeats):
-        for name, fn in systems:
+    for _ in range(repeats):
+        for name in names:
             before = _load_average()
-            result = fn() if name.startswith("paged_serve") else _guarded(name, fn)
+            result = run_system(name, setup)
             load = {"before": before, "after": _load_average()}
             results[name] = _keep_fastest(results.get(name), result, load)
-            _release_memory(device)
+            _release_memory(setup.device)
             # One line per finished run, so a run stopped at a deadline still leaves figures.
             print(PROGRESS_PREFIX + json.dumps(results[name].summary()), flush=True)
+    return results
 
-    # Agreement: against the padded HF batch, and against HF generate on single requests.
+
+def agreement_checks(
+    results: dict[str, SystemResult], setup: BenchSetup, check_requests: int
+) -> dict[str, Any]:
+    """Every system's greedy tokens against the padded HF batch, and against HF ``generate``
+    on each of the first ``check_requests`` requests alone."""
     checks: dict[str, Any] = {}
     static = results.get("hf_static")
     for name, r in results.items():
         if name != "hf_static" and static is not None and static.tokens and r.tokens:
             checks[f"{name}_vs_hf_static"] = agreement(static.tokens, r.tokens)
-    n_alone = min(args.check_requests, len(workload.prompts))
+    workload = setup.workload
+    n_alone = min(check_requests, len(workload.prompts))
     if n_alone > 0:
         alone = [
-            hf_generate_padded(hf, [workload.prompts[i]], workload.max_tokens[i], pad_token_id)[0]
+            hf_generate_padded(
+                setup.hf, [workload.prompts[i]], workload.max_tokens[i], setup.pad_token_id
+            )[0]
             for i in range(n_alone)
         ]
         for name, r in results.items():
             if r.tokens:
                 checks[f"{name}_vs_hf_alone"] = agreement(alone, r.tokens[:n_alone])
+    return checks
 
+
+def speed_ratios(results: dict[str, SystemResult], goal: float) -> dict[str, Any]:
+    """The report's ``ratios`` (paged-serve over each other system) and ``target`` (over the
+    best HF system, against ``goal``)."""
     paged = results["paged_serve"].output_tokens_per_s
     ratios = {
         f"paged_serve/{name}": round(paged / r.output_tokens_per_s, 3)
         for name, r in results.items()
         if name != "paged_serve" and r.output_tokens_per_s
     }
-    goal = 3.0 if device.type == "cuda" else 1.5  # issue 6 on a GPU; issue 2 on a CPU
     hf_rates = [r.output_tokens_per_s for n, r in results.items() if n in HF_SYSTEMS]
     best_hf = max((x for x in hf_rates if x), default=None)
     return {
-        "workload": {
-            "num_requests": len(workload.prompts),
-            "prompt_tokens": workload.num_prompt_tokens,
-            "output_tokens": workload.num_output_tokens,
-            "prompt_lengths": [len(p) for p in workload.prompts],
-            "max_tokens": workload.max_tokens,
-            "seed": args.seed,
-            "greedy": True,
-            "ignore_eos": True,
-        },
-        "engine_config": {
-            "model_shape": args.model_shape,  # None: the default model
-            "device": str(device),
-            "dtype": str(dtype).removeprefix("torch."),
-            "kv_cache_tokens": kv_tokens,
-            "kv_cache_memory": args.kv_cache_memory,
-            "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_num_seqs": args.max_num_seqs,
-            "enforce_eager": args.enforce_eager,
-            "hf_cb_page_size": hf_cb_page_size(cb_config),
-            "hf_cb_num_blocks": cb_config.num_blocks,
-        },
-        "source": source,
-        "machine": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(),
-        },
-        "systems": {name: r.summary() for name, r in results.items()},
         "ratios": ratios,
         "target": {
             "paged_over_best_hf": round(paged / best_hf, 3) if best_hf else None,
             "goal": goal,
             "met": bool(best_hf) and paged / best_hf >= goal,
         },
-        "agreement": checks,
+    }
+
+
+def _engine_config(args: argparse.Namespace, setup: BenchSetup) -> dict[str, Any]:
+    return {
+        "model_shape": args.model_shape,  # None: the default model
+        "device": str(setup.device),
+        "dtype": str(setup.dtype).removeprefix("torch."),
+        "kv_cache_tokens": setup.kv_tokens,
+        "kv_cache_memory": args.kv_cache_memory,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "enforce_eager": args.enforce_eager,
+        "hf_cb_page_size": hf_cb_page_size(setup.cb_config),
+        "hf_cb_num_blocks": setup.cb_config.num_blocks,
+    }
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Time the chosen systems on one workload; the report as a JSON-ready dict."""
+    source = _source_revision()  # before the runs: the tree may change while they go on
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    setup = prepare(args)
+    results = time_systems(chosen_systems(args), setup, args.repeats)
+    return {
+        "workload": setup.workload.summary(args.seed),
+        "engine_config": _engine_config(args, setup),
+        "source": source,
+        "machine": _machine(),
+        "systems": {name: r.summary() for name, r in results.items()},
+        **speed_ratios(results, E2E_GOALS.for_device(setup.device)),
+        "agreement": agreement_checks(results, setup, args.check_requests),
     }
 
 

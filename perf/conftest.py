@@ -17,7 +17,7 @@ With CUDA, this file also provides the benchmarks' shared pieces:
 * a stand-in ``benchmark`` fixture (``extra_info`` + ``pedantic``) when pytest-benchmark is not
   installed, so the figures and the table still come out.
 * memory hygiene: CUDA memory is released after every benchmark (some allocate tens of GB).
-* ordering: the cases the issue sets targets for run first.
+* ordering: the cases with targets (``perf.report.Target``) run first.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _is_target_case(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run the cases the issue sets targets for first (a module's ``is_target_case(name,
+    """Run the cases that carry targets first (a module's ``is_target_case(name,
     params)`` says which), so that a run cut short by a time limit still reports them."""
     items.sort(key=lambda item: not _is_target_case(item))  # stable: the rest keep their order
 

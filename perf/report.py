@@ -5,8 +5,9 @@ Benchmarks add rows (:meth:`PerfReport.add`) with raw numbers; ``perf/conftest.p
 a file, writes :meth:`PerfReport.to_json` there (``ci/gpu-check.sh`` reads it).
 
 Column formats follow the metric's name: ``*_us`` microseconds, ``*_x`` ratios (``1.23x``),
-``*_pct`` percentages, ``gbps`` / ``tflops`` rates. Targets are the issue's goals, reported as
-met / not met and never asserted: a benchmark is a measurement, not a test.
+``*_pct`` percentages, ``gbps`` / ``tflops`` rates. Targets are the speed each benchmark aims
+for (the module that adds the row sets the goal), reported as met / not met and never asserted:
+a benchmark is a measurement, not a test.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class PerfReport:
             out += [_join(line, widths) for line in [header, *cells]]
         out += [f"note: {n}" for n in self.notes]
         if self.targets:
-            out.append("-- targets (issue 6; reported, never asserted)")
+            out.append("-- targets (reported, never asserted)")
             out += [f"{case}  {t.describe()}" for case, t in self.targets]
         return out
 

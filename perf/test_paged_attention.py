@@ -72,13 +72,13 @@ REF_SKIP_NOTE = (
 MEMORY_HEADROOM = 0.8
 # bf16 outputs of two fp32-accumulating implementations (|a - b| <= ATOL + RTOL * |b|).
 ATOL = RTOL = 2e-2
-DECODE_TARGET = (64, 4096, "llama3-8b")  # the issue's decode target case
+DECODE_TARGET = (64, 4096, "llama3-8b")  # batch, context, shapes: the decode case with targets
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def is_target_case(test: str, params: dict[str, object]) -> bool:
-    """The issue's decode target case (``perf/conftest.py`` runs it first)."""
+    """The decode case the targets are set on (``perf/conftest.py`` runs it first)."""
     key = (params.get("batch"), params.get("context"), params.get("heads"))
     return test == "test_decode" and key == DECODE_TARGET
 

@@ -40,7 +40,7 @@ TARGET = (256, 151936, 5.0)  # batch, vocab, speed-up goal over the PyTorch pipe
 
 
 def is_target_case(test: str, params: dict[str, object]) -> bool:
-    """The issue's sampling target shape (``perf/conftest.py`` runs it first)."""
+    """The sampling shape the target is set on (``perf/conftest.py`` runs it first)."""
     return test == "test_sample" and (params.get("batch"), params.get("vocab")) == TARGET[:2]
 
 

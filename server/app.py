@@ -41,10 +41,12 @@ from server.dashboard import add_dashboard
 from server.errors import SERVER_ERROR, APIError, error_response, from_http_exception
 from server.limits import ServerLimits
 from server.metrics import metrics
+from server.models import list_models, retrieve_model
 from server.response_store import ResponseStore
 from server.responses import create_response, delete_response, retrieve_response
 from server.sse import internal_error
 from server.state import OWNER, STATE, ServerState, key_hash
+from server.wire import json_response
 
 logger = logging.getLogger(__name__)
 
@@ -107,35 +109,14 @@ async def body_middleware(request: web.Request, handler: Handler) -> web.StreamR
         return await handler(request)
 
 
-def _model_card(state: ServerState) -> dict:
-    return {
-        "id": state.served_model_name,
-        "object": "model",
-        "created": state.created,
-        "owned_by": "paged-serve",
-        "max_model_len": state.context_limit,
-    }
-
-
-async def list_models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    return _json({"object": "list", "data": [_model_card(state)]})
-
-
-async def retrieve_model(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    state.check_model(request.match_info["model"])
-    return _json(_model_card(state))
+class HealthStatus(msgspec.Struct):
+    status: str = "ok"
 
 
 async def health(request: web.Request) -> web.Response:
     if not request.app[STATE].engine.is_alive:
         raise APIError(503, "the engine loop is not running", type=SERVER_ERROR, code="engine_dead")
-    return _json({"status": "ok"})
-
-
-def _json(data: dict) -> web.Response:
-    return web.Response(body=msgspec.json.encode(data), content_type="application/json")
+    return json_response(HealthStatus())
 
 
 async def _abort_in_flight(app: web.Application) -> None:

@@ -9,31 +9,30 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncGenerator
 
-import msgspec
 from aiohttp import web
 
+from server.completion_objects import Completion, CompletionChoice
 from server.generation import Generation, Job, start_generation
-from server.logprobs import completion_logprobs
+from server.logprobs import CompletionLogprobs, completion_logprobs
 from server.prompts import tokenize_prompt
-from server.protocol import CompletionRequest, decode
-from server.reply import ReplyEnvelope
-from server.sampling import check_sequences, output_limit, request_params
-from server.sse import frame, respond
+from server.protocol import CompletionRequest, read_request
+from server.reply import ChoiceReply
+from server.sampling import check_sequences, output_limit
+from server.sse import respond
 from server.state import STATE, ServerState
+from server.wire import json_response
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = decode(await request.read(), CompletionRequest)
-    body.check()
-    state.check_model(body.model)
+    body = await read_request(request, CompletionRequest)
     prompts = body.prompts()
     check_sequences(state.limits.max_sequences_per_request, len(prompts), body.n)
     prompt_ids = [tokenize_prompt(state.engine, p, "prompt") for p in prompts]
     for ids in prompt_ids:
         output_limit(state.context_limit, len(ids), body.max_tokens, "prompt")
-    params = request_params(
-        body, state.engine.vocab_size, max_tokens=body.max_tokens, logprobs=body.logprobs
+    params = body.to_params(
+        state.engine.vocab_size, max_tokens=body.max_tokens, logprobs=body.logprobs
     )
     n = body.n
     jobs = [Job(p * n, ids, params) for p, ids in enumerate(prompt_ids)]
@@ -43,14 +42,16 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         for p, prompt in enumerate(prompts):
             text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids[p])
             echoes.update({p * n + i: text for i in range(n)})
-    reply = _Reply(state, body, f"cmpl-{uuid.uuid4().hex}", sum(map(len, prompt_ids)), echoes)
+    reply = CompletionReply(
+        state, body, f"cmpl-{uuid.uuid4().hex}", sum(map(len, prompt_ids)), echoes
+    )
     with start_generation(state, reply.id, jobs, "prompt") as generation:
         if body.stream:
             return await respond(request, reply.stream(generation))
         return await reply.complete(generation)
 
 
-class _Reply(ReplyEnvelope):
+class CompletionReply(ChoiceReply):
     """Builds the Completion object, or the stream of Completion chunks."""
 
     def __init__(
@@ -61,12 +62,9 @@ class _Reply(ReplyEnvelope):
         prompt_tokens: int,
         echoes: dict[int, str],
     ):
-        super().__init__(state, completion_id, prompt_tokens)
+        super().__init__(state, completion_id, prompt_tokens, include_usage=body.include_usage)
         self.body = body
         self.echoes = echoes
-
-    def _object(self, choices: list[dict]) -> dict:
-        return self.envelope("text_completion", choices)
 
     async def complete(self, generation: Generation) -> web.Response:
         tokenizer = self.state.engine.tokenizer
@@ -76,24 +74,20 @@ class _Reply(ReplyEnvelope):
             if self.body.logprobs is not None:
                 logprobs = completion_logprobs(tokenizer, c.logprobs)
             choices.append(
-                {
-                    "index": c.index,
-                    "text": self.echoes.get(c.index, "") + c.text,
-                    "logprobs": logprobs,
-                    "finish_reason": c.finish_reason,
-                }
+                CompletionChoice(
+                    index=c.index,
+                    text=self.echoes.get(c.index, "") + c.text,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                )
             )
-        out = self._object(choices)
-        out["usage"] = generation.usage(self.prompt_tokens)
-        return web.Response(body=msgspec.json.encode(out), content_type="application/json")
+        return json_response(self.whole(Completion, choices, generation))
 
-    def _chunk(self, index: int, text: str, logprobs: dict | None, finish: str | None) -> bytes:
-        out = self._object(
-            [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]
-        )
-        if self.body.include_usage:
-            out["usage"] = None
-        return frame(out)
+    def _chunk(
+        self, index: int, text: str, logprobs: CompletionLogprobs | None, finish: str | None
+    ) -> bytes:
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish)
+        return self.chunk(Completion, choice)
 
     async def stream(self, generation: Generation) -> AsyncGenerator[bytes, None]:
         tokenizer = self.state.engine.tokenizer
@@ -104,11 +98,9 @@ class _Reply(ReplyEnvelope):
             logprobs = None
             if self.body.logprobs is not None and out.new_logprobs:
                 logprobs = completion_logprobs(tokenizer, out.new_logprobs, offsets.get(index, 0))
-                offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                offsets[index] = logprobs.end_offset
             if out.new_text or logprobs or out.finished:
                 finish = out.finish_reason if out.finished else None
                 yield self._chunk(index, out.new_text, logprobs, finish)
-        if self.body.include_usage:
-            out = self._object([])
-            out["usage"] = generation.usage(self.prompt_tokens)
-            yield frame(out)
+        if self.include_usage:
+            yield self.usage_chunk(Completion, generation)

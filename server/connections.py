@@ -31,10 +31,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
 
-import msgspec
 from aiohttp import web
 
-from server.errors import SERVER_ERROR, error_body
+from server.errors import SERVER_ERROR, APIError
+from server.wire import encode
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +43,13 @@ logger = logging.getLogger(__name__)
 # has read the answer.
 REFUSAL_LINGER_S = 1.0
 
-_REFUSAL_BODY = msgspec.json.encode(
-    error_body(
+_REFUSAL_BODY = encode(
+    APIError(
+        503,
         "the server has too many open connections; try again later",
         type=SERVER_ERROR,
         code="too_many_connections",
-    )
+    ).body()
 )
 _REFUSAL = (
     b"HTTP/1.1 503 Service Unavailable\r\n"

@@ -7,7 +7,7 @@ Every failure the server reports has the same body, whatever its status::
 ``APIError`` carries that object plus the HTTP status; the error middleware in ``server.app``
 turns it (and aiohttp's own HTTP exceptions, msgspec decode errors and unexpected exceptions)
 into a JSON response. Streams that already sent their headers send the same object as an SSE
-frame instead.
+frame instead. ``param`` and ``code`` are always present, ``null`` when there is none.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import re
 import msgspec
 from aiohttp import web
 
+from server.wire import json_response
+
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 
@@ -24,6 +26,19 @@ SERVER_ERROR = "server_error"
 # a dict key as "- at `key` in `$.metadata`", a dict value as "- at `$.metadata[...]`".
 _PATH = re.compile(r" - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`$")
 _MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
+
+
+class ErrorObject(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None  # the request field at fault, as a path like "messages[0].content"
+    code: str | None
+
+
+class ErrorBody(msgspec.Struct):
+    """What every failure sends: ``{"error": {...}}``."""
+
+    error: ErrorObject
 
 
 class APIError(Exception):
@@ -45,21 +60,15 @@ class APIError(Exception):
         self.param = param
         self.code = code
 
-    def body(self) -> dict:
+    def body(self) -> ErrorBody:
         """The ``{"error": {...}}`` object."""
-        return error_body(self.message, type=self.type, param=self.param, code=self.code)
-
-
-def error_body(
-    message: str, *, type: str = INVALID_REQUEST, param: str | None = None, code: str | None = None
-) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+        return ErrorBody(
+            ErrorObject(message=self.message, type=self.type, param=self.param, code=self.code)
+        )
 
 
 def error_response(err: APIError) -> web.Response:
-    return web.Response(
-        status=err.status, body=msgspec.json.encode(err.body()), content_type="application/json"
-    )
+    return json_response(err.body(), status=err.status)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -83,15 +83,6 @@ class Generation:
     def completion_tokens(self) -> int:
         return sum(self.output_tokens.values())
 
-    def usage(self, prompt_tokens: int) -> dict:
-        """The chat/completions usage object (prompt tokens count once per prompt, not per n)."""
-        completion = self.completion_tokens
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-        }
-
     def start(self, job: Job, request_id: str) -> None:
         """Queue ``job`` in the engine (raises what ``AsyncEngine.add_request`` raises)."""
         stream = self._state.engine.add_request(job.prompt_ids, job.params, request_id)

@@ -1,48 +1,34 @@
 """Request bodies as msgspec Structs: decoding them is the first layer of validation.
 
 Field names follow the OpenAI API reference (plus vLLM's ``top_k``, ``min_p`` and
-``ignore_eos``). Unknown fields are ignored, as OpenAI does. Range constraints live here, as
-``msgspec.Meta``, so a bad value is reported with the exact field name; cross-field rules
-(``stop`` count, prompt shape, unsupported options) are checked by ``check()`` methods.
+``ignore_eos``). Unknown fields are ignored, as OpenAI does. Range constraints are the
+annotated types of ``server.field_types``, so a bad value is reported with the exact field
+name; cross-field rules (``stop`` count, prompt shape, unsupported options) are checked by
+``check()`` methods. The sampling fields completions and chat share are
+``server.sampling.SamplingFields``.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import Annotated, Any, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
+from aiohttp import web
 
-from engine.sampling_params import MAX_LOGIT_BIAS, MAX_N
+from engine.sampling_params import SamplingParams
 from server.errors import bad_request, from_decode_error
-
-MAX_STOP = 4
-MAX_COMPLETION_LOGPROBS = 5
-MAX_CHAT_TOP_LOGPROBS = 20
-
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
-TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
-# the engine carries top_k as an int32 per row; larger values disable top-k anyway
-TopK = Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)]
-MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
-NumChoices = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
-# sample i of n runs with seed + i, which must stay a signed 64-bit integer
-Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - MAX_N)]
-Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
-RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0)]
-TokenId = Annotated[int, msgspec.Meta(ge=0)]
-MAX_STOP_TOKEN_IDS = 64
-# a logit_bias key is a token id written in ASCII digits; 10 digits hold any int32 id, and a
-# bound keeps int() away from Python's 4300-digit limit (a ValueError, once a 500)
-MAX_TOKEN_ID_DIGITS = 10
-# OpenAI's limits: 16 metadata pairs, keys up to 64 characters, values up to 512; user ids
-# (like safety_identifier) up to 64 characters
-MetadataKey = Annotated[str, msgspec.Meta(max_length=64)]
-MetadataValue = Annotated[str, msgspec.Meta(max_length=512)]
-Metadata = Annotated[dict[MetadataKey, MetadataValue], msgspec.Meta(max_length=16)]
-User = Annotated[str, msgspec.Meta(max_length=64)]
+from server.field_types import (
+    ChatTopLogprobCount,
+    CompletionLogprobCount,
+    Metadata,
+    PositiveInt,
+    Temperature,
+    TopP,
+    User,
+)
+from server.sampling import SamplingFields, sampling_errors_as_400
+from server.state import STATE
 
 T = TypeVar("T")
 
@@ -86,111 +72,13 @@ def _non_finite_param(body: bytes) -> str | None:
     return None
 
 
-class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
-
-
-class SamplingFields(msgspec.Struct, kw_only=True):
-    """The sampling fields completions and chat share.
-
-    Fields OpenAI documents as nullable accept ``null`` and take their default
-    (``__post_init__`` fills it in, so code past decoding never sees None there).
-    """
-
-    model: str | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    n: NumChoices | None = 1
-    stop: str | list[str] | None = None
-    seed: Seed | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    user: User | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, float] | None = None
-    # vLLM extras
-    top_k: TopK | None = None
-    min_p: MinP | None = None
-    repetition_penalty: RepetitionPenalty | None = None
-    stop_token_ids: list[TokenId] | None = None
-    skip_special_tokens: bool | None = True
-    ignore_eos: bool | None = False
-
-    def __post_init__(self) -> None:
-        self.n = 1 if self.n is None else self.n
-        self.stream = bool(self.stream)
-        self.ignore_eos = bool(self.ignore_eos)
-        self.skip_special_tokens = self.skip_special_tokens is not False
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream and self.stream_options is not None and self.stream_options.include_usage
-
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-
-    def check_sampling(self) -> None:
-        """Rules msgspec cannot express; raises APIError (400)."""
-        if self.stream_options is not None and not self.stream:
-            raise bad_request(
-                "stream_options is only allowed when stream is true", "stream_options"
-            )
-        stops = self.stop_strings
-        if len(stops) > MAX_STOP:
-            raise bad_request(f"at most {MAX_STOP} stop sequences are allowed", "stop")
-        if any(s == "" for s in stops):
-            raise bad_request("stop sequences must be non-empty strings", "stop")
-        if len(self.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
-            raise bad_request(
-                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed", "stop_token_ids"
-            )
-        for key, value in (self.logit_bias or {}).items():
-            if not (key.isascii() and key.isdecimal() and len(key) <= MAX_TOKEN_ID_DIGITS):
-                shown = repr(key) if len(key) <= 32 else f"{key[:32]!r}... ({len(key)} characters)"
-                raise bad_request(
-                    f"logit_bias keys must be token ids in ASCII digits (at most "
-                    f"{MAX_TOKEN_ID_DIGITS}), got {shown}",
-                    "logit_bias",
-                )
-            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-                raise bad_request(
-                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
-                    f"got {value} for token {key}",
-                    "logit_bias",
-                )
-
-    def logit_bias_pairs(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
-        """``logit_bias`` as (token id, bias) pairs; a token outside the vocabulary is a 400."""
-        pairs = tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
-        _check_in_vocabulary([t for t, _ in pairs], vocab_size, "logit_bias")
-        return pairs
-
-    def stop_ids(self, vocab_size: int) -> tuple[int, ...]:
-        """``stop_token_ids``; a token outside the vocabulary is a 400."""
-        ids = tuple(self.stop_token_ids or ())
-        _check_in_vocabulary(ids, vocab_size, "stop_token_ids")
-        return ids
-
-
-def _check_in_vocabulary(ids: Sequence[int], vocab_size: int, param: str) -> None:
-    bad = [t for t in ids if t >= vocab_size]
-    if bad:
-        raise bad_request(
-            f"{param} token {bad[0]} is outside the vocabulary [0, {vocab_size})", param
-        )
-
-
 class CompletionRequest(SamplingFields, kw_only=True):
     """``POST /v1/completions``. ``prompt``: a string, strings, token ids, or token-id lists."""
 
     prompt: str | list[str | int | list[int]]
     max_tokens: PositiveInt | None = 16
     echo: bool | None = False
-    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    logprobs: CompletionLogprobCount | None = None
     suffix: str | None = None
     best_of: PositiveInt | None = None
 
@@ -253,7 +141,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = None
+    top_logprobs: ChatTopLogprobCount | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -289,7 +177,8 @@ class InputItem(msgspec.Struct, kw_only=True):
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
-    """``POST /v1/responses``."""
+    """``POST /v1/responses``. A ``null`` temperature or top_p takes OpenAI's default, 1.0,
+    which the Response object then reports."""
 
     input: str | list[InputItem]
     model: str | None = None
@@ -307,9 +196,32 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     def __post_init__(self) -> None:
         self.store = self.store is not False
         self.stream = bool(self.stream)
+        self.temperature = 1.0 if self.temperature is None else self.temperature
+        self.top_p = 1.0 if self.top_p is None else self.top_p
 
     def check(self) -> None:
         if isinstance(self.input, list) and not self.input:
             raise bad_request("input must not be empty", "input")
         if self.tools:
             raise bad_request("tools are not supported by this server", "tools")
+
+    def to_params(self, *, max_tokens: int) -> SamplingParams:
+        """The engine's SamplingParams; a value it refuses is a 400 naming the field."""
+        with sampling_errors_as_400():
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p
+            )
+
+
+RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest, ResponsesRequest)
+
+
+async def read_request(request: web.Request, type: type[RequestT]) -> RequestT:
+    """The body of ``request`` as ``type``, checked, naming the served model (or none).
+
+    Raises APIError: 400 naming the bad field, 404 for another model.
+    """
+    body = decode(await request.read(), type)
+    body.check()
+    request.app[STATE].check_model(body.model)
+    return body

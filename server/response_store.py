@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from server.wire import encode
+
 
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
@@ -35,10 +37,9 @@ class StoredResponse:
     owner: str | None
 
     @classmethod
-    def encode(cls, response: dict, messages: list[dict], owner: str | None) -> StoredResponse:
-        return cls(
-            _exact(msgspec.json.encode(response)), _exact(msgspec.json.encode(messages)), owner
-        )
+    def encode(cls, response: object, messages: list[dict], owner: str | None) -> StoredResponse:
+        """``response``: the Response object (a Struct) or anything else JSON can hold."""
+        return cls(_exact(encode(response)), _exact(encode(messages)), owner)
 
     def conversation(self) -> list[dict]:
         return msgspec.json.decode(self.messages)

@@ -20,24 +20,38 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 
-import msgspec
 from aiohttp import web
 
 from server.errors import APIError
 from server.generation import Generation, Job, start_generation
 from server.prompts import chat_message, chat_prompt_ids
-from server.protocol import ResponsesRequest, decode
+from server.protocol import ResponsesRequest, read_request
+from server.response_objects import (
+    ContentPartEvent,
+    ErrorEvent,
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputItemEvent,
+    OutputMessage,
+    OutputText,
+    Response,
+    ResponseDeleted,
+    ResponseEvent,
+    ResponseUsage,
+    StreamEvent,
+    TextDeltaEvent,
+    TextDoneEvent,
+)
 from server.response_store import StoredResponse
-from server.sampling import build_params, output_limit
+from server.sampling import output_limit
 from server.sse import frame, respond
 from server.state import OWNER, STATE, ServerState
+from server.wire import json_response
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = decode(await request.read(), ResponsesRequest)
-    body.check()
-    state.check_model(body.model)
+    body = await read_request(request, ResponsesRequest)
     owner = request.get(OWNER)
     history: list[dict] = []
     if body.previous_response_id is not None:
@@ -57,14 +71,14 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     prompt_ids = chat_prompt_ids(state.engine, system + history + new, "input")
     max_tokens = output_limit(state.context_limit, len(prompt_ids), body.max_output_tokens, "input")
-    params = build_params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p)
-    reply = _Reply(state, body, owner, history + new, len(prompt_ids))
+    params = body.to_params(max_tokens=max_tokens)
+    reply = ResponseReply(state, body, owner, history + new, len(prompt_ids))
     with start_generation(state, reply.id, [Job(0, prompt_ids, params)], "input") as generation:
         if body.stream:
             return await respond(
                 request, reply.stream(generation), on_error=reply.error_event, done_marker=False
             )
-        return _json(await reply.complete(generation))
+        return json_response(await reply.complete(generation))
 
 
 async def retrieve_response(request: web.Request) -> web.Response:
@@ -73,7 +87,7 @@ async def retrieve_response(request: web.Request) -> web.Response:
     entry = state.store.get(response_id, request.get(OWNER))
     if entry is None:
         raise _not_found(response_id)
-    return web.Response(body=entry.response, content_type="application/json")
+    return json_response(entry.response)
 
 
 async def delete_response(request: web.Request) -> web.Response:
@@ -81,11 +95,7 @@ async def delete_response(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
     if not state.store.delete(response_id, request.get(OWNER)):
         raise _not_found(response_id)
-    return _json({"id": response_id, "object": "response", "deleted": True})
-
-
-def _json(data: dict) -> web.Response:
-    return web.Response(body=msgspec.json.encode(data), content_type="application/json")
+    return json_response(ResponseDeleted(id=response_id))
 
 
 def _not_found(response_id: str, param: str | None = None) -> APIError:
@@ -94,7 +104,7 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
     )
 
 
-class _Reply:
+class ResponseReply:
     """Builds the Response object and, for a stream, its events; stores the result."""
 
     def __init__(
@@ -115,70 +125,53 @@ class _Reply:
         self.created = int(time.time())
         self.sequence = 0
 
-    def _response(self, status: str, output: list[dict], usage: dict | None) -> dict:
+    def _response(
+        self, status: str, output: list[OutputMessage], usage: ResponseUsage | None
+    ) -> Response:
         b = self.body
-        return {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created,
-            "completed_at": int(time.time()) if status == "completed" else None,
-            "status": status,
-            "error": None,
-            "incomplete_details": (
-                {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return Response(
+            id=self.id,
+            created_at=self.created,
+            completed_at=int(time.time()) if status == "completed" else None,
+            status=status,
+            incomplete_details=(
+                IncompleteDetails("max_output_tokens") if status == "incomplete" else None
             ),
-            "instructions": b.instructions,
-            "max_output_tokens": b.max_output_tokens,
-            "model": self.state.served_model_name,
-            "output": output,
-            "parallel_tool_calls": False,
-            "previous_response_id": b.previous_response_id,
-            "store": b.store,
-            "temperature": 1.0 if b.temperature is None else b.temperature,
-            "top_p": 1.0 if b.top_p is None else b.top_p,
-            "text": {"format": {"type": "text"}},
-            "tool_choice": "none",
-            "tools": [],
-            "truncation": "disabled",
-            "metadata": b.metadata or {},
-            "user": b.user,
-            "usage": usage,
-        }
+            instructions=b.instructions,
+            max_output_tokens=b.max_output_tokens,
+            model=self.state.served_model_name,
+            output=output,
+            previous_response_id=b.previous_response_id,
+            store=b.store,
+            temperature=b.temperature,
+            top_p=b.top_p,
+            metadata=b.metadata or {},
+            user=b.user,
+            usage=usage,
+        )
 
-    def _message(self, status: str, parts: list[dict]) -> dict:
-        return {
-            "id": self.message_id,
-            "type": "message",
-            "role": "assistant",
-            "status": status,
-            "content": parts,
-        }
-
-    @staticmethod
-    def _text_part(text: str) -> dict:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    def _message(self, status: str, parts: list[OutputText]) -> OutputMessage:
+        return OutputMessage(id=self.message_id, status=status, content=parts)
 
     def _finish(
         self, text: str, finish_reason: str | None, cached_tokens: int, output_tokens: int
-    ) -> dict:
+    ) -> Response:
         """The final Response object; stores it when asked to."""
         status = "incomplete" if finish_reason == "length" else "completed"
-        usage = {
-            "input_tokens": self.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": self.prompt_tokens + output_tokens,
-        }
-        message = self._message(status, [self._text_part(text)])
-        response = self._response(status, [message], usage)
+        usage = ResponseUsage(
+            input_tokens=self.prompt_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens),
+            output_tokens=output_tokens,
+            total_tokens=self.prompt_tokens + output_tokens,
+        )
+        response = self._response(status, [self._message(status, [OutputText(text=text)])], usage)
         if self.body.store:
             conversation = [*self.messages, {"role": "assistant", "content": text}]
             entry = StoredResponse.encode(response, conversation, self.owner)
             self.state.store.put(self.id, entry)
         return response
 
-    async def complete(self, generation: Generation) -> dict:
+    async def complete(self, generation: Generation) -> Response:
         [choice] = await generation.collect()
         return self._finish(
             choice.text,
@@ -187,43 +180,50 @@ class _Reply:
             generation.completion_tokens,
         )
 
-    def _event(self, kind: str, **fields: object) -> bytes:
-        data = {"type": kind, "sequence_number": self.sequence, **fields}
+    def _send(self, event: StreamEvent) -> bytes:
+        """``event`` as a frame, numbered next."""
+        event.sequence_number = self.sequence
         self.sequence += 1
-        return frame(data, event=kind)
+        return frame(event, event=event.type)
 
     def error_event(self, err: APIError) -> bytes:
-        return self._event("error", code=err.code, message=err.message, param=err.param)
+        return self._send(ErrorEvent(code=err.code, message=err.message, param=err.param))
 
     async def stream(self, generation: Generation) -> AsyncGenerator[bytes, None]:
-        ids = {"item_id": self.message_id, "output_index": 0}
-        yield self._event("response.created", response=self._response("in_progress", [], None))
-        yield self._event("response.in_progress", response=self._response("in_progress", [], None))
-        yield self._event(
-            "response.output_item.added", output_index=0, item=self._message("in_progress", [])
+        item_id = self.message_id
+        started = self._response("in_progress", [], None)
+        yield self._send(ResponseEvent(type="response.created", response=started))
+        yield self._send(ResponseEvent(type="response.in_progress", response=started))
+        yield self._send(
+            OutputItemEvent(
+                type="response.output_item.added", item=self._message("in_progress", [])
+            )
         )
-        part = self._text_part("")
-        yield self._event("response.content_part.added", **ids, content_index=0, part=part)
+        yield self._send(
+            ContentPartEvent(
+                type="response.content_part.added", item_id=item_id, part=OutputText(text="")
+            )
+        )
         text, finish_reason, cached = "", None, 0
         async for _, out in generation.outputs():
             cached = out.num_cached_tokens
             if out.new_text:
                 text += out.new_text
-                yield self._event(
-                    "response.output_text.delta",
-                    **ids,
-                    content_index=0,
-                    delta=out.new_text,
-                    logprobs=[],
+                yield self._send(
+                    TextDeltaEvent(
+                        type="response.output_text.delta", item_id=item_id, delta=out.new_text
+                    )
                 )
             if out.finished:
                 finish_reason = out.finish_reason
         response = self._finish(text, finish_reason, cached, generation.completion_tokens)
-        [message] = response["output"]
-        [part] = message["content"]
-        yield self._event(
-            "response.output_text.done", **ids, content_index=0, text=text, logprobs=[]
+        [message] = response.output
+        [part] = message.content
+        yield self._send(
+            TextDoneEvent(type="response.output_text.done", item_id=item_id, text=text)
         )
-        yield self._event("response.content_part.done", **ids, content_index=0, part=part)
-        yield self._event("response.output_item.done", output_index=0, item=message)
-        yield self._event(f"response.{response['status']}", response=response)
+        yield self._send(
+            ContentPartEvent(type="response.content_part.done", item_id=item_id, part=part)
+        )
+        yield self._send(OutputItemEvent(type="response.output_item.done", item=message))
+        yield self._send(ResponseEvent(type=f"response.{response.status}", response=response))

@@ -1,4 +1,5 @@
-"""From request fields to engine ``SamplingParams``: OpenAI's defaults and the context check.
+"""The sampling fields completions and chat share, and how request fields become the engine's
+``SamplingParams``: OpenAI's defaults, the vocabulary checks and the context check.
 
 With n > 1 the engine runs sample ``i`` of a request with ``seed`` s at seed ``s + i``, so each
 sample is reproducible on its own and equals a single request with that seed.
@@ -6,9 +7,159 @@ sample is reproducible on its own and equals a single request with that seed.
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import msgspec
+
+from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from server.errors import bad_request
-from server.protocol import SamplingFields
+from server.field_types import (
+    MAX_STOP,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_ID_DIGITS,
+    MinP,
+    NumChoices,
+    Penalty,
+    RepetitionPenalty,
+    Seed,
+    Temperature,
+    TokenId,
+    TopK,
+    TopP,
+    User,
+)
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """The sampling fields completions and chat share.
+
+    Fields OpenAI documents as nullable accept ``null`` and take their default
+    (``__post_init__`` fills it in for the fields read directly; ``to_params`` for the rest).
+    """
+
+    model: str | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: NumChoices | None = 1
+    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: User | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extras
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: bool | None = True
+    ignore_eos: bool | None = False
+
+    def __post_init__(self) -> None:
+        self.n = 1 if self.n is None else self.n
+        self.stream = bool(self.stream)
+        self.ignore_eos = bool(self.ignore_eos)
+        self.skip_special_tokens = self.skip_special_tokens is not False
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def check_sampling(self) -> None:
+        """Rules msgspec cannot express; raises APIError (400)."""
+        if self.stream_options is not None and not self.stream:
+            raise bad_request(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
+        stops = self.stop_strings
+        if len(stops) > MAX_STOP:
+            raise bad_request(f"at most {MAX_STOP} stop sequences are allowed", "stop")
+        if any(s == "" for s in stops):
+            raise bad_request("stop sequences must be non-empty strings", "stop")
+        if len(self.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+            raise bad_request(
+                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed", "stop_token_ids"
+            )
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdecimal() and len(key) <= MAX_TOKEN_ID_DIGITS):
+                shown = repr(key) if len(key) <= 32 else f"{key[:32]!r}... ({len(key)} characters)"
+                raise bad_request(
+                    f"logit_bias keys must be token ids in ASCII digits (at most "
+                    f"{MAX_TOKEN_ID_DIGITS}), got {shown}",
+                    "logit_bias",
+                )
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise bad_request(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {value} for token {key}",
+                    "logit_bias",
+                )
+
+    def to_params(
+        self, vocab_size: int, *, max_tokens: int, logprobs: int | None
+    ) -> SamplingParams:
+        """The engine's SamplingParams, with OpenAI's defaults for the fields left out.
+
+        ``max_tokens`` and ``logprobs`` are each endpoint's own. Raises APIError (400): for a
+        token id outside the vocabulary, and for a value SamplingParams refuses (naming the
+        field)."""
+        logit_bias = tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
+        _check_in_vocabulary([t for t, _ in logit_bias], vocab_size, "logit_bias")
+        stop_token_ids = tuple(self.stop_token_ids or ())
+        _check_in_vocabulary(stop_token_ids, vocab_size, "stop_token_ids")
+        with sampling_errors_as_400():
+            return SamplingParams(
+                max_tokens=max_tokens,
+                n=self.n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
+                seed=self.seed,
+                stop=self.stop_strings,
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=(
+                    1.0 if self.repetition_penalty is None else self.repetition_penalty
+                ),
+                logit_bias=logit_bias,
+                stop_token_ids=stop_token_ids,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+
+
+def _check_in_vocabulary(ids: Sequence[int], vocab_size: int, param: str) -> None:
+    bad = [t for t in ids if t >= vocab_size]
+    if bad:
+        raise bad_request(
+            f"{param} token {bad[0]} is outside the vocabulary [0, {vocab_size})", param
+        )
+
+
+@contextmanager
+def sampling_errors_as_400() -> Iterator[None]:
+    """A ValueError from SamplingParams becomes a 400 naming the field: its messages start
+    with the field name ("top_p must be ...")."""
+    try:
+        yield
+    except ValueError as exc:
+        field = str(exc).split(" ", 1)[0]
+        raise bad_request(str(exc), field if field.isidentifier() else None) from None
 
 
 def output_limit(
@@ -48,74 +199,4 @@ def check_sequences(limit: int, num_prompts: int, n: int) -> None:
         f"this request asks for {num_prompts * n} sequences ({num_prompts} prompt(s) x n={n}); "
         f"this server allows at most {limit} per request",
         param,
-    )
-
-
-def build_params(
-    *,
-    max_tokens: int,
-    n: int = 1,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None = None,
-    min_p: float | None = None,
-    seed: int | None = None,
-    stop: tuple[str, ...] = (),
-    ignore_eos: bool = False,
-    logprobs: int | None = None,
-    presence_penalty: float | None = None,
-    frequency_penalty: float | None = None,
-    repetition_penalty: float | None = None,
-    logit_bias: tuple[tuple[int, float], ...] = (),
-    stop_token_ids: tuple[int, ...] = (),
-    skip_special_tokens: bool = True,
-) -> SamplingParams:
-    """SamplingParams with OpenAI's defaults (temperature 1, top_p 1); ValueError -> 400."""
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            n=n,
-            temperature=1.0 if temperature is None else temperature,
-            top_p=1.0 if top_p is None else top_p,
-            top_k=0 if top_k is None else top_k,
-            min_p=0.0 if min_p is None else min_p,
-            seed=seed,
-            stop=stop,
-            ignore_eos=ignore_eos,
-            logprobs=logprobs,
-            presence_penalty=presence_penalty or 0.0,
-            frequency_penalty=frequency_penalty or 0.0,
-            repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
-            logit_bias=logit_bias,
-            stop_token_ids=stop_token_ids,
-            skip_special_tokens=skip_special_tokens,
-        )
-    except ValueError as exc:
-        # SamplingParams' messages start with the field name ("top_p must be ...").
-        field = str(exc).split(" ", 1)[0]
-        raise bad_request(str(exc), field if field.isidentifier() else None) from None
-
-
-def request_params(
-    body: SamplingFields, vocab_size: int, *, max_tokens: int, logprobs: int | None
-) -> SamplingParams:
-    """SamplingParams from the fields completions and chat share (ids checked against the
-    vocabulary); ``max_tokens`` and ``logprobs`` are each endpoint's own."""
-    return build_params(
-        max_tokens=max_tokens,
-        n=body.n,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        seed=body.seed,
-        stop=body.stop_strings,
-        ignore_eos=body.ignore_eos,
-        logprobs=logprobs,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
-        logit_bias=body.logit_bias_pairs(vocab_size),
-        stop_token_ids=body.stop_ids(vocab_size),
-        skip_special_tokens=body.skip_special_tokens,
     )

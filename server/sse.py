@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncGenerator, Callable
 
-import msgspec
 from aiohttp import web
 
 from server.errors import SERVER_ERROR, APIError
+from server.wire import encode
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ HEADERS = {
 
 def frame(data: object, event: str | None = None) -> bytes:
     head = f"event: {event}\n".encode() if event else b""
-    return head + b"data: " + msgspec.json.encode(data) + b"\n\n"
+    return head + b"data: " + encode(data) + b"\n\n"
 
 
 def error_frame(err: APIError) -> bytes:

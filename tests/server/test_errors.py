@@ -11,7 +11,7 @@ import pytest
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from server.errors import APIError
-from server.sampling import build_params
+from server.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from tests.server.conftest import (
     MAX_BODY_BYTES,
     MAX_MODEL_LEN,
@@ -119,10 +119,30 @@ def test_out_of_range_values(post, path, body, param):
     assert param.split("[")[0] in error["message"] or param == "prompt"
 
 
-def test_sampling_params_value_error_is_a_400():
+@pytest.mark.parametrize(
+    "to_params, field",
+    [
+        # constructed, not decoded: msgspec checks ranges only when it decodes
+        (
+            lambda: CompletionRequest(prompt="x", temperature=-1.0).to_params(
+                100, max_tokens=1, logprobs=None
+            ),
+            "temperature",
+        ),
+        (
+            lambda: ChatCompletionRequest(messages=[], top_k=-2).to_params(
+                100, max_tokens=1, logprobs=None
+            ),
+            "top_k",
+        ),
+        (lambda: ResponsesRequest(input="x", top_p=2.0).to_params(max_tokens=1), "top_p"),
+    ],
+)
+def test_sampling_params_value_error_is_a_400_naming_the_field(to_params, field):
     with pytest.raises(APIError) as info:
-        build_params(max_tokens=1, temperature=-1.0, top_p=None)
-    assert (info.value.status, info.value.param) == (400, "temperature")
+        to_params()
+    assert (info.value.status, info.value.param) == (400, field)
+    assert info.value.message.startswith(f"{field} ")
 
 
 def test_unknown_model_is_404(post):

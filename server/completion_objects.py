@@ -1,0 +1,91 @@
+"""The completions and chat completions objects, whole and as stream chunks.
+
+Both are a list of choices in one envelope::
+
+    {"id", "object", "created", "model", "choices": [...], "system_fingerprint": null, "usage"}
+
+``usage`` is always there on a whole object. On a stream chunk it is ``null`` with
+``stream_options.include_usage`` (the last chunk, with ``"choices": []``, carries it) and absent
+otherwise. A completions stream sends ``text_completion`` objects with one choice each; a chat
+stream sends ``chat.completion.chunk`` objects whose choices carry a ``delta``.
+"""
+
+from __future__ import annotations
+
+from typing import Generic, TypeVar
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from server.logprobs import ChatLogprobs, CompletionLogprobs
+
+ChoiceT = TypeVar("ChoiceT")
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    """Prompt tokens count once per prompt (not once per sample); completion tokens add up
+    over every choice."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChoiceList(msgspec.Struct, Generic[ChoiceT], kw_only=True):
+    """The envelope; each subclass fixes ``object`` and the choice type."""
+
+    id: str
+    object: str
+    created: int  # Unix seconds, the same for every chunk of a stream
+    model: str
+    choices: list[ChoiceT]
+    system_fingerprint: None = None
+    usage: Usage | None | UnsetType = UNSET
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class Completion(ChoiceList[CompletionChoice], kw_only=True):
+    """A whole completion, and each chunk of a completions stream."""
+
+    object: str = "text_completion"
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True):
+    role: str = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(ChoiceList[ChatChoice], kw_only=True):
+    object: str = "chat.completion"
+
+
+class ChatDelta(msgspec.Struct, kw_only=True):
+    """What a chunk adds to its choice; ``{}`` on a last chunk that only finishes it."""
+
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(ChoiceList[ChatChunkChoice], kw_only=True):
+    object: str = "chat.completion.chunk"

@@ -1,0 +1,146 @@
+"""The Responses API's objects: the Response, its output message, and the stream's events.
+
+The server supports text in and text out only, so several fields are constants here (``tools``
+empty, ``tool_choice`` "none", ``text.format`` "text", no annotations or logprobs on the text);
+they are still sent, as the reference lists them.
+
+Events share ``{"type", "sequence_number"}``; the stream numbers them from 0 as it sends them
+(``ResponseReply`` in ``server.responses``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class IncompleteDetails(msgspec.Struct):
+    reason: str  # "max_output_tokens"
+
+
+class TextFormat(msgspec.Struct):
+    type: str = "text"
+
+
+class TextConfig(msgspec.Struct):
+    format: TextFormat = msgspec.field(default_factory=TextFormat)
+
+
+class InputTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    cache_write_tokens: int = 0
+
+
+class OutputTokensDetails(msgspec.Struct, kw_only=True):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(msgspec.Struct, kw_only=True):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = msgspec.field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class OutputText(msgspec.Struct, kw_only=True):
+    type: str = "output_text"
+    text: str
+    annotations: list[Any] = []
+    logprobs: list[Any] = []
+
+
+class OutputMessage(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "message"
+    role: str = "assistant"
+    status: str  # "in_progress", "completed" or "incomplete"
+    content: list[OutputText]
+
+
+class Response(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "response"
+    created_at: int  # Unix seconds
+    completed_at: int | None
+    status: str  # "in_progress", "completed" or "incomplete"
+    error: None = None
+    incomplete_details: IncompleteDetails | None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[OutputMessage]
+    parallel_tool_calls: bool = False
+    previous_response_id: str | None
+    store: bool
+    temperature: float
+    top_p: float
+    text: TextConfig = msgspec.field(default_factory=TextConfig)
+    tool_choice: str = "none"
+    tools: list[Any] = []
+    truncation: str = "disabled"
+    metadata: dict[str, str]
+    user: str | None
+    usage: ResponseUsage | None
+
+
+class ResponseDeleted(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "response"
+    deleted: bool = True
+
+
+class StreamEvent(msgspec.Struct, kw_only=True):
+    type: str
+    sequence_number: int = 0  # set by the stream as it sends the event
+
+
+class ResponseEvent(StreamEvent, kw_only=True):
+    """``response.created``, ``.in_progress``, ``.completed``, ``.incomplete``."""
+
+    response: Response
+
+
+class OutputItemEvent(StreamEvent, kw_only=True):
+    """``response.output_item.added`` and ``.done``."""
+
+    output_index: int = 0
+    item: OutputMessage
+
+
+class ContentEvent(StreamEvent, kw_only=True):
+    """An event about one content part of one output item."""
+
+    item_id: str
+    output_index: int = 0
+    content_index: int = 0
+
+
+class ContentPartEvent(ContentEvent, kw_only=True):
+    """``response.content_part.added`` and ``.done``."""
+
+    part: OutputText
+
+
+class TextDeltaEvent(ContentEvent, kw_only=True):
+    """``response.output_text.delta``."""
+
+    delta: str
+    logprobs: list[Any] = []
+
+
+class TextDoneEvent(ContentEvent, kw_only=True):
+    """``response.output_text.done``."""
+
+    text: str
+    logprobs: list[Any] = []
+
+
+class ErrorEvent(StreamEvent, kw_only=True):
+    """``error``: a failure once the stream has started (its status can no longer change)."""
+
+    type: str = "error"
+    code: str | None
+    message: str
+    param: str | None
