@@ -61,11 +61,7 @@ def test_streaming_client_disconnect_frees_blocks(
     body = {**body, limit: LONG, "stream": True, "temperature": 0}
     if path != "responses":
         body["ignore_eos"] = True
-    # Drop only once the engine has run the request: a Responses stream sends four frames
-    # before any output, and until the request's first step ends the engine's snapshot (what
-    # wait_idle reads) still shows the idle state from before it, blocks and all.
-    frames = 5 if path == "responses" else 3
-    asyncio.run(_stream_then_drop(f"{base_url}/v1/{path}", body, frames=frames))
+    asyncio.run(_stream_then_drop(f"{base_url}/v1/{path}", body, frames=3))
     _assert_aborted(base_url, engine, before, n)
 
 
