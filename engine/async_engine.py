@@ -28,6 +28,7 @@ from engine.metrics import EngineStats
 from engine.model_loader import LoadedModel
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,11 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """Counters and latency histograms since start (read histograms under ``stats.lock``)."""
         return self.engine.stats
+
+    def compile_grammar(self, constraint: StructuredOutput) -> object:
+        """Compile a structured-output constraint (cached; thread-safe: call it from a worker
+        thread so the event loop does not wait). Raises InvalidRequestError."""
+        return self.engine.compile_grammar(constraint)
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         return self.engine.tokenize(prompt)

@@ -29,6 +29,7 @@ from server.reply import ChoiceReply
 from server.sampling import check_sequences, output_limit
 from server.sse import respond
 from server.state import STATE, ServerState
+from server.structured import compile_constraint
 from server.wire import json_response
 
 
@@ -46,6 +47,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         max_tokens=max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
+    await compile_constraint(state.engine, params, body.constraint_field)
     jobs = [Job(0, prompt_ids, params)]
     reply = ChatReply(state, body, f"chatcmpl-{uuid.uuid4().hex}", len(prompt_ids))
     with start_generation(state, reply.id, jobs, "messages") as generation:

@@ -20,6 +20,7 @@ from server.reply import ChoiceReply
 from server.sampling import check_sequences, output_limit
 from server.sse import respond
 from server.state import STATE, ServerState
+from server.structured import compile_constraint
 from server.wire import json_response
 
 
@@ -34,6 +35,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     params = body.to_params(
         state.engine.vocab_size, max_tokens=body.max_tokens, logprobs=body.logprobs
     )
+    await compile_constraint(state.engine, params, body.constraint_field)
     n = body.n
     jobs = [Job(p * n, ids, params) for p, ids in enumerate(prompt_ids)]
     echoes = {}

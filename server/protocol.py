@@ -29,6 +29,7 @@ from server.field_types import (
 )
 from server.sampling import SamplingFields, sampling_errors_as_400
 from server.state import STATE
+from server.structured import ResponseText, from_text_format
 
 T = TypeVar("T")
 
@@ -143,7 +144,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: ChatTopLogprobCount | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -162,10 +162,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         if self.tools:
             raise bad_request("tools are not supported by this server", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request(
-                "only the text response_format is supported by this server", "response_format"
-            )
 
 
 class InputItem(msgspec.Struct, kw_only=True):
@@ -192,6 +188,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     metadata: Metadata | None = None
     user: User | None = None
     tools: list[Any] | None = None
+    text: ResponseText | None = None
 
     def __post_init__(self) -> None:
         self.store = self.store is not False
@@ -207,9 +204,13 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
 
     def to_params(self, *, max_tokens: int) -> SamplingParams:
         """The engine's SamplingParams; a value it refuses is a 400 naming the field."""
+        constraint = from_text_format(self.text) if self.text is not None else None
         with sampling_errors_as_400():
             return SamplingParams(
-                max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p
+                max_tokens=max_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                structured_output=constraint,
             )
 
 

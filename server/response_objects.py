@@ -1,8 +1,8 @@
 """The Responses API's objects: the Response, its output message, and the stream's events.
 
 The server supports text in and text out only, so several fields are constants here (``tools``
-empty, ``tool_choice`` "none", ``text.format`` "text", no annotations or logprobs on the text);
-they are still sent, as the reference lists them.
+empty, ``tool_choice`` "none", no annotations or logprobs on the text); they are still sent, as
+the reference lists them. ``text.format`` echoes the request's (``server.structured``).
 
 Events share ``{"type", "sequence_number"}``; the stream numbers them from 0 as it sends them
 (``ResponseReply`` in ``server.responses``).
@@ -19,12 +19,18 @@ class IncompleteDetails(msgspec.Struct):
     reason: str  # "max_output_tokens"
 
 
-class TextFormat(msgspec.Struct):
-    type: str = "text"
+class TextFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``text.format``: ``text``, ``json_object``, or ``json_schema`` with its fields beside."""
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
 
 
 class TextConfig(msgspec.Struct):
-    format: TextFormat = msgspec.field(default_factory=TextFormat)
+    format: TextFormat = msgspec.field(default_factory=lambda: TextFormat(type="text"))
 
 
 class InputTokensDetails(msgspec.Struct, kw_only=True):

@@ -39,6 +39,7 @@ from server.response_objects import (
     ResponseEvent,
     ResponseUsage,
     StreamEvent,
+    TextConfig,
     TextDeltaEvent,
     TextDoneEvent,
 )
@@ -46,6 +47,7 @@ from server.response_store import StoredResponse
 from server.sampling import output_limit
 from server.sse import frame, respond
 from server.state import OWNER, STATE, ServerState
+from server.structured import compile_constraint
 from server.wire import json_response
 
 
@@ -72,6 +74,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     prompt_ids = chat_prompt_ids(state.engine, system + history + new, "input")
     max_tokens = output_limit(state.context_limit, len(prompt_ids), body.max_output_tokens, "input")
     params = body.to_params(max_tokens=max_tokens)
+    await compile_constraint(state.engine, params, "text.format")
     reply = ResponseReply(state, body, owner, history + new, len(prompt_ids))
     with start_generation(state, reply.id, [Job(0, prompt_ids, params)], "input") as generation:
         if body.stream:
@@ -145,6 +148,7 @@ class ResponseReply:
             store=b.store,
             temperature=b.temperature,
             top_p=b.top_p,
+            text=TextConfig(b.text.format) if b.text and b.text.format else TextConfig(),
             metadata=b.metadata or {},
             user=b.user,
             usage=usage,

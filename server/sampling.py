@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import msgspec
 
 from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from engine.structured_output import StructuredOutput
 from server.errors import bad_request
 from server.field_types import (
     MAX_STOP,
@@ -28,6 +29,23 @@ from server.field_types import (
     TopK,
     TopP,
     User,
+)
+from server.structured import (
+    JsonSchema,
+    ResponseFormat,
+    StructuredOutputsField,
+    from_guided_fields,
+    from_response_format,
+    from_structured_outputs,
+)
+
+_CONSTRAINT_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 )
 
 
@@ -61,6 +79,13 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool | None = True
     ignore_eos: bool | None = False
+    # Structured outputs (server.structured): OpenAI's, vLLM's, and vLLM's older spelling.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: JsonSchema | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def __post_init__(self) -> None:
         self.n = 1 if self.n is None else self.n
@@ -77,6 +102,30 @@ class SamplingFields(msgspec.Struct, kw_only=True):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def constraint(self) -> tuple[StructuredOutput, str] | None:
+        """The output constraint and the field that set it; a 400 when two fields set one."""
+        found: list[tuple[StructuredOutput, str]] = []
+        if self.response_format is not None:
+            constraint = from_response_format(self.response_format)
+            if constraint is not None:
+                found.append((constraint, "response_format"))
+        if self.structured_outputs is not None:
+            found.append((from_structured_outputs(self.structured_outputs), "structured_outputs"))
+        guided = from_guided_fields(
+            guided_json=self.guided_json,
+            guided_regex=self.guided_regex,
+            guided_choice=self.guided_choice,
+            guided_grammar=self.guided_grammar,
+        )
+        if guided is not None:
+            found.append(guided)
+        if len(found) > 1:
+            raise bad_request(
+                f"{found[0][1]} and {found[1][1]} both constrain the output: set one",
+                found[1][1],
+            )
+        return found[0] if found else None
 
     def check_sampling(self) -> None:
         """Rules msgspec cannot express; raises APIError (400)."""
@@ -108,20 +157,31 @@ class SamplingFields(msgspec.Struct, kw_only=True):
                     "logit_bias",
                 )
 
+    @property
+    def constraint_field(self) -> str:
+        """The field that constrains the output, to name in a compile error."""
+        for name in _CONSTRAINT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not (name == "response_format" and value.type == "text"):
+                return name
+        return "response_format"
+
     def to_params(
         self, vocab_size: int, *, max_tokens: int, logprobs: int | None
     ) -> SamplingParams:
         """The engine's SamplingParams, with OpenAI's defaults for the fields left out.
 
         ``max_tokens`` and ``logprobs`` are each endpoint's own. Raises APIError (400): for a
-        token id outside the vocabulary, and for a value SamplingParams refuses (naming the
-        field)."""
+        token id outside the vocabulary, for a value SamplingParams refuses, and for a
+        malformed output constraint (naming the field). ``compile_constraint`` then compiles
+        the constraint before the request is queued."""
+        constraint = self.constraint()
         logit_bias = tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
         _check_in_vocabulary([t for t, _ in logit_bias], vocab_size, "logit_bias")
         stop_token_ids = tuple(self.stop_token_ids or ())
         _check_in_vocabulary(stop_token_ids, vocab_size, "stop_token_ids")
         with sampling_errors_as_400():
-            return SamplingParams(
+            params = SamplingParams(
                 max_tokens=max_tokens,
                 n=self.n,
                 temperature=1.0 if self.temperature is None else self.temperature,
@@ -140,7 +200,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
                 logit_bias=logit_bias,
                 stop_token_ids=stop_token_ids,
                 skip_special_tokens=self.skip_special_tokens,
+                structured_output=constraint[0] if constraint else None,
             )
+        return params
 
 
 def _check_in_vocabulary(ids: Sequence[int], vocab_size: int, param: str) -> None:

@@ -1,0 +1,158 @@
+"""Structured outputs on the wire: the request fields that constrain a reply, as one
+``engine.structured_output.StructuredOutput``.
+
+Accepted forms (at most one per request; the engine guarantees the output matches it):
+
+* OpenAI ``response_format`` (chat and completions): ``{"type": "text"}``, ``{"type":
+  "json_object"}``, ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``;
+* OpenAI Responses ``text.format``: the same types, with ``name``/``schema``/``strict`` flat;
+* vLLM's ``structured_outputs`` extra: exactly one of ``json`` (a schema, object or text),
+  ``regex``, ``choice`` (a list of strings), ``grammar`` (EBNF) or ``json_object: true``;
+* vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``.
+
+A malformed or unsupported constraint is a 400 naming the field; compiling it (which can take a
+while for a large schema) runs in a worker thread before the request is queued, so an invalid
+grammar is refused before any work and the engine thread only ever meets a cached grammar.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput
+from server.errors import bad_request
+from server.response_objects import TextFormat
+
+JsonSchema = dict[str, Any] | bool
+
+
+class JsonSchemaSpec(msgspec.Struct, kw_only=True):
+    """``response_format.json_schema``: ``schema`` is the JSON schema itself."""
+
+    name: str | None = None
+    description: str | None = None
+    schema: JsonSchema | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's ``response_format``."""
+
+    type: str
+    json_schema: JsonSchemaSpec | None = None
+
+
+class ResponseText(msgspec.Struct, kw_only=True):
+    """The Responses API's ``text`` field (its ``format`` has the json_schema fields flat)."""
+
+    format: TextFormat | None = None
+
+
+class StructuredOutputsField(msgspec.Struct, kw_only=True):
+    """vLLM's ``structured_outputs`` extra: set exactly one field."""
+
+    json: JsonSchema | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def _build(param: str, make: Any, *args: Any) -> StructuredOutput:
+    """``make(*args)``, with a ValueError (a bad schema, size, keyword) as a 400 on ``param``."""
+    try:
+        return make(*args)
+    except ValueError as exc:
+        raise bad_request(f"invalid {param}: {exc}", param) from None
+
+
+def _typed(kind: str, schema: JsonSchema | None, param: str) -> StructuredOutput | None:
+    """The constraint of a format ``type`` (``text``, ``json_object``, ``json_schema``)."""
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        if schema is None:
+            raise bad_request("a json_schema format needs its schema", param)
+        return _build(param, StructuredOutput.json_schema, schema)
+    raise bad_request(
+        f"unsupported {param} type {kind!r}: use text, json_object or json_schema", param
+    )
+
+
+def from_response_format(fmt: ResponseFormat) -> StructuredOutput | None:
+    spec = fmt.json_schema
+    if fmt.type == "json_schema" and spec is None:
+        raise bad_request("a json_schema response_format needs json_schema", "response_format")
+    return _typed(fmt.type, spec.schema if spec else None, "response_format")
+
+
+def from_text_format(text: ResponseText) -> StructuredOutput | None:
+    fmt = text.format
+    return None if fmt is None else _typed(fmt.type, fmt.schema, "text.format")
+
+
+def from_structured_outputs(
+    field: StructuredOutputsField, param: str = "structured_outputs"
+) -> StructuredOutput:
+    given = {
+        name: value
+        for name in ("json", "regex", "choice", "grammar", "json_object")
+        if (value := getattr(field, name)) not in (None, False)
+    }
+    if len(given) != 1:
+        raise bad_request(
+            f"{param} needs exactly one of json, regex, choice, grammar, json_object", param
+        )
+    [(name, value)] = given.items()
+    if name == "json":
+        return _build(param, StructuredOutput.json_schema, value)
+    if name == "json_object":
+        return StructuredOutput("json_object")
+    if name == "choice":
+        return _build(param, lambda: StructuredOutput("choice", choices=tuple(value)))
+    return _build(param, StructuredOutput, name, value)
+
+
+def from_guided_fields(
+    *,
+    guided_json: JsonSchema | str | None,
+    guided_regex: str | None,
+    guided_choice: list[str] | None,
+    guided_grammar: str | None,
+) -> tuple[StructuredOutput, str] | None:
+    """vLLM's older ``guided_*`` fields as (constraint, the field named); at most one."""
+    given = [
+        (name, value)
+        for name, value in (
+            ("guided_json", guided_json),
+            ("guided_regex", guided_regex),
+            ("guided_choice", guided_choice),
+            ("guided_grammar", guided_grammar),
+        )
+        if value is not None
+    ]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request("set at most one guided_* field", given[1][0])
+    [(name, value)] = given
+    field = StructuredOutputsField(**{name.removeprefix("guided_"): value})
+    return from_structured_outputs(field, name), name
+
+
+async def compile_constraint(engine: Any, params: SamplingParams, param: str) -> None:
+    """Compile the output constraint of ``params``, if any, in a worker thread (the engine
+    caches it); a grammar that does not compile, or admits nothing, is a 400 on ``param``."""
+    if params.structured_output is None:
+        return
+    try:
+        await asyncio.to_thread(engine.compile_grammar, params.structured_output)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), param) from None
