@@ -153,8 +153,10 @@ def test_instructor_json_modes(base_url: str, model_name: str, mode: str):
         model=model_name,
         response_model=Capital,
         messages=[
-            {"role": "user", "content": "France's capital is Paris. Extract the country and its "
-             "capital."}
+            {
+                "role": "user",
+                "content": "France's capital is Paris. Extract the country and its capital.",
+            }
         ],  # fmt: skip
         max_tokens=80,
         temperature=0,
