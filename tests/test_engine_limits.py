@@ -153,6 +153,17 @@ def _force_alive(monkeypatch) -> None:
     monkeypatch.setattr(AsyncEngine, "is_alive", property(lambda self: True))
 
 
+def assert_stream_fails_fast(eng: AsyncEngine, prompt: list[int], timeout_s: float) -> None:
+    """A stream of ``prompt`` ends in EngineDeadError within ``timeout_s`` (never hangs)."""
+
+    async def stream() -> None:
+        with pytest.raises(EngineDeadError):
+            async for _ in eng.add_request(prompt, GREEDY):
+                pass
+
+    asyncio.run(asyncio.wait_for(stream(), timeout=timeout_s))
+
+
 def test_add_request_after_the_loop_died_fails_fast(model, monkeypatch):
     eng = AsyncEngine(EngineConfig(kv_cache_memory=2 << 20), loaded=loaded(model))
 
@@ -160,31 +171,13 @@ def test_add_request_after_the_loop_died_fails_fast(model, monkeypatch):
         raise RuntimeError("simulated device failure")
 
     eng.engine.step = crash
-
-    async def first():
-        with pytest.raises(EngineDeadError):
-            async for _ in eng.add_request(PROMPTS[0], GREEDY):
-                pass
-
-    asyncio.run(asyncio.wait_for(first(), timeout=30))
+    assert_stream_fails_fast(eng, PROMPTS[0], timeout_s=30)
     _force_alive(monkeypatch)
-
-    async def racing():
-        with pytest.raises(EngineDeadError):
-            async for _ in eng.add_request(PROMPTS[1], GREEDY):
-                pass
-
-    asyncio.run(asyncio.wait_for(racing(), timeout=10))
+    assert_stream_fails_fast(eng, PROMPTS[1], timeout_s=10)
 
 
 def test_add_request_after_shutdown_fails_fast(model, monkeypatch):
     eng = AsyncEngine(EngineConfig(kv_cache_memory=2 << 20), loaded=loaded(model))
     eng.shutdown()
     _force_alive(monkeypatch)
-
-    async def racing():
-        with pytest.raises(EngineDeadError):
-            async for _ in eng.add_request(PROMPTS[0], GREEDY):
-                pass
-
-    asyncio.run(asyncio.wait_for(racing(), timeout=10))
+    assert_stream_fails_fast(eng, PROMPTS[0], timeout_s=10)
