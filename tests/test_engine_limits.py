@@ -94,8 +94,8 @@ def test_a_row_without_a_usable_logit_fails_that_request_alone(model):
     engine.add_request(PROMPTS[1], GREEDY, "good")
     sampler = engine.runner.sampler
 
-    def poisoned(logits, batch):
-        tokens, logprobs = sampler(logits, batch)
+    def poisoned(logits, batch, token_mask=None):
+        tokens, logprobs = sampler(logits, batch, token_mask)
         tokens[0] = INVALID_TOKEN  # "bad" is the first row of the first step
         engine.runner.sampler = sampler
         return tokens, logprobs
