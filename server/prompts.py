@@ -8,12 +8,15 @@ Message content is a string or a list of text parts; the parts' texts are joined
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jinja2
 
 from engine.async_engine import AsyncEngine
 from server.errors import bad_request
-from server.protocol import ContentPart
+
+if TYPE_CHECKING:
+    from server.protocol import ContentPart
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 TEXT_PARTS = {"text", "input_text", "output_text"}
@@ -53,14 +56,19 @@ def chat_message(role: str, content: str | list[ContentPart] | None, param: str)
     return {"role": ROLES[role], "content": message_text(content, f"{param}.content")}
 
 
-def chat_prompt_ids(engine: AsyncEngine, messages: list[dict], param: str) -> list[int]:
-    """Apply the chat template (with the generation prompt) and tokenize without adding
-    special tokens again (the template already has them)."""
+def chat_prompt_ids(
+    engine: AsyncEngine, messages: list[dict], param: str, *, tools: list[dict] | None = None
+) -> list[int]:
+    """Apply the chat template (with the generation prompt, and ``tools`` if given) and
+    tokenize without adding special tokens again (the template already has them)."""
     tokenizer = engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", param)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        extra = {} if tools is None else {"tools": tools}
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **extra
+        )
     except (ValueError, jinja2.TemplateError) as exc:
         raise bad_request(f"the chat template rejected the messages: {exc}", param) from None
     return list(tokenizer(text, add_special_tokens=False).input_ids)

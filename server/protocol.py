@@ -30,6 +30,7 @@ from server.field_types import (
 from server.sampling import SamplingFields, sampling_errors_as_400
 from server.state import STATE
 from server.structured import ResponseText, from_text_format
+from server.tools import MessageToolCall, ToolChoice, ToolSpec
 
 T = TypeVar("T")
 
@@ -130,9 +131,13 @@ class ContentPart(msgspec.Struct, kw_only=True):
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
+    """``tool_calls`` on assistant messages; ``tool_call_id`` on ``tool`` messages."""
+
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -143,7 +148,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = False
     top_logprobs: ChatTopLogprobCount | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolSpec] | None = None  # server.tools
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -160,8 +167,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
             raise bad_request("messages must not be empty", "messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        if self.tools:
-            raise bad_request("tools are not supported by this server", "tools")
 
 
 class InputItem(msgspec.Struct, kw_only=True):
