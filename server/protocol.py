@@ -27,6 +27,7 @@ from server.field_types import (
     TopP,
     User,
 )
+from server.response_tools import ResponsesTool, ResponsesToolChoice
 from server.sampling import SamplingFields, sampling_errors_as_400
 from server.state import STATE
 from server.structured import ResponseText, from_text_format
@@ -170,11 +171,19 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 
 class InputItem(msgspec.Struct, kw_only=True):
-    """A Responses API input message (``type`` "message"; content a string or text parts)."""
+    """A Responses API input item: a ``message`` (role; content a string or text parts), a
+    ``function_call`` (call_id, name, arguments) or a ``function_call_output`` (call_id,
+    output); ``server.response_tools`` checks which fields each needs."""
 
-    role: str
-    content: str | list[ContentPart]
     type: str = "message"
+    role: str | None = None
+    content: str | list[ContentPart] | None = None
+    id: str | None = None
+    status: str | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[Any] | None = None
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
@@ -192,7 +201,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     previous_response_id: str | None = None
     metadata: Metadata | None = None
     user: User | None = None
-    tools: list[Any] | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: str | ResponsesToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     text: ResponseText | None = None
 
     def __post_init__(self) -> None:
@@ -204,8 +215,6 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     def check(self) -> None:
         if isinstance(self.input, list) and not self.input:
             raise bad_request("input must not be empty", "input")
-        if self.tools:
-            raise bad_request("tools are not supported by this server", "tools")
 
     def to_params(self, *, max_tokens: int) -> SamplingParams:
         """The engine's SamplingParams; a value it refuses is a 400 naming the field."""

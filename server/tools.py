@@ -218,15 +218,18 @@ def generic_system_prompt(tools: list[JsonObject], parallel: bool) -> str:
     )
 
 
-def conversation(messages: list[Any], plan: ToolPlan) -> list[JsonObject]:
-    """The messages as chat-template dicts, tool calls and results included.
+def conversation(
+    messages: list[Any], plan: ToolPlan, params: list[str] | None = None
+) -> list[JsonObject]:
+    """The messages as chat-template dicts, tool calls and results included; ``params`` names
+    each message in errors (default ``messages[i]``).
 
     Raises APIError (400): an unknown role, a ``tool`` message whose ``tool_call_id`` answers
     no earlier call, arguments that are not JSON."""
     out: list[JsonObject] = []
     call_names: dict[str, str] = {}
     for i, m in enumerate(messages):
-        param = f"messages[{i}]"
+        param = params[i] if params else f"messages[{i}]"
         if m.role == "tool":
             out.append(_tool_result(m, call_names, plan.native, param))
             continue
