@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncGenerator
 
 from aiohttp import web
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 
 from server.completion_objects import (
     AssistantMessage,
@@ -26,6 +26,7 @@ from server.generation import Generation, Job, start_generation
 from server.logprobs import ChatLogprobs, chat_logprobs
 from server.prompts import chat_prompt_ids
 from server.protocol import ChatCompletionRequest, read_request
+from server.reasoning import REASONING_PARSERS, Qwen3ReasoningParser, ReasoningStream
 from server.reply import ChoiceReply
 from server.sampling import check_sequences, output_limit
 from server.sse import respond
@@ -53,7 +54,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     )
     messages = conversation(body.messages, plan)
     tools = plan.tools if plan.native else None
-    prompt_ids = chat_prompt_ids(state.engine, messages, "messages", tools=tools)
+    prompt_ids = chat_prompt_ids(
+        state.engine, messages, "messages", tools=tools, template_kwargs=body.chat_template_kwargs
+    )
     max_tokens = output_limit(state.context_limit, len(prompt_ids), body.output_limit, "messages")
     params = body.to_params(
         state.engine.vocab_size,
@@ -65,7 +68,11 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         state.engine, params, "tools" if plan.constraint else body.constraint_field
     )
     jobs = [Job(0, prompt_ids, params)]
-    reply = ChatReply(state, body, plan, f"chatcmpl-{uuid.uuid4().hex}", len(prompt_ids))
+    reasoning = None
+    if state.reasoning_parser is not None:
+        tail = state.engine.tokenizer.decode(prompt_ids[-8:])
+        reasoning = REASONING_PARSERS[state.reasoning_parser](tail)
+    reply = ChatReply(state, body, plan, reasoning, f"chatcmpl-{uuid.uuid4().hex}", len(prompt_ids))
     with start_generation(state, reply.id, jobs, "messages") as generation:
         if body.stream:
             return await respond(request, reply.stream(generation))
@@ -80,18 +87,26 @@ class ChatReply(ChoiceReply):
         state: ServerState,
         body: ChatCompletionRequest,
         plan: ToolPlan,
+        reasoning: Qwen3ReasoningParser | None,
         reply_id: str,
         prompt_tokens: int,
     ):
         super().__init__(state, reply_id, prompt_tokens, include_usage=body.include_usage)
         self.body = body
         self.plan = plan
+        self.reasoning = reasoning
 
     def message(self, text: str) -> AssistantMessage:
+        reasoning: str | None | UnsetType = UNSET
+        if self.reasoning is not None:
+            split = self.reasoning.split(text, final=True)
+            text, reasoning = split.content, split.reasoning or None
         if self.plan.parser is None:
-            return AssistantMessage(content=text)
+            return AssistantMessage(content=text, reasoning_content=reasoning)
         content, calls = reply_message(self.plan.parser, text)
-        return AssistantMessage(content=content, tool_calls=calls or UNSET)
+        return AssistantMessage(
+            content=content, tool_calls=calls or UNSET, reasoning_content=reasoning
+        )
 
     async def complete(self, generation: Generation) -> web.Response:
         tokenizer = self.state.engine.tokenizer
@@ -119,6 +134,9 @@ class ChatReply(ChoiceReply):
         tokenizer = self.state.engine.tokenizer
         parser = self.plan.parser
         calls = [ToolCallStream(parser) for _ in range(self.body.n)] if parser else []
+        thinking = (
+            [ReasoningStream(self.reasoning) for _ in range(self.body.n)] if self.reasoning else []
+        )
         for index in range(self.body.n):
             yield self._chunk(index, ChatDelta(role="assistant", content=""), None, None)
         async for index, out in generation.outputs():
@@ -128,12 +146,18 @@ class ChatReply(ChoiceReply):
             if not (out.new_text or logprobs or out.finished):
                 continue
             finish = out.finish_reason if out.finished else None
+            text, reasoning = out.new_text, ""
+            if self.reasoning is not None:
+                split = thinking[index].feed(text, final=out.finished)
+                text, reasoning = split.content, split.reasoning
             if calls:
-                content, deltas = calls[index].feed(out.new_text, final=out.finished)
+                content, deltas = calls[index].feed(text, final=out.finished)
                 delta = ChatDelta(content=content or UNSET, tool_calls=deltas or UNSET)
                 finish = finish_reason(finish, calls[index].has_calls)
             else:
-                delta = ChatDelta(content=out.new_text) if out.new_text else ChatDelta()
+                delta = ChatDelta(content=text) if text else ChatDelta()
+            if reasoning:
+                delta.reasoning_content = reasoning
             if delta == ChatDelta() and not (logprobs or finish):
                 continue
             yield self._chunk(index, delta, logprobs, finish)

@@ -21,6 +21,7 @@ from engine.cli import add_engine_args, engine_kwargs
 from engine.config import EngineConfig
 from server.app import create_app, make_runner
 from server.limits import ServerLimits
+from server.reasoning import REASONING_PARSERS
 from server.state import STATE
 from server.tool_parsers import PARSERS
 
@@ -57,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(PARSERS),
         help="how tool calls are read from a reply under tool_choice auto (default: chosen "
         "from the chat template; generic for a template without tools)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="move the model's <think> block out of content into reasoning_content",
     )
     _add_limit_args(parser)
     parser.add_argument(
@@ -190,6 +197,7 @@ async def serve(engine: AsyncEngine, args: argparse.Namespace, limits: ServerLim
         limits=limits,
         dashboard=not args.no_dashboard,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     _check_fd_limit(limits.max_connections)
     runner = make_runner(app)

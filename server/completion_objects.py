@@ -63,6 +63,7 @@ class AssistantMessage(msgspec.Struct, kw_only=True):
     content: str | None
     refusal: None = None
     tool_calls: list[ToolCall] | UnsetType = UNSET
+    reasoning_content: str | None | UnsetType = UNSET  # vLLM's, with --reasoning-parser
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -81,6 +82,7 @@ class ChatDelta(msgspec.Struct, kw_only=True):
 
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
     tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 

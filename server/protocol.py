@@ -152,6 +152,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: list[ToolSpec] | None = None  # server.tools
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra
 
     def __post_init__(self) -> None:
         super().__post_init__()
