@@ -8,6 +8,7 @@ and one more chunk with ``"choices": []`` carries the usage.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncGenerator
 
@@ -57,6 +58,10 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     prompt_ids = chat_prompt_ids(
         state.engine, messages, "messages", tools=tools, template_kwargs=body.chat_template_kwargs
     )
+    reasoning = None
+    if state.reasoning_parser is not None:
+        tail = state.engine.tokenizer.decode(prompt_ids[-8:])
+        reasoning = REASONING_PARSERS[state.reasoning_parser](tail)
     max_tokens = output_limit(state.context_limit, len(prompt_ids), body.output_limit, "messages")
     params = body.to_params(
         state.engine.vocab_size,
@@ -64,14 +69,14 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
     params = with_tool_plan(params, plan, body.constraint_field)
+    if reasoning is not None and params.structured_output is not None:
+        after = reasoning.grammar_after(state.engine.tokenizer)
+        if after is not None:  # the grammar holds once the reasoning ends
+            params = dataclasses.replace(params, structured_output_after=after)
     await compile_constraint(
         state.engine, params, "tools" if plan.constraint else body.constraint_field
     )
     jobs = [Job(0, prompt_ids, params)]
-    reasoning = None
-    if state.reasoning_parser is not None:
-        tail = state.engine.tokenizer.decode(prompt_ids[-8:])
-        reasoning = REASONING_PARSERS[state.reasoning_parser](tail)
     reply = ChatReply(state, body, plan, reasoning, f"chatcmpl-{uuid.uuid4().hex}", len(prompt_ids))
     with start_generation(state, reply.id, jobs, "messages") as generation:
         if body.stream:

@@ -12,6 +12,7 @@ what the tool parser, if any, then reads.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from server.tool_parsers import hold_back
 
@@ -28,6 +29,16 @@ class Qwen3ReasoningParser:
 
     def __init__(self, prompt_text: str):
         self.opened_by_prompt = prompt_text.rstrip().endswith(self.START)
+        self.closed_by_prompt = prompt_text.rstrip().endswith(self.END)
+
+    def grammar_after(self, tokenizer: Any) -> int | None:
+        """The token after which an output constraint applies: ``</think>`` where it is one
+        token and the prompt has not already closed the block (Qwen3's ``enable_thinking:
+        false``); None: the constraint applies from the first token."""
+        if self.closed_by_prompt:
+            return None
+        ids = tokenizer(self.END, add_special_tokens=False).input_ids
+        return ids[0] if len(ids) == 1 else None
 
     def split(self, text: str, *, final: bool) -> Split:
         body = text

@@ -88,3 +88,22 @@ def test_chat_template_kwargs(base_url: str):
     body["chat_template_kwargs"] = {"tokenize": True}
     reply = http("POST", f"{base_url}/v1/chat/completions", json=body)
     assert "tokenize" in json.dumps(assert_error(reply, 400, param="chat_template_kwargs"))
+
+
+class OneTokenThink:
+    """A tokenizer stand-in where </think> is one added token, as in Qwen3's."""
+
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        class Encoded:
+            input_ids = [151668] if text == "</think>" else [1, 2, 3]
+
+        return Encoded()
+
+
+def test_grammar_applies_after_the_reasoning(default_tokenizer):
+    assert Qwen3ReasoningParser("assistant\n").grammar_after(OneTokenThink()) == 151668
+    # the template closed the block (enable_thinking false): the grammar holds from the start
+    closed = Qwen3ReasoningParser("assistant\n<think>\n\n</think>\n\n")
+    assert closed.grammar_after(OneTokenThink()) is None
+    # </think> is several tokens for SmolLM2: no token to wait for
+    assert Qwen3ReasoningParser("assistant\n").grammar_after(default_tokenizer) is None
