@@ -117,6 +117,9 @@ class ToolParser(ABC):
 
     name: str = ""
     skip_special_tokens: bool = True  # False where the call marker is a special token
+    # How a model is told to call a tool when its template cannot render tools (the
+    # --tool-call-parser override on such a model); None: the generic envelope.
+    call_format: str | None = None
 
     def parse(self, text: str, *, final: bool) -> Parsed:
         """The content and calls of ``text``; ``final``: it is the whole reply.
@@ -139,6 +142,7 @@ class ToolParser(ABC):
 class HermesParser(ToolParser):
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
+    call_format = 'To call a tool, write <tool_call>{"name": ..., "arguments": {...}}</tool_call>.'
 
     def _parse(self, text: str, *, final: bool) -> Parsed | None:
         first = text.find(self.START)
@@ -183,6 +187,7 @@ def json_sequence(text: str) -> tuple[list[Any], str]:
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     skip_special_tokens = False
+    call_format = 'To call a tool, reply with only {"name": ..., "parameters": {...}}.'
     TAG = "<|python_tag|>"
 
     def _parse(self, text: str, *, final: bool) -> Parsed | None:
@@ -204,6 +209,7 @@ class Llama3JsonParser(ToolParser):
 class MistralParser(ToolParser):
     name = "mistral"
     skip_special_tokens = False
+    call_format = 'To call tools, write [TOOL_CALLS][{"name": ..., "arguments": {...}}].'
     TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
 
     def _parse(self, text: str, *, final: bool) -> Parsed | None:

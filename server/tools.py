@@ -204,18 +204,22 @@ def _envelope(properties: JsonObject) -> JsonObject:
     }
 
 
-def generic_system_prompt(tools: list[JsonObject], parallel: bool) -> str:
-    """What a model without tool support is told about the tools and the reply format."""
+def generic_system_prompt(
+    tools: list[JsonObject], parallel: bool, call_format: str | None = None
+) -> str:
+    """What a model without tool support is told about the tools and the reply format (the
+    envelope, or ``call_format``: the chosen parser's own)."""
+    listing = "You can call these tools:\n" + "\n".join(
+        json.dumps(t["function"], ensure_ascii=False) for t in tools
+    )
+    if call_format is not None:
+        return f"{listing}\n{call_format}"
     call = (
         '{"tool_calls": [{"name": ..., "arguments": {...}}]}'
         if parallel
         else ('{"tool_call": {"name": ..., "arguments": {...}}}')
     )
-    return (
-        "You can call these tools:\n"
-        + "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
-        + f'\nReply with JSON: {call} to call tools, or {{"response": "..."}} to answer.'
-    )
+    return f'{listing}\nReply with JSON: {call} to call tools, or {{"response": "..."}} to answer.'
 
 
 def conversation(
@@ -268,7 +272,8 @@ def conversation(
                 message["content"] = (text + "\n" if text else "") + json.dumps(envelope)
         out.append(message)
     if plan.tools is not None and not plan.native:
-        prompt = generic_system_prompt(plan.tools, plan.parallel)
+        call_format = plan.parser.call_format if plan.parser is not None else None
+        prompt = generic_system_prompt(plan.tools, plan.parallel, call_format)
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
         else:

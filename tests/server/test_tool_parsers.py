@@ -183,3 +183,15 @@ def test_a_cut_off_call_keeps_what_was_streamed(parser: ToolParser, text: str):
     assert [(c["name"], c["arguments"]) for c in got_calls.values()] == [
         (c.function.name, c.function.arguments) for c in calls
     ]
+
+
+def test_cli_flags_name_the_parsers():
+    from server.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["--tool-call-parser", "mistral", "--reasoning-parser", "qwen3"]
+    )
+    assert (args.tool_call_parser, args.reasoning_parser) == ("mistral", "qwen3")
+    assert build_parser().parse_args([]).tool_call_parser is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--tool-call-parser", "nope"])

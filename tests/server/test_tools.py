@@ -264,3 +264,31 @@ def post(base_url: str, **body):
 )
 def test_bad_input_is_a_400_naming_the_field(base_url: str, body: dict, param: str):
     assert_error(post(base_url, **body), 400, param=param)
+
+
+HERMES_REPLY = (
+    r'Sure\. <tool_call>\{"name": "get_weather", "arguments": '
+    r'\{"city": "[A-Z][a-z]{2,8}", "unit": "celsius"\}\}</tool_call>'
+)
+
+
+def test_tool_call_parser_flag_on_real_token_boundaries(engine, server_thread, model_name):
+    """--tool-call-parser hermes on SmolLM2 (whose template has no tools): a regex shapes the
+    reply like a Qwen model's, so the parser meets the tokenizer's real token boundaries."""
+    from server.app import create_app
+
+    url = server_thread.serve(lambda: create_app(engine, tool_call_parser="hermes"))
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    kw = {"extra_body": {"structured_outputs": {"regex": HERMES_REPLY}}, "max_tokens": 60}
+    whole = chat(client, model_name, **kw).choices[0]
+    assert whole.message.content == "Sure." and whole.finish_reason == "tool_calls"
+    [call] = whole.message.tool_calls
+    assert call.function.name == "get_weather"
+    check_calls([call])
+    chunks = list(chat(client, model_name, stream=True, **kw))
+    assert all("<" not in (c.choices[0].delta.content or "") for c in chunks if c.choices)
+    content, calls, finish = streamed(client, model_name, **kw)
+    assert (content, finish) == ("Sure.", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (call.function.name, call.function.arguments)
+    ]
