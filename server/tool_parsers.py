@@ -313,6 +313,24 @@ class RequiredParser(ToolParser):
         return Parsed("", [call_from(o, final=False) or ParsedCall() for o in objs])
 
 
+class FirstCallOnly(ToolParser):
+    """Another parser's result cut to its first call (``parallel_tool_calls: false`` with a
+    model's own format, which the grammar does not hold)."""
+
+    def __init__(self, inner: ToolParser):
+        self.inner = inner
+        self.name = inner.name
+        self.skip_special_tokens = inner.skip_special_tokens
+        self.call_format = inner.call_format
+
+    def parse(self, text: str, *, final: bool) -> Parsed:
+        parsed = self.inner.parse(text, final=final)
+        return Parsed(parsed.content, parsed.calls[:1])
+
+    def _parse(self, text: str, *, final: bool) -> Parsed | None:
+        return self.inner._parse(text, final=final)
+
+
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, GenericParser)
 }

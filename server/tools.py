@@ -35,6 +35,7 @@ from server.errors import bad_request
 from server.prompts import ROLES, message_text
 from server.tool_parsers import (
     PARSERS,
+    FirstCallOnly,
     GenericParser,
     NamedParser,
     RequiredParser,
@@ -181,6 +182,7 @@ def plan_tools(
     else:
         parser = parser_for_template(template)
     if not isinstance(parser, GenericParser):
+        parser = parser if parallel else FirstCallOnly(parser)
         return ToolPlan(rendered, native, parser, None, parallel)
     if parallel:
         call_field = {"tool_calls": {"type": "array", "items": calls, "minItems": 1}}

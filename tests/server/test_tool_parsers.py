@@ -195,3 +195,14 @@ def test_cli_flags_name_the_parsers():
     assert build_parser().parse_args([]).tool_call_parser is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--tool-call-parser", "nope"])
+
+
+def test_first_call_only_without_parallel_calls():
+    from server.tool_parsers import FirstCallOnly
+
+    parser = FirstCallOnly(HermesParser())
+    text = FIXTURES[1][1]  # two hermes calls
+    content, calls = reply_message(parser, text)
+    assert [c.function.name for c in calls] == ["a"]
+    got_content, got_calls = stream(parser, text)
+    assert [c["name"] for c in got_calls.values()] == ["a"]
