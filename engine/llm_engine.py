@@ -172,8 +172,12 @@ class LLMEngine:
         samples = make_samples(request_id, ids, params, lambda: self._rng.getrandbits(63))
         if params.structured_output is not None:
             compiled = self.compile_grammar(params.structured_output)
+            deferred = params.structured_output_after is not None
             for sample in samples:
-                sample.matcher = self.grammars.matcher(compiled)
+                if deferred:
+                    sample.deferred_matcher = self.grammars.matcher(compiled)
+                else:
+                    sample.matcher = self.grammars.matcher(compiled)
         for sample in samples:
             self._tracked[sample.request_id] = LiveRequest.start(sample, self.tokenizer)
         self.scheduler.add(samples[0])
@@ -274,6 +278,8 @@ class LLMEngine:
             logger.error("request %s: the grammar refused sampled token %d", req.request_id, token)
             error = "the output grammar refused the sampled token"
             return self._finish(live, "error", now=now, error=error)
+        if req.deferred_matcher is not None and token == req.params.structured_output_after:
+            req.matcher, req.deferred_matcher = req.deferred_matcher, None  # from the next token
         req.output_token_ids.append(token)
         self.stats.generation_tokens_total += 1
         if req.first_token_time is None:

@@ -47,6 +47,8 @@ class Request:
     # With a structured output: the sequence's grammar matcher (xgrammar.GrammarMatcher), fed
     # every accepted token; it survives preemption (the outputs are kept, only K/V recomputed).
     matcher: object | None = None
+    # With structured_output_after: the matcher, held here until that token is sampled.
+    deferred_matcher: object | None = None
     # With prompt_logprobs asked: one entry per prompt token scored so far (None for token 0,
     # which has no context); see engine/prompt_logprobs.py.
     prompt_logprobs: list[TokenLogprob | None] | None = None

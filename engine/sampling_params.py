@@ -42,6 +42,9 @@ class SamplingParams:
     See ``engine/logit_adjustments.py``.
     structured_output: a constraint every output must satisfy (JSON schema, regex, choice,
     grammar; see ``engine/structured_output.py``); None leaves the output free.
+    structured_output_after: a token id (a reasoning model's ``</think>``): the output is free
+    up to and including this token and the constraint holds for what follows (None: from the
+    first token).
     max_tokens 0 generates nothing: with prompt_logprobs, a request that only scores its prompt.
     prompt_logprobs: report every prompt token's logprob with this many top alternatives (0:
     the token's own only; None: none). See ``engine/prompt_logprobs.py``.
@@ -65,10 +68,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured_output: StructuredOutput | None = None
+    structured_output_after: int | None = None
     prompt_logprobs: int | None = None
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.structured_output_after is not None and self.structured_output is None:
+            raise ValueError("structured_output_after needs a structured_output")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))

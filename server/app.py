@@ -137,6 +137,8 @@ def create_app(
     api_keys: Sequence[str] = (),
     limits: ServerLimits | None = None,
     dashboard: bool = True,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> web.Application:
     """The app serving ``engine`` within ``limits`` (default: ``ServerLimits()``), with the
     dashboard page and its state endpoint unless ``dashboard`` is False. The caller owns the
@@ -156,6 +158,8 @@ def create_app(
         store=ResponseStore(limits.max_stored_responses, limits.max_response_store_bytes),
         connections=ConnectionGuard(limits.max_connections),
         api_key_hashes=tuple(key_hash(k) for k in api_keys),
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
     )
     app.router.add_get("/v1/models", list_models)
     # Hugging Face ids, the default served names, contain "/" ("org/name")

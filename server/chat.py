@@ -8,10 +8,12 @@ and one more chunk with ``"choices": []`` carries the usage.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncGenerator
 
 from aiohttp import web
+from msgspec import UNSET, UnsetType
 
 from server.completion_objects import (
     AssistantMessage,
@@ -23,13 +25,23 @@ from server.completion_objects import (
 )
 from server.generation import Generation, Job, start_generation
 from server.logprobs import ChatLogprobs, chat_logprobs
-from server.prompts import chat_message, chat_prompt_ids
+from server.prompts import chat_prompt_ids
 from server.protocol import ChatCompletionRequest, read_request
+from server.reasoning import REASONING_PARSERS, Qwen3ReasoningParser, ReasoningStream
 from server.reply import ChoiceReply
 from server.sampling import check_sequences, output_limit
 from server.sse import respond
 from server.state import STATE, ServerState
 from server.structured import compile_constraint
+from server.tools import (
+    ToolCallStream,
+    ToolPlan,
+    conversation,
+    finish_reason,
+    plan_tools,
+    reply_message,
+    with_tool_plan,
+)
 from server.wire import json_response
 
 
@@ -37,19 +49,35 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_request(request, ChatCompletionRequest)
     check_sequences(state.limits.max_sequences_per_request, 1, body.n)
-    messages = [
-        chat_message(m.role, m.content, f"messages[{i}]") for i, m in enumerate(body.messages)
-    ]
-    prompt_ids = chat_prompt_ids(state.engine, messages, "messages")
+    template = getattr(state.engine.tokenizer, "chat_template", None) or ""
+    plan = plan_tools(
+        body.tools, body.tool_choice, body.parallel_tool_calls, template, state.tool_call_parser
+    )
+    messages = conversation(body.messages, plan)
+    tools = plan.tools if plan.native else None
+    prompt_ids = chat_prompt_ids(
+        state.engine, messages, "messages", tools=tools, template_kwargs=body.chat_template_kwargs
+    )
+    reasoning = None
+    if state.reasoning_parser is not None:
+        tail = state.engine.tokenizer.decode(prompt_ids[-8:])
+        reasoning = REASONING_PARSERS[state.reasoning_parser](tail)
     max_tokens = output_limit(state.context_limit, len(prompt_ids), body.output_limit, "messages")
     params = body.to_params(
         state.engine.vocab_size,
         max_tokens=max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
-    await compile_constraint(state.engine, params, body.constraint_field)
+    params = with_tool_plan(params, plan, body.constraint_field)
+    if reasoning is not None and params.structured_output is not None:
+        after = reasoning.grammar_after(state.engine.tokenizer)
+        if after is not None:  # the grammar holds once the reasoning ends
+            params = dataclasses.replace(params, structured_output_after=after)
+    await compile_constraint(
+        state.engine, params, "tools" if plan.constraint else body.constraint_field
+    )
     jobs = [Job(0, prompt_ids, params)]
-    reply = ChatReply(state, body, f"chatcmpl-{uuid.uuid4().hex}", len(prompt_ids))
+    reply = ChatReply(state, body, plan, reasoning, f"chatcmpl-{uuid.uuid4().hex}", len(prompt_ids))
     with start_generation(state, reply.id, jobs, "messages") as generation:
         if body.stream:
             return await respond(request, reply.stream(generation))
@@ -60,22 +88,43 @@ class ChatReply(ChoiceReply):
     """Builds the ChatCompletion object, or the stream of ChatCompletionChunks."""
 
     def __init__(
-        self, state: ServerState, body: ChatCompletionRequest, reply_id: str, prompt_tokens: int
+        self,
+        state: ServerState,
+        body: ChatCompletionRequest,
+        plan: ToolPlan,
+        reasoning: Qwen3ReasoningParser | None,
+        reply_id: str,
+        prompt_tokens: int,
     ):
         super().__init__(state, reply_id, prompt_tokens, include_usage=body.include_usage)
         self.body = body
+        self.plan = plan
+        self.reasoning = reasoning
+
+    def message(self, text: str) -> AssistantMessage:
+        reasoning: str | None | UnsetType = UNSET
+        if self.reasoning is not None:
+            split = self.reasoning.split(text, final=True)
+            text, reasoning = split.content, split.reasoning or None
+        if self.plan.parser is None:
+            return AssistantMessage(content=text, reasoning_content=reasoning)
+        content, calls = reply_message(self.plan.parser, text)
+        return AssistantMessage(
+            content=content, tool_calls=calls or UNSET, reasoning_content=reasoning
+        )
 
     async def complete(self, generation: Generation) -> web.Response:
         tokenizer = self.state.engine.tokenizer
         choices = []
         for c in await generation.collect():
             logprobs = chat_logprobs(tokenizer, c.logprobs) if self.body.logprobs else None
+            message = self.message(c.text)
             choices.append(
                 ChatChoice(
                     index=c.index,
-                    message=AssistantMessage(content=c.text),
+                    message=message,
                     logprobs=logprobs,
-                    finish_reason=c.finish_reason,
+                    finish_reason=finish_reason(c.finish_reason, bool(message.tool_calls)),
                 )
             )
         return json_response(self.whole(ChatCompletion, choices, generation))
@@ -88,6 +137,11 @@ class ChatReply(ChoiceReply):
 
     async def stream(self, generation: Generation) -> AsyncGenerator[bytes, None]:
         tokenizer = self.state.engine.tokenizer
+        parser = self.plan.parser
+        calls = [ToolCallStream(parser) for _ in range(self.body.n)] if parser else []
+        thinking = (
+            [ReasoningStream(self.reasoning) for _ in range(self.body.n)] if self.reasoning else []
+        )
         for index in range(self.body.n):
             yield self._chunk(index, ChatDelta(role="assistant", content=""), None, None)
         async for index, out in generation.outputs():
@@ -96,7 +150,21 @@ class ChatReply(ChoiceReply):
                 logprobs = chat_logprobs(tokenizer, out.new_logprobs)
             if not (out.new_text or logprobs or out.finished):
                 continue
-            delta = ChatDelta(content=out.new_text) if out.new_text else ChatDelta()
-            yield self._chunk(index, delta, logprobs, out.finish_reason if out.finished else None)
+            finish = out.finish_reason if out.finished else None
+            text, reasoning = out.new_text, ""
+            if self.reasoning is not None:
+                split = thinking[index].feed(text, final=out.finished)
+                text, reasoning = split.content, split.reasoning
+            if calls:
+                content, deltas = calls[index].feed(text, final=out.finished)
+                delta = ChatDelta(content=content or UNSET, tool_calls=deltas or UNSET)
+                finish = finish_reason(finish, calls[index].has_calls)
+            else:
+                delta = ChatDelta(content=text) if text else ChatDelta()
+            if reasoning:
+                delta.reasoning_content = reasoning
+            if delta == ChatDelta() and not (logprobs or finish):
+                continue
+            yield self._chunk(index, delta, logprobs, finish)
         if self.include_usage:
             yield self.usage_chunk(ChatCompletionChunk, generation)

@@ -21,7 +21,9 @@ from engine.cli import add_engine_args, engine_kwargs
 from engine.config import EngineConfig
 from server.app import create_app, make_runner
 from server.limits import ServerLimits
+from server.reasoning import REASONING_PARSERS
 from server.state import STATE
+from server.tool_parsers import PARSERS
 
 logger = logging.getLogger("server")
 
@@ -49,6 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-dashboard",
         action="store_true",
         help="do not serve the dashboard page (GET /) and its state endpoint /v1/engine/state",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(PARSERS),
+        help="how tool calls are read from a reply under tool_choice auto (default: chosen "
+        "from the chat template; generic for a template without tools)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="move the model's <think> block out of content into reasoning_content",
     )
     _add_limit_args(parser)
     parser.add_argument(
@@ -181,6 +196,8 @@ async def serve(engine: AsyncEngine, args: argparse.Namespace, limits: ServerLim
         api_keys=args.api_key,
         limits=limits,
         dashboard=not args.no_dashboard,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     _check_fd_limit(limits.max_connections)
     runner = make_runner(app)

@@ -57,9 +57,13 @@ class Completion(ChoiceList[CompletionChoice], kw_only=True):
 
 
 class AssistantMessage(msgspec.Struct, kw_only=True):
+    """``content`` is null for a reply that is only tool calls."""
+
     role: str = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    tool_calls: list[ToolCall] | UnsetType = UNSET
+    reasoning_content: str | None | UnsetType = UNSET  # vLLM's, with --reasoning-parser
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -78,6 +82,8 @@ class ChatDelta(msgspec.Struct, kw_only=True):
 
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
@@ -89,3 +95,29 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
 
 class ChatCompletionChunk(ChoiceList[ChatChunkChoice], kw_only=True):
     object: str = "chat.completion.chunk"
+
+
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+class FunctionDelta(msgspec.Struct, kw_only=True):
+    name: str | UnsetType = UNSET
+    arguments: str | UnsetType = UNSET
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True):
+    """A streamed call: the first delta of a call has its id and name, later ones argument
+    fragments (the concatenation is the arguments' JSON text)."""
+
+    index: int
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+    function: FunctionDelta

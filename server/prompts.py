@@ -8,12 +8,15 @@ Message content is a string or a list of text parts; the parts' texts are joined
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jinja2
 
 from engine.async_engine import AsyncEngine
 from server.errors import bad_request
-from server.protocol import ContentPart
+
+if TYPE_CHECKING:
+    from server.protocol import ContentPart
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 TEXT_PARTS = {"text", "input_text", "output_text"}
@@ -53,14 +56,55 @@ def chat_message(role: str, content: str | list[ContentPart] | None, param: str)
     return {"role": ROLES[role], "content": message_text(content, f"{param}.content")}
 
 
-def chat_prompt_ids(engine: AsyncEngine, messages: list[dict], param: str) -> list[int]:
-    """Apply the chat template (with the generation prompt) and tokenize without adding
-    special tokens again (the template already has them)."""
+# Arguments of apply_chat_template that chat_template_kwargs may not set.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+def chat_prompt_ids(
+    engine: AsyncEngine,
+    messages: list[dict],
+    param: str,
+    *,
+    tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
+) -> list[int]:
+    """Apply the chat template (with the generation prompt, ``tools`` if given, and the
+    request's ``chat_template_kwargs`` as template variables, e.g. Qwen3's
+    ``enable_thinking``) and tokenize without adding special tokens again (the template
+    already has them)."""
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or ()))
+    if reserved:
+        raise bad_request(
+            f"chat_template_kwargs may not set {reserved[0]!r}", "chat_template_kwargs"
+        )
     tokenizer = engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", param)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        extra = dict(template_kwargs or {})
+        if tools is not None:
+            extra["tools"] = tools
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **extra
+        )
     except (ValueError, jinja2.TemplateError) as exc:
         raise bad_request(f"the chat template rejected the messages: {exc}", param) from None
     return list(tokenizer(text, add_special_tokens=False).input_ids)

@@ -27,9 +27,11 @@ from server.field_types import (
     TopP,
     User,
 )
+from server.response_tools import ResponsesTool, ResponsesToolChoice
 from server.sampling import SamplingFields, sampling_errors_as_400
 from server.state import STATE
 from server.structured import ResponseText, from_text_format
+from server.tools import MessageToolCall, ToolChoice, ToolSpec
 
 T = TypeVar("T")
 
@@ -130,9 +132,13 @@ class ContentPart(msgspec.Struct, kw_only=True):
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
+    """``tool_calls`` on assistant messages; ``tool_call_id`` on ``tool`` messages."""
+
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -143,7 +149,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = False
     top_logprobs: ChatTopLogprobCount | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolSpec] | None = None  # server.tools
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -160,16 +169,22 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
             raise bad_request("messages must not be empty", "messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        if self.tools:
-            raise bad_request("tools are not supported by this server", "tools")
 
 
 class InputItem(msgspec.Struct, kw_only=True):
-    """A Responses API input message (``type`` "message"; content a string or text parts)."""
+    """A Responses API input item: a ``message`` (role; content a string or text parts), a
+    ``function_call`` (call_id, name, arguments) or a ``function_call_output`` (call_id,
+    output); ``server.response_tools`` checks which fields each needs."""
 
-    role: str
-    content: str | list[ContentPart]
     type: str = "message"
+    role: str | None = None
+    content: str | list[ContentPart] | None = None
+    id: str | None = None
+    status: str | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[Any] | None = None
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
@@ -187,7 +202,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     previous_response_id: str | None = None
     metadata: Metadata | None = None
     user: User | None = None
-    tools: list[Any] | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: str | ResponsesToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     text: ResponseText | None = None
 
     def __post_init__(self) -> None:
@@ -199,8 +216,6 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     def check(self) -> None:
         if isinstance(self.input, list) and not self.input:
             raise bad_request("input must not be empty", "input")
-        if self.tools:
-            raise bad_request("tools are not supported by this server", "tools")
 
     def to_params(self, *, max_tokens: int) -> SamplingParams:
         """The engine's SamplingParams; a value it refuses is a 400 naming the field."""

@@ -1,8 +1,9 @@
 """The Responses API's objects: the Response, its output message, and the stream's events.
 
-The server supports text in and text out only, so several fields are constants here (``tools``
-empty, ``tool_choice`` "none", no annotations or logprobs on the text); they are still sent, as
-the reference lists them. ``text.format`` echoes the request's (``server.structured``).
+Output items are ``message`` items and ``function_call`` items (``server.response_tools``);
+``tools``, ``tool_choice`` and ``parallel_tool_calls`` echo the request. Annotations and
+logprobs on the text are always empty; they are still sent, as the reference lists them.
+``text.format`` echoes the request's (``server.structured``).
 
 Events share ``{"type", "sequence_number"}``; the stream numbers them from 0 as it sends them
 (``ResponseReply`` in ``server.responses``).
@@ -13,6 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+
+from server.response_tools import FunctionCallItem
 
 
 class IncompleteDetails(msgspec.Struct):
@@ -76,14 +79,14 @@ class Response(msgspec.Struct, kw_only=True):
     instructions: str | None
     max_output_tokens: int | None
     model: str
-    output: list[OutputMessage]
-    parallel_tool_calls: bool = False
+    output: list[OutputMessage | FunctionCallItem]
+    parallel_tool_calls: bool = True
     previous_response_id: str | None
     store: bool
     temperature: float
     top_p: float
     text: TextConfig = msgspec.field(default_factory=TextConfig)
-    tool_choice: str = "none"
+    tool_choice: str | dict[str, Any] = "auto"
     tools: list[Any] = []
     truncation: str = "disabled"
     metadata: dict[str, str]
@@ -112,7 +115,7 @@ class OutputItemEvent(StreamEvent, kw_only=True):
     """``response.output_item.added`` and ``.done``."""
 
     output_index: int = 0
-    item: OutputMessage
+    item: OutputMessage | FunctionCallItem
 
 
 class ContentEvent(StreamEvent, kw_only=True):
@@ -141,6 +144,25 @@ class TextDoneEvent(ContentEvent, kw_only=True):
 
     text: str
     logprobs: list[Any] = []
+
+
+class FunctionCallArgumentsDelta(StreamEvent, kw_only=True):
+    """``response.function_call_arguments.delta``: a fragment of a call's arguments."""
+
+    type: str = "response.function_call_arguments.delta"
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class FunctionCallArgumentsDone(StreamEvent, kw_only=True):
+    """``response.function_call_arguments.done``: the call's whole arguments."""
+
+    type: str = "response.function_call_arguments.done"
+    item_id: str
+    output_index: int
+    name: str
+    arguments: str
 
 
 class ErrorEvent(StreamEvent, kw_only=True):

@@ -3,13 +3,18 @@
 The prompt is ``instructions`` (as a system message), then the stored conversation of
 ``previous_response_id`` (its input and output messages, without its instructions), then
 ``input``, through the chat template. The output is one assistant message with one
-``output_text`` part. A response that hit ``max_output_tokens`` has status ``incomplete``.
+``output_text`` part; with function tools (``server.response_tools``), text before the calls
+is that message and each call a ``function_call`` item. A response that hit
+``max_output_tokens`` has status ``incomplete``.
 
 A stream sends typed events, each ``event: <type>`` + ``data: {..., "sequence_number": k}``
 with k counting from 0: ``response.created``, ``response.in_progress``,
 ``response.output_item.added``, ``response.content_part.added``, ``response.output_text.delta``
 (repeated), ``response.output_text.done``, ``response.content_part.done``,
 ``response.output_item.done``, then ``response.completed`` (or ``response.incomplete``).
+With tools, each call adds ``response.output_item.added`` (a ``function_call`` item),
+``response.function_call_arguments.delta`` (repeated), ``response.function_call_arguments.done``
+and ``response.output_item.done``, at its own ``output_index``.
 A failure mid-stream sends an ``error`` event and ends the stream. The response is stored
 (``store``, default true) before its last event is sent.
 """
@@ -20,15 +25,18 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 
+import msgspec
 from aiohttp import web
 
-from server.errors import APIError
+from server.errors import APIError, bad_request
 from server.generation import Generation, Job, start_generation
-from server.prompts import chat_message, chat_prompt_ids
-from server.protocol import ResponsesRequest, read_request
+from server.prompts import chat_prompt_ids
+from server.protocol import ChatMessage, ResponsesRequest, read_request
 from server.response_objects import (
     ContentPartEvent,
     ErrorEvent,
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
     IncompleteDetails,
     InputTokensDetails,
     OutputItemEvent,
@@ -44,10 +52,26 @@ from server.response_objects import (
     TextDoneEvent,
 )
 from server.response_store import StoredResponse
+from server.response_tools import (
+    FunctionCallItem,
+    assistant_message,
+    chat_tool_choice,
+    chat_tools,
+    input_messages,
+    new_item_id,
+)
 from server.sampling import output_limit
 from server.sse import frame, respond
 from server.state import OWNER, STATE, ServerState
 from server.structured import compile_constraint
+from server.tools import (
+    ToolCallStream,
+    ToolPlan,
+    conversation,
+    plan_tools,
+    reply_message,
+    with_tool_plan,
+)
 from server.wire import json_response
 
 
@@ -62,26 +86,47 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             raise _not_found(body.previous_response_id, "previous_response_id")
         history = previous.conversation()
     if isinstance(body.input, str):
-        new = [{"role": "user", "content": body.input}]
+        new, new_params = [{"role": "user", "content": body.input}], ["input"]
     else:
-        for i, item in enumerate(body.input):
-            if item.type != "message":
-                raise APIError(
-                    400, f"input item type {item.type!r} is not supported", param=f"input[{i}]"
-                )
-        new = [chat_message(m.role, m.content, f"input[{i}]") for i, m in enumerate(body.input)]
+        new, new_params = input_messages(body.input)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    prompt_ids = chat_prompt_ids(state.engine, system + history + new, "input")
+    template = getattr(state.engine.tokenizer, "chat_template", None) or ""
+    plan = plan_tools(
+        chat_tools(body.tools),
+        chat_tool_choice(body.tool_choice),
+        body.parallel_tool_calls,
+        template,
+        state.tool_call_parser,
+    )
+    names = ["instructions"] * len(system) + ["previous_response_id"] * len(history) + new_params
+    messages = _template_messages(system + history + new, plan, names)
+    tools = plan.tools if plan.native else None
+    prompt_ids = chat_prompt_ids(state.engine, messages, "input", tools=tools)
     max_tokens = output_limit(state.context_limit, len(prompt_ids), body.max_output_tokens, "input")
-    params = body.to_params(max_tokens=max_tokens)
-    await compile_constraint(state.engine, params, "text.format")
-    reply = ResponseReply(state, body, owner, history + new, len(prompt_ids))
+    params = with_tool_plan(body.to_params(max_tokens=max_tokens), plan, "text.format")
+    await compile_constraint(state.engine, params, "tools" if plan.constraint else "text.format")
+    reply = ResponseReply(state, body, owner, history + new, len(prompt_ids), plan)
     with start_generation(state, reply.id, [Job(0, prompt_ids, params)], "input") as generation:
         if body.stream:
+            stream = reply.stream_tools if plan.parser else reply.stream
             return await respond(
-                request, reply.stream(generation), on_error=reply.error_event, done_marker=False
+                request, stream(generation), on_error=reply.error_event, done_marker=False
             )
         return json_response(await reply.complete(generation))
+
+
+def _template_messages(messages: list[dict], plan: ToolPlan, names: list[str]) -> list[dict]:
+    """Chat messages (``ChatMessage`` builtins) as template dicts; errors name the Responses
+    field (``call_id`` where chat says ``tool_call_id``)."""
+    try:
+        chat = msgspec.convert(messages, list[ChatMessage])
+        return conversation(chat, plan, names)
+    except msgspec.ValidationError as exc:
+        raise bad_request(f"invalid input: {exc}", "input") from None
+    except APIError as err:
+        if err.param and err.param.startswith("input[") and err.param.endswith(".tool_call_id"):
+            err.param = err.param.removesuffix(".tool_call_id") + ".call_id"
+        raise
 
 
 async def retrieve_response(request: web.Request) -> web.Response:
@@ -117,7 +162,9 @@ class ResponseReply:
         owner: str | None,
         messages: list[dict],
         prompt_tokens: int,
+        plan: ToolPlan,
     ):
+        self.plan = plan
         self.state = state
         self.body = body
         self.owner = owner
@@ -129,7 +176,10 @@ class ResponseReply:
         self.sequence = 0
 
     def _response(
-        self, status: str, output: list[OutputMessage], usage: ResponseUsage | None
+        self,
+        status: str,
+        output: list[OutputMessage | FunctionCallItem],
+        usage: ResponseUsage | None,
     ) -> Response:
         b = self.body
         return Response(
@@ -150,6 +200,13 @@ class ResponseReply:
             top_p=b.top_p,
             text=TextConfig(b.text.format) if b.text and b.text.format else TextConfig(),
             metadata=b.metadata or {},
+            tools=msgspec.to_builtins(b.tools) if b.tools else [],
+            tool_choice=(
+                msgspec.to_builtins(b.tool_choice)
+                if b.tool_choice is not None
+                else ("auto" if b.tools else "none")
+            ),
+            parallel_tool_calls=b.parallel_tool_calls is not False,
             user=b.user,
             usage=usage,
         )
@@ -158,9 +215,15 @@ class ResponseReply:
         return OutputMessage(id=self.message_id, status=status, content=parts)
 
     def _finish(
-        self, text: str, finish_reason: str | None, cached_tokens: int, output_tokens: int
+        self,
+        content: str,
+        calls: list[FunctionCallItem],
+        finish_reason: str | None,
+        cached_tokens: int,
+        output_tokens: int,
     ) -> Response:
-        """The final Response object; stores it when asked to."""
+        """The final Response object (a message unless the reply is only calls, then the
+        calls); stores it when asked to."""
         status = "incomplete" if finish_reason == "length" else "completed"
         usage = ResponseUsage(
             input_tokens=self.prompt_tokens,
@@ -168,17 +231,35 @@ class ResponseReply:
             output_tokens=output_tokens,
             total_tokens=self.prompt_tokens + output_tokens,
         )
-        response = self._response(status, [self._message(status, [OutputText(text=text)])], usage)
+        output: list[OutputMessage | FunctionCallItem] = []
+        if content or not calls:
+            output.append(self._message(status, [OutputText(text=content)]))
+        output += calls
+        response = self._response(status, output, usage)
         if self.body.store:
-            conversation = [*self.messages, {"role": "assistant", "content": text}]
+            conversation = [*self.messages, assistant_message(content, calls)]
             entry = StoredResponse.encode(response, conversation, self.owner)
             self.state.store.put(self.id, entry)
         return response
 
     async def complete(self, generation: Generation) -> Response:
         [choice] = await generation.collect()
+        content, calls = choice.text, []
+        if self.plan.parser is not None:
+            text, tool_calls = reply_message(self.plan.parser, choice.text)
+            content = text or ""
+            calls = [
+                FunctionCallItem(
+                    id=new_item_id(),
+                    call_id=c.id,
+                    name=c.function.name,
+                    arguments=c.function.arguments,
+                )
+                for c in tool_calls
+            ]
         return self._finish(
-            choice.text,
+            content,
+            calls,
             choice.finish_reason,
             choice.num_cached_tokens,
             generation.completion_tokens,
@@ -220,7 +301,7 @@ class ResponseReply:
                 )
             if out.finished:
                 finish_reason = out.finish_reason
-        response = self._finish(text, finish_reason, cached, generation.completion_tokens)
+        response = self._finish(text, [], finish_reason, cached, generation.completion_tokens)
         [message] = response.output
         [part] = message.content
         yield self._send(
@@ -231,3 +312,118 @@ class ResponseReply:
         )
         yield self._send(OutputItemEvent(type="response.output_item.done", item=message))
         yield self._send(ResponseEvent(type=f"response.{response.status}", response=response))
+
+    async def stream_tools(self, generation: Generation) -> AsyncGenerator[bytes, None]:
+        """A stream whose reply is parsed for calls: a message item opens with the first
+        content, a function_call item with each call (its arguments as
+        ``response.function_call_arguments.delta`` events); all close at the end."""
+        assert self.plan.parser is not None
+        started = self._response("in_progress", [], None)
+        yield self._send(ResponseEvent(type="response.created", response=started))
+        yield self._send(ResponseEvent(type="response.in_progress", response=started))
+        parsed = ToolCallStream(self.plan.parser)
+        message_index: int | None = None
+        calls: dict[int, tuple[int, FunctionCallItem]] = {}  # call index -> (output index, item)
+        finish_reason, cached, next_index = None, 0, 0
+        async for _, out in generation.outputs():
+            cached = out.num_cached_tokens
+            if out.finished:
+                finish_reason = out.finish_reason
+            content, deltas = parsed.feed(out.new_text, final=out.finished)
+            if content or (out.finished and message_index is None and not calls):
+                if message_index is None:
+                    message_index, next_index = next_index, next_index + 1
+                    for frame_ in self._open_message(message_index):
+                        yield frame_
+                if content:
+                    yield self._send(
+                        TextDeltaEvent(
+                            type="response.output_text.delta",
+                            item_id=self.message_id,
+                            output_index=message_index,
+                            delta=content,
+                        )
+                    )
+            for d in deltas:
+                if d.index not in calls:
+                    item = FunctionCallItem(
+                        id=new_item_id(),
+                        call_id=str(d.id),
+                        name=str(d.function.name),
+                        arguments="",
+                        status="in_progress",
+                    )
+                    calls[d.index] = (next_index, item)
+                    yield self._send(
+                        OutputItemEvent(
+                            type="response.output_item.added", output_index=next_index, item=item
+                        )
+                    )
+                    next_index += 1
+                elif d.function.arguments:
+                    index, item = calls[d.index]
+                    item.arguments += str(d.function.arguments)
+                    yield self._send(
+                        FunctionCallArgumentsDelta(
+                            item_id=item.id, output_index=index, delta=str(d.function.arguments)
+                        )
+                    )
+        items = [item for _, item in calls.values()]
+        for item in items:
+            item.status = "completed"
+        response = self._finish(
+            parsed.content, items, finish_reason, cached, generation.completion_tokens
+        )
+        if message_index is not None:
+            message = response.output[0]
+            text = parsed.content
+            yield self._send(
+                TextDoneEvent(
+                    type="response.output_text.done",
+                    item_id=self.message_id,
+                    output_index=message_index,
+                    text=text,
+                )
+            )
+            yield self._send(
+                ContentPartEvent(
+                    type="response.content_part.done",
+                    item_id=self.message_id,
+                    output_index=message_index,
+                    part=OutputText(text=text),
+                )
+            )
+            yield self._send(
+                OutputItemEvent(
+                    type="response.output_item.done", output_index=message_index, item=message
+                )
+            )
+        for index, item in calls.values():
+            yield self._send(
+                FunctionCallArgumentsDone(
+                    item_id=item.id, output_index=index, name=item.name, arguments=item.arguments
+                )
+            )
+            yield self._send(
+                OutputItemEvent(type="response.output_item.done", output_index=index, item=item)
+            )
+        yield self._send(ResponseEvent(type=f"response.{response.status}", response=response))
+
+    def _open_message(self, output_index: int) -> list[bytes]:
+        return [
+            self._send(
+                OutputItemEvent(
+                    type="response.output_item.added",
+                    output_index=output_index,
+                    item=self._message("in_progress", []),
+                )
+            ),
+            self._send(
+                ContentPartEvent(
+                    type="response.content_part.added",
+                    item_id=self.message_id,
+                    output_index=output_index,
+                    part=OutputText(text=""),
+                )
+            ),
+        ]

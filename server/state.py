@@ -27,6 +27,8 @@ class ServerState:
     store: ResponseStore
     connections: ConnectionGuard
     api_key_hashes: tuple[str, ...] = ()
+    tool_call_parser: str | None = None  # None: chosen from the chat template
+    reasoning_parser: str | None = None  # None: reasoning stays in content
     created: int = field(default_factory=lambda: int(time.time()))
     in_flight: set[str] = field(default_factory=set)
     shutting_down: bool = False

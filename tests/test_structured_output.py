@@ -7,6 +7,7 @@ constraint which admits the model's own greedy continuation changes nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -275,3 +276,29 @@ def test_a_model_without_tokenizer_refuses_structured_outputs():
     engine = LLMEngine(EngineConfig(kv_cache_memory=2 << 20), loaded=loaded(tiny_model("llama")))
     with pytest.raises(InvalidRequestError, match="tokenizer"):
         engine.add_request([1, 2, 3], constrained(StructuredOutput("json_object")))
+
+
+def test_a_constraint_can_start_after_a_token(random_engine, default_tokenizer):
+    """structured_output_after (a reasoning model's </think>): free up to that token, then
+    constrained. A logit bias makes the free part emit the token at once."""
+    bang = default_tokenizer.convert_tokens_to_ids("!")
+    regex = StructuredOutput("regex", r"\d{3}")
+    after = SamplingParams(
+        structured_output=regex,
+        structured_output_after=bang,
+        logit_bias=((bang, 100.0),),
+        temperature=0.0,
+        max_tokens=12,
+    )
+    random_engine.add_request("Count:", after, "after")
+    random_engine.add_request(
+        "Count:", dataclasses.replace(after, structured_output_after=None), "from0"
+    )
+    results = run(random_engine)
+    tokens, text, reason = results["after"]
+    assert tokens[0] == bang and reason == "stop"
+    assert re.fullmatch(r"!\d{3}", text), text
+    assert re.fullmatch(r"\d{3}", results["from0"][1])
+    assert_pool_clean(random_engine.block_manager)
+    with pytest.raises(ValueError, match="structured_output_after"):
+        SamplingParams(structured_output_after=bang)

@@ -53,7 +53,7 @@ def test_malformed_json(post):
         ("chat/completions", {"messages": "hi"}, "messages"),
         ("chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
         ("chat/completions", {"messages": [{"content": "x"}]}, "messages[0].role"),
-        ("chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ("chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ("chat/completions", {"messages": []}, "messages"),
         (
             "chat/completions",

@@ -1,0 +1,376 @@
+"""Chat tools: the request's ``tools`` / ``tool_choice`` / ``parallel_tool_calls``, the
+conversation with its tool calls and tool results as template messages, and what the reply is
+constrained to and parsed with.
+
+A template that renders tools (its source mentions ``tools``) gets them through
+``apply_chat_template(..., tools=...)`` and the model's own call format; one that does not (the
+default SmolLM2's) gets a generic format, after llama.cpp's server: the tools described in a
+system message, past calls and results as JSON, and the reply held to a JSON envelope.
+
+``tool_choice``:
+
+* ``none``: no tools in the prompt and no parsing;
+* ``auto`` (the default with tools): native templates are parsed by their family's parser
+  (``server.tool_parsers``); the generic format's reply is constrained to ``{"tool_call": ...}``
+  (``{"tool_calls": [...]}`` with parallel calls) or ``{"response": "..."}``;
+* ``required`` and a named function: the grammar forces the reply to a JSON list of calls / the
+  named function's arguments object, so the arguments match the tool's parameter schema by
+  construction, whatever the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput
+from server.completion_objects import FunctionCall, FunctionDelta, ToolCall, ToolCallDelta
+from server.errors import bad_request
+from server.prompts import ROLES, message_text
+from server.tool_parsers import (
+    PARSERS,
+    FirstCallOnly,
+    GenericParser,
+    NamedParser,
+    RequiredParser,
+    ToolParser,
+    parser_for_template,
+)
+
+JsonObject = dict[str, Any]
+
+
+class FunctionSpec(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: JsonObject | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(msgspec.Struct, kw_only=True):
+    type: str
+    function: FunctionSpec
+
+
+class NamedFunction(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: str
+    function: NamedFunction
+
+
+ToolChoice = str | NamedToolChoice
+
+
+class MessageFunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: MessageFunctionCall
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """How one request's tools are rendered, constrained and parsed.
+
+    tools: the tools for the template (None: none in the prompt); native: the template renders
+    tools itself; parser: None when the reply is not parsed for calls; constraint: the grammar
+    that tool_choice imposes (None: unconstrained)."""
+
+    tools: list[JsonObject] | None
+    native: bool
+    parser: ToolParser | None
+    constraint: StructuredOutput | None
+    parallel: bool
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _parameters(tool: ToolSpec, param: str) -> JsonObject:
+    """The tool's parameter schema (an empty object schema if absent), checked."""
+    schema = tool.function.parameters
+    if schema is None:
+        return {"type": "object", "properties": {}}
+    if schema.get("type", "object") != "object":
+        raise bad_request("a function's parameters must be an object schema", param)
+    try:
+        StructuredOutput.json_schema(schema)
+    except ValueError as exc:
+        raise bad_request(f"invalid {param}: {exc}", param) from None
+    return schema
+
+
+def _call_schema(name: str, parameters: JsonObject) -> JsonObject:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _constraint(schema: JsonObject) -> StructuredOutput:
+    try:
+        return StructuredOutput.json_schema(schema)
+    except ValueError as exc:
+        raise bad_request(f"invalid tools: {exc}", "tools") from None
+
+
+def plan_tools(
+    tools: list[ToolSpec] | None,
+    tool_choice: ToolChoice | None,
+    parallel_tool_calls: bool | None,
+    template: str,
+    parser_name: str | None,
+) -> ToolPlan:
+    """The plan for a request; raises APIError (400) naming the bad field."""
+    native = "tools" in template
+    parallel = parallel_tool_calls is not False
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return ToolPlan(None, native, None, None, parallel)
+    params: dict[str, JsonObject] = {}
+    for i, tool in enumerate(tools):
+        if tool.type != "function":
+            raise bad_request(
+                f"tool type {tool.type!r} is not supported; use 'function'", f"tools[{i}].type"
+            )
+        name = tool.function.name
+        if not name or name in params:
+            raise bad_request(
+                f"function names must be non-empty and unique, got {name!r}",
+                f"tools[{i}].function.name",
+            )
+        params[name] = _parameters(tool, f"tools[{i}].function.parameters")
+    rendered = [msgspec.to_builtins(t) for t in tools]
+    choice = "auto" if tool_choice is None else tool_choice
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if choice.type != "function" or name not in params:
+            raise bad_request(f"tool_choice names an unknown function {name!r}", "tool_choice")
+        return ToolPlan(rendered, native, NamedParser(name), _constraint(params[name]), parallel)
+    if choice == "none":
+        return ToolPlan(None, native, None, None, parallel)
+    calls = {"anyOf": [_call_schema(n, p) for n, p in params.items()]}
+    if choice == "required":
+        schema = {"type": "array", "items": calls, "minItems": 1}
+        if not parallel:
+            schema["maxItems"] = 1
+        return ToolPlan(rendered, native, RequiredParser(), _constraint(schema), parallel)
+    if choice != "auto":
+        raise bad_request(
+            f"tool_choice must be none, auto, required or a named function, got {choice!r}",
+            "tool_choice",
+        )
+    if parser_name is not None:
+        parser = PARSERS[parser_name]()
+    else:
+        parser = parser_for_template(template)
+    if not isinstance(parser, GenericParser):
+        parser = parser if parallel else FirstCallOnly(parser)
+        return ToolPlan(rendered, native, parser, None, parallel)
+    if parallel:
+        call_field = {"tool_calls": {"type": "array", "items": calls, "minItems": 1}}
+    else:
+        call_field = {"tool_call": calls}
+    envelope = {
+        "anyOf": [
+            _envelope(call_field),
+            _envelope({"response": {"type": "string"}}),
+        ]
+    }
+    return ToolPlan(rendered, native, parser, _constraint(envelope), parallel)
+
+
+def _envelope(properties: JsonObject) -> JsonObject:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+
+
+def generic_system_prompt(
+    tools: list[JsonObject], parallel: bool, call_format: str | None = None
+) -> str:
+    """What a model without tool support is told about the tools and the reply format (the
+    envelope, or ``call_format``: the chosen parser's own)."""
+    listing = "You can call these tools:\n" + "\n".join(
+        json.dumps(t["function"], ensure_ascii=False) for t in tools
+    )
+    if call_format is not None:
+        return f"{listing}\n{call_format}"
+    call = (
+        '{"tool_calls": [{"name": ..., "arguments": {...}}]}'
+        if parallel
+        else ('{"tool_call": {"name": ..., "arguments": {...}}}')
+    )
+    return f'{listing}\nReply with JSON: {call} to call tools, or {{"response": "..."}} to answer.'
+
+
+def conversation(
+    messages: list[Any], plan: ToolPlan, params: list[str] | None = None
+) -> list[JsonObject]:
+    """The messages as chat-template dicts, tool calls and results included; ``params`` names
+    each message in errors (default ``messages[i]``).
+
+    Raises APIError (400): an unknown role, a ``tool`` message whose ``tool_call_id`` answers
+    no earlier call, arguments that are not JSON."""
+    out: list[JsonObject] = []
+    call_names: dict[str, str] = {}
+    for i, m in enumerate(messages):
+        param = params[i] if params else f"messages[{i}]"
+        if m.role == "tool":
+            out.append(_tool_result(m, call_names, plan.native, param))
+            continue
+        if m.role not in ROLES:
+            raise bad_request(
+                f"role {m.role!r} is not supported; use one of {sorted([*ROLES, 'tool'])}",
+                f"{param}.role",
+            )
+        text = message_text(m.content, f"{param}.content")
+        message: JsonObject = {"role": ROLES[m.role], "content": text}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise bad_request("only assistant messages carry tool_calls", f"{param}.tool_calls")
+            calls = []
+            for j, call in enumerate(m.tool_calls):
+                try:
+                    arguments = json.loads(call.function.arguments)
+                except ValueError:
+                    raise bad_request(
+                        "tool call arguments must be JSON text",
+                        f"{param}.tool_calls[{j}].function.arguments",
+                    ) from None
+                call_names[call.id] = call.function.name
+                calls.append({"name": call.function.name, "arguments": arguments})
+            if plan.native:
+                message["tool_calls"] = [
+                    {"id": call.id, "type": "function", "function": c}
+                    for call, c in zip(m.tool_calls, calls, strict=True)
+                ]
+            else:
+                envelope = (
+                    {"tool_calls": calls}
+                    if len(calls) > 1 or plan.parallel
+                    else {"tool_call": calls[0]}
+                )
+                message["content"] = (text + "\n" if text else "") + json.dumps(envelope)
+        out.append(message)
+    if plan.tools is not None and not plan.native:
+        call_format = plan.parser.call_format if plan.parser is not None else None
+        prompt = generic_system_prompt(plan.tools, plan.parallel, call_format)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _tool_result(m: Any, call_names: dict[str, str], native: bool, param: str) -> JsonObject:
+    if m.tool_call_id is None:
+        raise bad_request("a tool message needs tool_call_id", f"{param}.tool_call_id")
+    if m.tool_call_id not in call_names:
+        raise bad_request(
+            f"tool_call_id {m.tool_call_id!r} answers no tool call of an earlier assistant message",
+            f"{param}.tool_call_id",
+        )
+    text = message_text(m.content, f"{param}.content")
+    name = call_names[m.tool_call_id]
+    if native:
+        return {"role": "tool", "tool_call_id": m.tool_call_id, "name": name, "content": text}
+    result = {"tool_call_id": m.tool_call_id, "name": name, "content": text}
+    return {"role": "tool", "content": json.dumps({"tool_response": result})}
+
+
+def with_tool_plan(params: SamplingParams, plan: ToolPlan, constraint_field: str) -> SamplingParams:
+    """The params with the grammar tool_choice imposes (a 400 if another field set one), and
+    special tokens kept where the call marker is one."""
+    changes: dict = {}
+    if plan.constraint is not None:
+        if params.structured_output is not None:
+            raise bad_request(
+                f"{constraint_field} and tool_choice both constrain the output: set one",
+                constraint_field,
+            )
+        changes["structured_output"] = plan.constraint
+    if plan.parser is not None and not plan.parser.skip_special_tokens:
+        changes["skip_special_tokens"] = False
+    return dataclasses.replace(params, **changes) if changes else params
+
+
+def finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
+def reply_message(parser: ToolParser, text: str) -> tuple[str | None, list[ToolCall]]:
+    """A whole reply's content (None when empty and there are calls) and tool calls."""
+    parsed = parser.parse(text, final=True)
+    calls = [
+        ToolCall(id=new_call_id(), function=FunctionCall(name=c.name or "", arguments=c.arguments))
+        for c in parsed.calls
+    ]
+    return (parsed.content or None) if calls else parsed.content, calls
+
+
+class ToolCallStream:
+    """One choice's stream: the text so far, re-parsed on every token, sent as deltas of its
+    content and its calls (id and name first, then argument fragments). Only extensions of
+    what was sent go out, so the deltas add up to what ``reply_message`` returns."""
+
+    def __init__(self, parser: ToolParser):
+        self.parser = parser
+        self.text = ""
+        self.content = ""
+        self.calls: list[tuple[str, str]] = []  # (id, arguments sent) per call sent
+        self.has_calls = False
+
+    def feed(self, new_text: str, *, final: bool) -> tuple[str, list[ToolCallDelta]]:
+        """The content delta and call deltas that ``new_text`` (and, if final, the end) adds."""
+        self.text += new_text
+        parsed = self.parser.parse(self.text, final=final)
+        content = _extension(self.content, parsed.content)
+        self.content += content
+        deltas: list[ToolCallDelta] = []
+        for index, call in enumerate(parsed.calls):
+            if index == len(self.calls):
+                if call.name is None:
+                    break
+                self.calls.append((new_call_id(), ""))
+                deltas.append(
+                    ToolCallDelta(
+                        index=index,
+                        id=self.calls[index][0],
+                        type="function",
+                        function=FunctionDelta(name=call.name, arguments=""),
+                    )
+                )
+            call_id, sent = self.calls[index]
+            fragment = _extension(sent, call.arguments)
+            if fragment:
+                self.calls[index] = (call_id, sent + fragment)
+                deltas.append(
+                    ToolCallDelta(index=index, function=FunctionDelta(arguments=fragment))
+                )
+        self.has_calls = self.has_calls or bool(self.calls)
+        return content, deltas
+
+
+def _extension(sent: str, now: str) -> str:
+    return now[len(sent) :] if now.startswith(sent) else ""
