@@ -53,14 +53,28 @@ def chat_message(role: str, content: str | list[ContentPart] | None, param: str)
     return {"role": ROLES[role], "content": message_text(content, f"{param}.content")}
 
 
-def chat_prompt_ids(engine: AsyncEngine, messages: list[dict], param: str) -> list[int]:
-    """Apply the chat template (with the generation prompt) and tokenize without adding
-    special tokens again (the template already has them)."""
+def chat_prompt_ids(
+    engine: AsyncEngine,
+    messages: list[dict],
+    param: str,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """Apply the chat template (by default with the generation prompt) and tokenize, by
+    default without adding special tokens again (the template already has them).
+    ``continue_final_message`` leaves the last message open for the model to continue."""
     tokenizer = engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", param)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+        )
     except (ValueError, jinja2.TemplateError) as exc:
         raise bad_request(f"the chat template rejected the messages: {exc}", param) from None
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
+    return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
