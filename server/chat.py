@@ -4,6 +4,8 @@ A stream sends ``chat.completion.chunk`` objects: first a ``{"role": "assistant"
 ""}`` delta per choice, then content deltas as tokens arrive, the choice's last chunk carrying
 its ``finish_reason``; with ``stream_options.include_usage`` every chunk has ``"usage": null``
 and one more chunk with ``"choices": []`` carries the usage.
+
+vLLM's ``prompt_logprobs`` adds a ``prompt_logprobs`` list to the (non-streamed) object.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from server.completion_objects import (
     ChatDelta,
 )
 from server.generation import Generation, Job, start_generation
-from server.logprobs import ChatLogprobs, chat_logprobs
+from server.logprobs import ChatLogprobs, chat_logprobs, prompt_logprobs
 from server.prompts import chat_message, chat_prompt_ids
 from server.protocol import ChatCompletionRequest, read_request
 from server.reply import ChoiceReply
@@ -45,6 +47,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         state.engine.vocab_size,
         max_tokens=max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        prompt_logprobs=body.prompt_logprobs,
     )
     jobs = [Job(0, prompt_ids, params)]
     reply = ChatReply(state, body, f"chatcmpl-{uuid.uuid4().hex}", len(prompt_ids))
@@ -66,7 +69,8 @@ class ChatReply(ChoiceReply):
     async def complete(self, generation: Generation) -> web.Response:
         tokenizer = self.state.engine.tokenizer
         choices = []
-        for c in await generation.collect():
+        collected = await generation.collect()
+        for c in collected:
             logprobs = chat_logprobs(tokenizer, c.logprobs) if self.body.logprobs else None
             choices.append(
                 ChatChoice(
@@ -76,7 +80,11 @@ class ChatReply(ChoiceReply):
                     finish_reason=c.finish_reason,
                 )
             )
-        return json_response(self.whole(ChatCompletion, choices, generation))
+        reply = self.whole(ChatCompletion, choices, generation)
+        if self.body.prompt_logprobs is not None:  # the same prompt for every choice
+            scored = collected[0].prompt_logprobs
+            reply.prompt_logprobs = prompt_logprobs(tokenizer, scored, self.body.prompt_logprobs)
+        return json_response(reply)
 
     def _chunk(
         self, index: int, delta: ChatDelta, logprobs: ChatLogprobs | None, finish: str | None

@@ -18,7 +18,7 @@ from typing import Generic, TypeVar
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from server.logprobs import ChatLogprobs, CompletionLogprobs
+from server.logprobs import ChatLogprobs, CompletionLogprobs, PromptLogprobs
 
 ChoiceT = TypeVar("ChoiceT")
 
@@ -54,6 +54,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, when asked
 
 
 class Completion(ChoiceList[CompletionChoice], kw_only=True):
@@ -77,6 +78,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
 
 class ChatCompletion(ChoiceList[ChatChoice], kw_only=True):
     object: str = "chat.completion"
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, when asked
 
 
 class ChatDelta(msgspec.Struct, kw_only=True):

@@ -52,8 +52,11 @@ class Choice:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when the request asked
 
     def add(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.text += out.new_text
         self.token_ids += out.new_token_ids
         self.logprobs += out.new_logprobs or []

@@ -19,8 +19,10 @@ from server.field_types import (
     MAX_STOP_TOKEN_IDS,
     MAX_TOKEN_ID_DIGITS,
     MinP,
+    NonNegativeInt,
     NumChoices,
     Penalty,
+    PromptLogprobCount,
     RepetitionPenalty,
     Seed,
     Temperature,
@@ -61,6 +63,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool | None = True
     ignore_eos: bool | None = False
+    prompt_logprobs: PromptLogprobCount | None = None
+    min_tokens: NonNegativeInt | None = None
 
     def __post_init__(self) -> None:
         self.n = 1 if self.n is None else self.n
@@ -83,6 +87,12 @@ class SamplingFields(msgspec.Struct, kw_only=True):
         if self.stream_options is not None and not self.stream:
             raise bad_request(
                 "stream_options is only allowed when stream is true", "stream_options"
+            )
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request(
+                "prompt_logprobs are not available when stream is true (as in vLLM); "
+                "completions can stream echo with logprobs instead",
+                "prompt_logprobs",
             )
         stops = self.stop_strings
         if len(stops) > MAX_STOP:
@@ -109,12 +119,18 @@ class SamplingFields(msgspec.Struct, kw_only=True):
                 )
 
     def to_params(
-        self, vocab_size: int, *, max_tokens: int, logprobs: int | None
+        self,
+        vocab_size: int,
+        *,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """The engine's SamplingParams, with OpenAI's defaults for the fields left out.
 
-        ``max_tokens`` and ``logprobs`` are each endpoint's own. Raises APIError (400): for a
-        token id outside the vocabulary, and for a value SamplingParams refuses (naming the
+        ``max_tokens``, ``logprobs`` and ``prompt_logprobs`` (alternatives per prompt position
+        the engine computes, None for none) are each endpoint's own. Raises APIError (400): for
+        a token id outside the vocabulary, and for a value SamplingParams refuses (naming the
         field)."""
         logit_bias = tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
         _check_in_vocabulary([t for t, _ in logit_bias], vocab_size, "logit_bias")
@@ -140,6 +156,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
                 logit_bias=logit_bias,
                 stop_token_ids=stop_token_ids,
                 skip_special_tokens=self.skip_special_tokens,
+                prompt_logprobs=prompt_logprobs,
+                min_tokens=self.min_tokens or 0,
             )
 
 
