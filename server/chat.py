@@ -3,7 +3,9 @@
 A stream sends ``chat.completion.chunk`` objects: first a ``{"role": "assistant", "content":
 ""}`` delta per choice, then content deltas as tokens arrive, the choice's last chunk carrying
 its ``finish_reason``; with ``stream_options.include_usage`` every chunk has ``"usage": null``
-and one more chunk with ``"choices": []`` carries the usage.
+and one more chunk with ``"choices": []`` carries the usage. A choice's role delta goes out with
+its first output, not before the prefill: benchmark clients that start the time-to-first-token
+clock at the first chunk then measure the real TTFT.
 
 vLLM's ``prompt_logprobs`` adds a ``prompt_logprobs`` list to the (non-streamed) object.
 """
@@ -94,9 +96,11 @@ class ChatReply(ChoiceReply):
 
     async def stream(self, generation: Generation) -> AsyncGenerator[bytes, None]:
         tokenizer = self.state.engine.tokenizer
-        for index in range(self.body.n):
-            yield self._chunk(index, ChatDelta(role="assistant", content=""), None, None)
+        started: set[int] = set()
         async for index, out in generation.outputs():
+            if index not in started:
+                started.add(index)
+                yield self._chunk(index, ChatDelta(role="assistant", content=""), None, None)
             logprobs = None
             if self.body.logprobs and out.new_logprobs:
                 logprobs = chat_logprobs(tokenizer, out.new_logprobs)
