@@ -24,7 +24,7 @@ from engine.config import EngineConfig
 from engine.engine_state import EngineState, StateWatch
 from engine.forks import sample_ids
 from engine.llm_engine import LLMEngine
-from engine.metrics import EngineStats
+from engine.metrics import EngineStats, SnapshotCollector
 from engine.model_loader import LoadedModel
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -86,6 +86,7 @@ class AsyncEngine:
         self.dead: BaseException | None = None
         self._in_transit = 0  # requests taken from the inbox into the running step
         self._snapshot = self._take_snapshot()
+        self.engine.stats.registry.register(SnapshotCollector(self.snapshot))
         self.state_watch = StateWatch()  # the dashboard's detailed state, taken when watched
         self._thread = threading.Thread(target=self._run, name="paged-serve-engine", daemon=True)
         self._thread.start()
@@ -118,7 +119,8 @@ class AsyncEngine:
 
     @property
     def stats(self) -> EngineStats:
-        """Counters and latency histograms since start (read histograms under ``stats.lock``)."""
+        """Counters and latency histograms since start; ``stats.registry`` holds every metric
+        ``/metrics`` reports, the snapshot's gauges included."""
         return self.engine.stats
 
     def compile_grammar(self, constraint: StructuredOutput) -> object:

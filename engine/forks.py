@@ -93,6 +93,7 @@ def join_forks(batch: ScheduledBatch, block_manager: BlockManager, scheduler: Sc
             block_manager.fork(parent.request_id, child.request_id)
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
+            child.first_scheduled_time = parent.first_scheduled_time  # admitted together
             if parent.prompt_logprobs is not None:
                 child.prompt_logprobs = list(parent.prompt_logprobs)
             scheduler.add_running(child)

@@ -99,4 +99,9 @@ def request_metrics(req: Request, now: float) -> RequestMetrics:
         tpot=(now - first) / (n_out - 1) if n_out > 1 and first else 0.0,
         e2e_latency=now - req.arrival_time,
         num_preemptions=req.num_preemptions,
+        queue_time=(
+            None
+            if req.first_scheduled_time is None
+            else req.first_scheduled_time - req.arrival_time
+        ),
     )

@@ -315,7 +315,7 @@ class LLMEngine:
         self.scheduler.finish(req, reason)
         self._tracked.pop(req.request_id, None)
         metrics = request_metrics(req, now)
-        self.stats.observe_finished(metrics, first_token=req.first_token_time is not None)
+        self.stats.observe_finished(metrics, reason, first_token=req.first_token_time is not None)
         return live.output(
             list(tokens),
             logprobs,

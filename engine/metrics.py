@@ -1,60 +1,179 @@
-"""Engine counters and latency histograms, read by the server's /metrics endpoint."""
+"""Engine metrics on ``prometheus_client``, in one ``CollectorRegistry`` per engine.
+
+Two kinds of figures, kept the way each is cheapest to keep:
+
+* **Per-request observations** (latency histograms, finished requests by reason) are
+  prometheus_client metric objects, observed once per finished request by the engine thread
+  (they are thread-safe, and nothing here happens per token).
+* **Running totals** the engine thread bumps per token or per step (prompt and generated
+  tokens here; the scheduler's and block pool's gauges and counters) stay plain integers and
+  are read at scrape time by a collector (``TotalsCollector`` here, ``SnapshotCollector`` for the
+  async engine's per-step snapshot), so the hot path takes no lock.
+
+Every engine has its own registry, never prometheus_client's global one: a process (a test
+session, above all) builds many engines, and each must report its own figures. The server's
+``/metrics`` renders ``EngineStats.registry``.
+
+Names (all under ``paged_serve_``; the contract list is in DESIGN.md): the TTFT and TPOT
+histograms, and, with vLLM's meaning, ``e2e_request_latency_seconds``,
+``request_queue_time_seconds`` (arrival to first admission into the running batch) and
+``request_success_total{finished_reason}``.
+"""
 
 from __future__ import annotations
 
-import bisect
-import threading
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from engine.outputs import RequestMetrics
 
+PREFIX = "paged_serve_"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# vLLM's request-latency buckets, for its e2e latency and queue time histograms
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
-@dataclass(slots=True)
-class Histogram:
-    """Cumulative-bucket histogram of seconds (Prometheus semantics)."""
-
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.buckets) + 1)
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.count += 1
-
-    def cumulative(self) -> list[tuple[str, int]]:
-        """(upper bound label, cumulative count) pairs, ``+Inf`` last."""
-        out, running = [], 0
-        for bound, n in zip([*map(str, self.buckets), "+Inf"], self.counts):
-            running += n
-            out.append((bound, running))
-        return out
-
-
-@dataclass(slots=True)
 class EngineStats:
-    """Totals since start. Updated by the engine thread; ``lock`` guards reads elsewhere."""
+    """The engine's metrics since start.
 
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    requests_finished_total: int = 0
-    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
-    tpot: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    ``prompt_tokens_total`` and ``generation_tokens_total`` are plain integers the engine
+    thread adds to; everything else is observed by ``observe_finished``.
+    """
 
-    def observe_finished(self, metrics: RequestMetrics, *, first_token: bool) -> None:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Seconds from arrival to the first output token.",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds",
+            "Mean seconds between output tokens after the first, per request.",
+            buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Seconds from arrival to the last output, per finished request.",
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Seconds from arrival to first admission into the running batch.",
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.finished = Counter(
+            PREFIX + "request_success",
+            "Finished requests (each of n samples counts), by finish reason.",
+            ["finished_reason"],
+            registry=self.registry,
+        )
+        for reason in FINISH_REASONS:  # every series exists from the start, at 0
+            self.finished.labels(reason)
+        self.registry.register(TotalsCollector(self))
+
+    def observe_finished(
+        self, metrics: RequestMetrics, finish_reason: str, *, first_token: bool
+    ) -> None:
         """Count a finished request; its TTFT only if it produced a token, its TPOT only if it
-        produced two or more."""
-        with self.lock:
-            self.requests_finished_total += 1
-            if first_token:
-                self.ttft.observe(metrics.ttft)
-            if metrics.num_output_tokens > 1:
-                self.tpot.observe(metrics.tpot)
+        produced two or more, its queue time only if it was ever admitted."""
+        self.finished.labels(finish_reason).inc()
+        self.e2e_latency.observe(metrics.e2e_latency)
+        if metrics.queue_time is not None:
+            self.queue_time.observe(metrics.queue_time)
+        if first_token:
+            self.ttft.observe(metrics.ttft)
+        if metrics.num_output_tokens > 1:
+            self.tpot.observe(metrics.tpot)
+
+
+def histogram_sum_count(histogram: Histogram) -> tuple[float, int]:
+    """A histogram's (sum, count) so far, read through the collector API."""
+    total, count = 0.0, 0
+    for sample in histogram.collect()[0].samples:
+        if sample.name.endswith("_sum"):
+            total = sample.value
+        elif sample.name.endswith("_count"):
+            count = int(sample.value)
+    return total, count
+
+
+class TotalsCollector(Collector):
+    """The token totals the engine thread keeps as plain integers, as counters."""
+
+    def __init__(self, stats: EngineStats):
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats
+        yield CounterMetricFamily(
+            PREFIX + "generation_tokens", "Tokens generated.", value=stats.generation_tokens_total
+        )
+        yield CounterMetricFamily(
+            PREFIX + "prompt_tokens", "Prompt tokens received.", value=stats.prompt_tokens_total
+        )
+
+
+# (name without the prefix, kind, help, snapshot field)
+SNAPSHOT_METRICS = (
+    ("requests_running", "gauge", "Requests in the running batch.", "num_running"),
+    ("requests_waiting", "gauge", "Requests waiting to be scheduled.", "num_waiting"),
+    ("kv_blocks_total", "gauge", "KV cache blocks in the pool.", "kv_blocks_total"),
+    ("kv_blocks_used", "gauge", "KV cache blocks held by live requests.", "kv_blocks_used"),
+    (
+        "kv_blocks_cached",
+        "gauge",
+        "KV cache blocks held only by the prefix cache (reusable, evictable).",
+        "kv_blocks_cached",
+    ),
+    (
+        "prefix_cache_hit_tokens",
+        "counter",
+        "Prompt tokens served from the prefix cache.",
+        "prefix_hit_tokens",
+    ),
+    (
+        "prefix_cache_query_tokens",
+        "counter",
+        "Prompt tokens looked up in the prefix cache.",
+        "prefix_query_tokens",
+    ),
+    ("preemptions", "counter", "Requests preempted to free KV blocks.", "num_preemptions"),
+    ("steps", "counter", "Engine steps (batches run through the model).", "num_steps"),
+    (
+        "decode_graph_steps",
+        "counter",
+        "Engine steps that replayed a captured decode CUDA graph.",
+        "num_graph_steps",
+    ),
+)
+
+
+class SnapshotCollector(Collector):
+    """The gauges and counters of the engine's per-step snapshot (``snapshot`` returns an
+    object with the fields ``SNAPSHOT_METRICS`` names), read once per scrape. Counters get
+    the ``_total`` suffix on the wire."""
+
+    def __init__(self, snapshot: Callable[[], Any]):
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        for name, kind, help_text, field in SNAPSHOT_METRICS:
+            family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            yield family(PREFIX + name, help_text, value=getattr(snap, field))

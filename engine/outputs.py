@@ -16,7 +16,9 @@ class TokenLogprob:
 
 @dataclass(frozen=True, slots=True)
 class RequestMetrics:
-    """Timings in seconds. TPOT is the mean gap between output tokens after the first."""
+    """Timings in seconds. TPOT is the mean gap between output tokens after the first;
+    queue time runs from arrival to the first admission into the running batch (None for a
+    request that finished before it was ever admitted)."""
 
     num_prompt_tokens: int
     num_output_tokens: int
@@ -25,6 +27,7 @@ class RequestMetrics:
     tpot: float
     e2e_latency: float
     num_preemptions: int
+    queue_time: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # first admission into the running batch
     # n > 1: samples waiting for this request's prompt to be computed, then forked from it
     # (the lifecycle lives in engine/forks.py).
     pending_forks: list[Request] = field(default_factory=list)

@@ -14,6 +14,7 @@ as every request fits in the pool on its own (the engine refuses those that cann
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -128,6 +129,8 @@ class Scheduler:
             request.num_computed_tokens = start
             if request.num_preemptions == 0:
                 request.num_cached_tokens = start
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             seats += group_size(request)

@@ -5,6 +5,7 @@ Routes::
     GET  /v1/models                   GET  /v1/models/{model}
     POST /v1/completions              POST /v1/chat/completions
     POST /v1/responses                GET|DELETE /v1/responses/{response_id}
+    POST /tokenize                    POST /detokenize          GET /tokenizer_info
     GET  /health                      GET  /metrics
     GET  /, /dashboard                GET  /v1/engine/state    (server.dashboard)
 
@@ -12,7 +13,8 @@ Every failure leaves as the OpenAI error object (``server.errors``): the error m
 catches our APIError, aiohttp's HTTP exceptions (unknown route 404, wrong method 405, body over
 ``client_max_size`` 413) and anything unexpected (500 with a generic message; the traceback goes
 to the log, never to the client). With API keys set, every ``/v1`` route needs
-``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open. Then the body
+``Authorization: Bearer <key>``, and so do the tokenizer routes; ``/health`` and ``/metrics``
+stay open. Then the body
 middleware reads the whole body within ``ServerLimits.body_timeout_s`` (408 and the connection
 closed otherwise) and marks the connection busy for the connection guard while the handler runs
 (``server.connections``).
@@ -46,6 +48,7 @@ from server.response_store import ResponseStore
 from server.responses import create_response, delete_response, retrieve_response
 from server.sse import internal_error
 from server.state import OWNER, STATE, ServerState, key_hash
+from server.tokenize import TOKENIZER_PATHS, add_tokenizer_routes
 from server.wire import json_response
 
 logger = logging.getLogger(__name__)
@@ -71,7 +74,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     hashes = request.app[STATE].api_key_hashes
-    if hashes and request.path.startswith("/v1"):
+    if hashes and (request.path.startswith("/v1") or request.path in TOKENIZER_PATHS):
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
         given = key_hash(key.strip()) if scheme.lower() == "bearer" else ""
         # compare against every key so the time taken does not say which one matched
@@ -169,6 +172,7 @@ def create_app(
     app.router.add_post("/v1/responses", create_response)
     app.router.add_get("/v1/responses/{response_id}", retrieve_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    add_tokenizer_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     if dashboard:

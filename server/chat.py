@@ -3,7 +3,11 @@
 A stream sends ``chat.completion.chunk`` objects: first a ``{"role": "assistant", "content":
 ""}`` delta per choice, then content deltas as tokens arrive, the choice's last chunk carrying
 its ``finish_reason``; with ``stream_options.include_usage`` every chunk has ``"usage": null``
-and one more chunk with ``"choices": []`` carries the usage.
+and one more chunk with ``"choices": []`` carries the usage. A choice's role delta goes out with
+its first output, not before the prefill: benchmark clients that start the time-to-first-token
+clock at the first chunk then measure the real TTFT.
+
+vLLM's ``prompt_logprobs`` adds a ``prompt_logprobs`` list to the (non-streamed) object.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from server.completion_objects import (
     ChatDelta,
 )
 from server.generation import Generation, Job, start_generation
-from server.logprobs import ChatLogprobs, chat_logprobs
+from server.logprobs import ChatLogprobs, chat_logprobs, prompt_logprobs
 from server.prompts import chat_prompt_ids
 from server.protocol import ChatCompletionRequest, read_request
 from server.reasoning import REASONING_PARSERS, Qwen3ReasoningParser, ReasoningStream
@@ -67,6 +71,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         state.engine.vocab_size,
         max_tokens=max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        prompt_logprobs=body.prompt_logprobs,
     )
     params = with_tool_plan(params, plan, body.constraint_field)
     if reasoning is not None and params.structured_output is not None:
@@ -116,7 +121,8 @@ class ChatReply(ChoiceReply):
     async def complete(self, generation: Generation) -> web.Response:
         tokenizer = self.state.engine.tokenizer
         choices = []
-        for c in await generation.collect():
+        collected = await generation.collect()
+        for c in collected:
             logprobs = chat_logprobs(tokenizer, c.logprobs) if self.body.logprobs else None
             message = self.message(c.text)
             choices.append(
@@ -127,7 +133,11 @@ class ChatReply(ChoiceReply):
                     finish_reason=finish_reason(c.finish_reason, bool(message.tool_calls)),
                 )
             )
-        return json_response(self.whole(ChatCompletion, choices, generation))
+        reply = self.whole(ChatCompletion, choices, generation)
+        if self.body.prompt_logprobs is not None:  # the same prompt for every choice
+            scored = collected[0].prompt_logprobs
+            reply.prompt_logprobs = prompt_logprobs(tokenizer, scored, self.body.prompt_logprobs)
+        return json_response(reply)
 
     def _chunk(
         self, index: int, delta: ChatDelta, logprobs: ChatLogprobs | None, finish: str | None
@@ -142,9 +152,11 @@ class ChatReply(ChoiceReply):
         thinking = (
             [ReasoningStream(self.reasoning) for _ in range(self.body.n)] if self.reasoning else []
         )
-        for index in range(self.body.n):
-            yield self._chunk(index, ChatDelta(role="assistant", content=""), None, None)
+        started: set[int] = set()  # a choice's role delta goes out with its first token
         async for index, out in generation.outputs():
+            if index not in started:
+                started.add(index)
+                yield self._chunk(index, ChatDelta(role="assistant", content=""), None, None)
             logprobs = None
             if self.body.logprobs and out.new_logprobs:
                 logprobs = chat_logprobs(tokenizer, out.new_logprobs)

@@ -4,10 +4,11 @@ Both are a list of choices in one envelope::
 
     {"id", "object", "created", "model", "choices": [...], "system_fingerprint": null, "usage"}
 
-``usage`` is always there on a whole object. On a stream chunk it is ``null`` with
-``stream_options.include_usage`` (the last chunk, with ``"choices": []``, carries it) and absent
-otherwise. A completions stream sends ``text_completion`` objects with one choice each; a chat
-stream sends ``chat.completion.chunk`` objects whose choices carry a ``delta``.
+``usage`` (with ``prompt_tokens_details.cached_tokens``) is always there on a whole object. On
+a stream chunk it is ``null`` with ``stream_options.include_usage`` (the last chunk, with
+``"choices": []``, carries it) and absent otherwise. A completions stream sends
+``text_completion`` objects with one choice each; a chat stream sends
+``chat.completion.chunk`` objects whose choices carry a ``delta``.
 """
 
 from __future__ import annotations
@@ -17,18 +18,23 @@ from typing import Generic, TypeVar
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from server.logprobs import ChatLogprobs, CompletionLogprobs
+from server.logprobs import ChatLogprobs, CompletionLogprobs, PromptLogprobs
 
 ChoiceT = TypeVar("ChoiceT")
 
 
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
 class Usage(msgspec.Struct, kw_only=True):
     """Prompt tokens count once per prompt (not once per sample); completion tokens add up
-    over every choice."""
+    over every choice; cached tokens count once per prompt, like prompt tokens."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class ChoiceList(msgspec.Struct, Generic[ChoiceT], kw_only=True):
@@ -48,6 +54,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, when asked
 
 
 class Completion(ChoiceList[CompletionChoice], kw_only=True):
@@ -75,6 +82,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
 
 class ChatCompletion(ChoiceList[ChatChoice], kw_only=True):
     object: str = "chat.completion"
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, when asked
 
 
 class ChatDelta(msgspec.Struct, kw_only=True):

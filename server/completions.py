@@ -1,7 +1,11 @@
 """``POST /v1/completions``: text completion of one or several prompts, n samples each.
 
 Choice ``index`` = prompt_index * n + sample_index. ``echo`` puts the prompt text in front of
-each choice's text (in a stream, as the first chunk of each choice).
+each choice's text (in a stream, as the first chunk of each choice, sent with its first
+output); with ``logprobs`` the prompt's tokens come first in ``logprobs``, scored by the model
+(the first one ``null``), which is how evaluation harnesses score a continuation. With
+``max_tokens`` 0 nothing is generated: the request only scores (and echoes) its prompt. vLLM's
+``prompt_logprobs`` adds its per-choice ``prompt_logprobs`` list (not in streams, as in vLLM).
 """
 
 from __future__ import annotations
@@ -10,10 +14,17 @@ import uuid
 from collections.abc import AsyncGenerator
 
 from aiohttp import web
+from msgspec import UNSET
 
+from engine.outputs import RequestOutput
 from server.completion_objects import Completion, CompletionChoice
-from server.generation import Generation, Job, start_generation
-from server.logprobs import CompletionLogprobs, completion_logprobs
+from server.generation import Choice, Generation, Job, start_generation
+from server.logprobs import (
+    CompletionLogprobs,
+    completion_logprobs,
+    echo_logprobs,
+    prompt_logprobs,
+)
 from server.prompts import tokenize_prompt
 from server.protocol import CompletionRequest, read_request
 from server.reply import ChoiceReply
@@ -33,20 +44,20 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     for ids in prompt_ids:
         output_limit(state.context_limit, len(ids), body.max_tokens, "prompt")
     params = body.to_params(
-        state.engine.vocab_size, max_tokens=body.max_tokens, logprobs=body.logprobs
+        state.engine.vocab_size,
+        max_tokens=body.max_tokens,
+        logprobs=body.logprobs,
+        prompt_logprobs=body.engine_prompt_logprobs,
     )
     await compile_constraint(state.engine, params, body.constraint_field)
     n = body.n
     jobs = [Job(p * n, ids, params) for p, ids in enumerate(prompt_ids)]
-    echoes = {}
+    echoes = []
     if body.echo:
         tokenizer = state.engine.tokenizer
         for p, prompt in enumerate(prompts):
-            text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids[p])
-            echoes.update({p * n + i: text for i in range(n)})
-    reply = CompletionReply(
-        state, body, f"cmpl-{uuid.uuid4().hex}", sum(map(len, prompt_ids)), echoes
-    )
+            echoes.append(prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids[p]))
+    reply = CompletionReply(state, body, f"cmpl-{uuid.uuid4().hex}", prompt_ids, echoes)
     with start_generation(state, reply.id, jobs, "prompt") as generation:
         if body.stream:
             return await respond(request, reply.stream(generation))
@@ -54,36 +65,58 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 
 
 class CompletionReply(ChoiceReply):
-    """Builds the Completion object, or the stream of Completion chunks."""
+    """Builds the Completion object, or the stream of Completion chunks.
+
+    ``echoes[p]`` is prompt ``p``'s text (with ``echo``); choice ``index`` belongs to prompt
+    ``index // n``.
+    """
 
     def __init__(
         self,
         state: ServerState,
         body: CompletionRequest,
         completion_id: str,
-        prompt_tokens: int,
-        echoes: dict[int, str],
+        prompt_ids: list[list[int]],
+        echoes: list[str],
     ):
+        prompt_tokens = sum(map(len, prompt_ids))
         super().__init__(state, completion_id, prompt_tokens, include_usage=body.include_usage)
         self.body = body
+        self.prompt_ids = prompt_ids
         self.echoes = echoes
+        self.tokenizer = state.engine.tokenizer
+
+    def _echo_logprobs(self, index: int, scored: list) -> CompletionLogprobs:
+        ids = self.prompt_ids[index // self.body.n]
+        return echo_logprobs(self.tokenizer, ids, scored, self.body.logprobs)
 
     async def complete(self, generation: Generation) -> web.Response:
-        tokenizer = self.state.engine.tokenizer
-        choices = []
-        for c in await generation.collect():
-            logprobs = None
-            if self.body.logprobs is not None:
-                logprobs = completion_logprobs(tokenizer, c.logprobs)
-            choices.append(
-                CompletionChoice(
-                    index=c.index,
-                    text=self.echoes.get(c.index, "") + c.text,
-                    logprobs=logprobs,
-                    finish_reason=c.finish_reason,
-                )
-            )
+        choices = [self._choice(c) for c in await generation.collect()]
         return json_response(self.whole(Completion, choices, generation))
+
+    def _choice(self, c: Choice) -> CompletionChoice:
+        body = self.body
+        text, logprobs = c.text, None
+        if body.echo:
+            text = self.echoes[c.index // body.n] + text
+        if body.logprobs is not None:
+            if body.echo:
+                logprobs = self._echo_logprobs(c.index, c.prompt_logprobs)
+                logprobs.extend(
+                    completion_logprobs(self.tokenizer, c.logprobs, logprobs.end_offset)
+                )
+            else:
+                logprobs = completion_logprobs(self.tokenizer, c.logprobs)
+        scored = UNSET
+        if body.prompt_logprobs is not None:
+            scored = prompt_logprobs(self.tokenizer, c.prompt_logprobs, body.prompt_logprobs)
+        return CompletionChoice(
+            index=c.index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
+            prompt_logprobs=scored,
+        )
 
     def _chunk(
         self, index: int, text: str, logprobs: CompletionLogprobs | None, finish: str | None
@@ -91,15 +124,26 @@ class CompletionReply(ChoiceReply):
         choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish)
         return self.chunk(Completion, choice)
 
+    def _echo_chunk(self, index: int, out: RequestOutput) -> tuple[bytes, int]:
+        """The chunk that echoes choice ``index``'s prompt (with its first output, so a
+        client's first chunk marks the first token), and where its logprob offsets end."""
+        logprobs = None
+        if self.body.logprobs is not None:
+            logprobs = self._echo_logprobs(index, out.prompt_logprobs)
+        text = self.echoes[index // self.body.n]
+        return self._chunk(index, text, logprobs, None), logprobs.end_offset if logprobs else 0
+
     async def stream(self, generation: Generation) -> AsyncGenerator[bytes, None]:
-        tokenizer = self.state.engine.tokenizer
-        for index, text in sorted(self.echoes.items()):
-            yield self._chunk(index, text, None, None)
-        offsets: dict[int, int] = {}
+        offsets: dict[int, int] = {}  # per choice started: where its next logprob offset is
         async for index, out in generation.outputs():
+            if index not in offsets:
+                offsets[index] = 0
+                if self.body.echo:
+                    chunk, offsets[index] = self._echo_chunk(index, out)
+                    yield chunk
             logprobs = None
             if self.body.logprobs is not None and out.new_logprobs:
-                logprobs = completion_logprobs(tokenizer, out.new_logprobs, offsets.get(index, 0))
+                logprobs = completion_logprobs(self.tokenizer, out.new_logprobs, offsets[index])
                 offsets[index] = logprobs.end_offset
             if out.new_text or logprobs or out.finished:
                 finish = out.finish_reason if out.finished else None

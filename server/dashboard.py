@@ -29,6 +29,7 @@ from aiohttp import web
 
 from engine.async_engine import AsyncEngine
 from engine.engine_state import EngineState
+from engine.metrics import histogram_sum_count
 from server.errors import SERVER_ERROR, APIError
 from server.state import STATE
 
@@ -75,8 +76,7 @@ class History:
         now = time.monotonic() if now is None else now
         snap = engine.snapshot()
         stats = engine.stats
-        with stats.lock:
-            ttft_sum, ttft_count = stats.ttft.total, stats.ttft.count
+        ttft_sum, ttft_count = histogram_sum_count(stats.ttft)
         counters = (
             now,
             stats.generation_tokens_total,

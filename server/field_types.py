@@ -11,7 +11,7 @@ from typing import Annotated
 
 import msgspec
 
-from engine.sampling_params import MAX_N
+from engine.sampling_params import MAX_LOGPROBS, MAX_N
 
 MAX_STOP = 4
 MAX_STOP_TOKEN_IDS = 64
@@ -22,6 +22,7 @@ MAX_CHAT_TOP_LOGPROBS = 20
 MAX_TOKEN_ID_DIGITS = 10
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 # the engine carries top_k as an int32 per row; larger values disable top-k anyway
@@ -35,6 +36,9 @@ RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0)]
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
 CompletionLogprobCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)]
 ChatTopLogprobCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_CHAT_TOP_LOGPROBS)]
+# vLLM's prompt_logprobs: alternatives per prompt position (its -1, the whole vocabulary, is not
+# offered: a [prompt, vocabulary] reply)
+PromptLogprobCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
 # OpenAI's limits: 16 metadata pairs, keys up to 64 characters, values up to 512; user ids
 # (like safety_identifier) up to 64 characters
 MetadataKey = Annotated[str, msgspec.Meta(max_length=64)]

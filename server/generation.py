@@ -52,8 +52,11 @@ class Choice:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when the request asked
 
     def add(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.text += out.new_text
         self.token_ids += out.new_token_ids
         self.logprobs += out.new_logprobs or []
@@ -72,6 +75,8 @@ class Generation:
         self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
         self.output_tokens: dict[int, int] = dict.fromkeys(range(num_choices), 0)
+        # per started request (by its first choice index): prompt tokens the prefix cache served
+        self._cached_tokens: dict[int, int] = {}
 
     def __enter__(self) -> Generation:
         return self
@@ -83,11 +88,17 @@ class Generation:
     def completion_tokens(self) -> int:
         return sum(self.output_tokens.values())
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, once per prompt (its samples share it)."""
+        return sum(self._cached_tokens.values())
+
     def start(self, job: Job, request_id: str) -> None:
         """Queue ``job`` in the engine (raises what ``AsyncEngine.add_request`` raises)."""
         stream = self._state.engine.add_request(job.prompt_ids, job.params, request_id)
         ids = sample_ids(request_id, job.params.n)
         self._sample_ids += ids
+        self._cached_tokens[job.first_index] = 0
         self._state.in_flight.update(ids)
 
         async def pump() -> None:
@@ -113,6 +124,8 @@ class Generation:
             if isinstance(item, Exception):
                 raise item
             self.output_tokens[index] = item.num_output_tokens
+            if index in self._cached_tokens:
+                self._cached_tokens[index] = item.num_cached_tokens
             if item.finished:
                 remaining -= 1
                 if item.finish_reason == "abort":

@@ -85,11 +85,14 @@ def chat_prompt_ids(
     *,
     tools: list[dict] | None = None,
     template_kwargs: dict | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
 ) -> list[int]:
-    """Apply the chat template (with the generation prompt, ``tools`` if given, and the
-    request's ``chat_template_kwargs`` as template variables, e.g. Qwen3's
-    ``enable_thinking``) and tokenize without adding special tokens again (the template
-    already has them)."""
+    """Apply the chat template and tokenize: by default with the generation prompt, ``tools``
+    if given, and the request's ``chat_template_kwargs`` as template variables (e.g. Qwen3's
+    ``enable_thinking``), and without adding special tokens again (the template already has
+    them). ``continue_final_message`` leaves the last message open for the model to continue."""
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or ()))
     if reserved:
         raise bad_request(
@@ -103,8 +106,12 @@ def chat_prompt_ids(
         if tools is not None:
             extra["tools"] = tools
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **extra
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **extra,
         )
     except (ValueError, jinja2.TemplateError) as exc:
         raise bad_request(f"the chat template rejected the messages: {exc}", param) from None
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
+    return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)

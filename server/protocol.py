@@ -22,6 +22,7 @@ from server.field_types import (
     ChatTopLogprobCount,
     CompletionLogprobCount,
     Metadata,
+    NonNegativeInt,
     PositiveInt,
     Temperature,
     TopP,
@@ -79,7 +80,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     """``POST /v1/completions``. ``prompt``: a string, strings, token ids, or token-id lists."""
 
     prompt: str | list[str | int | list[int]]
-    max_tokens: PositiveInt | None = 16
+    max_tokens: NonNegativeInt | None = 16  # 0 only scores the prompt (echo, prompt_logprobs)
     echo: bool | None = False
     logprobs: CompletionLogprobCount | None = None
     suffix: str | None = None
@@ -117,11 +118,27 @@ class CompletionRequest(SamplingFields, kw_only=True):
             raise bad_request("suffix is not supported by this server", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of other than n is not supported by this server", "best_of")
-        if self.echo and self.logprobs is not None:
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
             raise bad_request(
-                "echo with logprobs needs prompt logprobs, which this server does not compute",
-                "logprobs",
+                "max_tokens 0 generates nothing: it only scores the prompt, with echo or "
+                "prompt_logprobs",
+                "max_tokens",
             )
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt position the engine must compute: for ``prompt_logprobs``
+        and for ``echo`` with ``logprobs`` (the prompt's tokens then carry logprobs, as in
+        OpenAI's legacy API); an echo that generates nothing still runs the prompt (0)."""
+        asked = [k for k in (self.prompt_logprobs, self.echo_logprobs) if k is not None]
+        if asked:
+            return max(asked)
+        return 0 if self.echo and self.max_tokens == 0 else None
+
+    @property
+    def echo_logprobs(self) -> int | None:
+        """Alternatives per echoed prompt token: ``logprobs`` when echoing, else None."""
+        return self.logprobs if self.echo else None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):

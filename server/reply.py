@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from msgspec import UNSET
 
-from server.completion_objects import ChoiceList, Usage
+from server.completion_objects import ChoiceList, PromptTokensDetails, Usage
 from server.generation import Generation
 from server.sse import frame
 from server.state import ServerState
@@ -51,6 +51,7 @@ class ChoiceReply:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=completion,
             total_tokens=self.prompt_tokens + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=generation.cached_tokens),
         )
 
     def _wrap(self, kind: type[ReplyT], choices: list, usage: object) -> ReplyT:

@@ -20,8 +20,10 @@ from server.field_types import (
     MAX_STOP_TOKEN_IDS,
     MAX_TOKEN_ID_DIGITS,
     MinP,
+    NonNegativeInt,
     NumChoices,
     Penalty,
+    PromptLogprobCount,
     RepetitionPenalty,
     Seed,
     Temperature,
@@ -86,6 +88,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prompt_logprobs: PromptLogprobCount | None = None
+    min_tokens: NonNegativeInt | None = None
 
     def __post_init__(self) -> None:
         self.n = 1 if self.n is None else self.n
@@ -133,6 +137,12 @@ class SamplingFields(msgspec.Struct, kw_only=True):
             raise bad_request(
                 "stream_options is only allowed when stream is true", "stream_options"
             )
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request(
+                "prompt_logprobs are not available when stream is true (as in vLLM); "
+                "completions can stream echo with logprobs instead",
+                "prompt_logprobs",
+            )
         stops = self.stop_strings
         if len(stops) > MAX_STOP:
             raise bad_request(f"at most {MAX_STOP} stop sequences are allowed", "stop")
@@ -167,12 +177,18 @@ class SamplingFields(msgspec.Struct, kw_only=True):
         return "response_format"
 
     def to_params(
-        self, vocab_size: int, *, max_tokens: int, logprobs: int | None
+        self,
+        vocab_size: int,
+        *,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """The engine's SamplingParams, with OpenAI's defaults for the fields left out.
 
-        ``max_tokens`` and ``logprobs`` are each endpoint's own. Raises APIError (400): for a
-        token id outside the vocabulary, for a value SamplingParams refuses, and for a
+        ``max_tokens``, ``logprobs`` and ``prompt_logprobs`` (alternatives per prompt position
+        the engine computes, None for none) are each endpoint's own. Raises APIError (400): for
+        a token id outside the vocabulary, for a value SamplingParams refuses, and for a
         malformed output constraint (naming the field). ``compile_constraint`` then compiles
         the constraint before the request is queued."""
         constraint = self.constraint()
@@ -201,6 +217,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
                 stop_token_ids=stop_token_ids,
                 skip_special_tokens=self.skip_special_tokens,
                 structured_output=constraint[0] if constraint else None,
+                prompt_logprobs=prompt_logprobs,
+                min_tokens=self.min_tokens or 0,
             )
         return params
 

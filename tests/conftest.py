@@ -122,3 +122,24 @@ def default_model() -> LoadedModel:
 @pytest.fixture(scope="session")
 def default_tokenizer(default_model: LoadedModel):
     return default_model.tokenizer
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_model: LoadedModel) -> PreTrainedModel:
+    """A copy of the default model with Hugging Face's own attention (engines swap the shared
+    model's attention for paged attention): the reference the server is compared with."""
+    model = copy.deepcopy(default_model.model)
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+@torch.inference_mode()
+def hf_prompt_logprobs(
+    model: PreTrainedModel, prompt: list[int], top: int = 0
+) -> tuple[list[float], list[list[int]]]:
+    """Each prompt token's logprob given the ones before it (``log_softmax`` of one full fp32
+    forward), for tokens 1.., and the ids of the ``top`` likeliest tokens at each of those."""
+    logits = model(torch.tensor([prompt])).logits[0].float()
+    log_probs = torch.log_softmax(logits, dim=-1)[:-1]
+    values = log_probs.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    return values.tolist(), log_probs.topk(top, dim=-1).indices.tolist() if top else []

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import aiohttp
 import openai
 import pytest
 
 from engine.async_engine import AsyncEngine
+from engine.metrics import histogram_sum_count
+from engine.sampling_params import SamplingParams
 from server.app import create_app
-from tests.server.conftest import MAX_MODEL_LEN, ServerThread, assert_error, http, metric_values
+from tests.server.conftest import (
+    MAX_MODEL_LEN,
+    ServerThread,
+    assert_error,
+    http,
+    metric_values,
+    wait_idle,
+)
 
 HF_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # a Hugging Face id: served names may have "/"
 
@@ -30,7 +42,11 @@ COUNTERS = [
 HISTOGRAMS = [
     "paged_serve_time_to_first_token_seconds",
     "paged_serve_time_per_output_token_seconds",
+    "paged_serve_e2e_request_latency_seconds",
+    "paged_serve_request_queue_time_seconds",
 ]
+FINISHED = "paged_serve_request_success_total"
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 def test_models_list_and_retrieve(client: openai.OpenAI, model_name: str):
@@ -92,6 +108,7 @@ def test_metrics_format_and_names(base_url: str):
         [(g, "gauge") for g in GAUGES]
         + [(c, "counter") for c in COUNTERS]
         + [(h, "histogram") for h in HISTOGRAMS]
+        + [(FINISHED, "counter")]
     ):
         assert f"# HELP {name} " in text
         assert f"# TYPE {name} {kind}\n" in text
@@ -102,6 +119,8 @@ def test_metrics_format_and_names(base_url: str):
         assert f'{name}_bucket{{le="+Inf"}}' in values
         assert values[f'{name}_bucket{{le="+Inf"}}'] == values[f"{name}_count"]
         assert f"{name}_sum" in values
+    for reason in FINISH_REASONS:  # every reason's series exists, 0 or more
+        assert f'{FINISHED}{{finished_reason="{reason}"}}' in values
     assert values["paged_serve_kv_blocks_total"] > 0
     assert values["paged_serve_kv_blocks_used"] == 0  # idle
 
@@ -132,3 +151,50 @@ def test_metrics_count_a_request(base_url: str, client: openai.OpenAI, model_nam
     assert after[graph_steps] == before[graph_steps] == 0  # no CUDA: every step is eager
     query = "paged_serve_prefix_cache_query_tokens_total"
     assert 0 < after[query] - before[query] <= out.usage.prompt_tokens
+    length = f'{FINISHED}{{finished_reason="length"}}'
+    assert after[length] - before[length] == 1
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds"):
+        count, total = f"paged_serve_{name}_count", f"paged_serve_{name}_sum"
+        assert after[count] - before[count] == 1
+        assert after[total] >= before[total]
+
+
+def test_metrics_latencies_are_consistent(engine: AsyncEngine):
+    """For one request the queue time is below its TTFT, which is below its e2e latency."""
+    stats = engine.stats
+
+    def sums() -> list[float]:
+        return [
+            histogram_sum_count(h)[0] for h in (stats.queue_time, stats.ttft, stats.e2e_latency)
+        ]
+
+    async def run() -> None:
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        async for _ in engine.add_request("Timing one request", params):
+            pass
+
+    before = sums()
+    asyncio.run(run())
+    queue, ttft, e2e = (b - a for a, b in zip(before, sums()))
+    assert 0 <= queue <= ttft <= e2e
+
+
+def test_an_abort_counts_as_finished_for_abort(base_url: str, engine: AsyncEngine):
+    """A client that hangs up mid-stream: its request counts under finished_reason="abort"."""
+    label = f'{FINISHED}{{finished_reason="abort"}}'
+    before = metric_values(base_url)[label]
+
+    async def hang_up() -> None:
+        body = {
+            "prompt": "Count to a thousand:",
+            "max_tokens": 200,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{base_url}/v1/completions", json=body) as resp:
+                await resp.content.readline()  # the first frame: it is running
+
+    asyncio.run(hang_up())
+    wait_idle(engine)
+    assert metric_values(base_url)[label] - before == 1

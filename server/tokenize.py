@@ -1,0 +1,155 @@
+"""``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``: the served model's
+tokenizer, with vLLM's request and response shapes (at the server root, as vLLM serves them).
+
+``/tokenize`` takes either a completions ``prompt`` (a string; special tokens such as BOS added
+by default) or chat ``messages`` (through the chat template, with the generation prompt by
+default, special tokens not added again), and answers ``{"count", "max_model_len", "tokens",
+"token_strs"}``; the ids are exactly what ``/v1/completions`` or ``/v1/chat/completions`` would
+run for the same input. ``/detokenize`` takes ``{"tokens": [...]}`` and answers
+``{"prompt": text}``. ``/tokenizer_info`` describes the tokenizer (its class, special tokens and
+chat template), which lm-evaluation-harness's remote tokenizer reads.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+from server.errors import bad_request
+from server.field_types import TokenId
+from server.prompts import chat_message, chat_prompt_ids, tokenize_prompt
+from server.protocol import ChatMessage, decode
+from server.state import STATE, ServerState
+from server.wire import json_response
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``TokenizeCompletionRequest`` (``prompt``) or ``TokenizeChatRequest``
+    (``messages``): exactly one of the two."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # default: True for a prompt, False for messages (the chat template has them)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    return_token_strs: bool | None = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give exactly one of prompt and messages", "prompt")
+        if self.messages is not None and not self.messages:
+            raise bad_request("messages must not be empty", "messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request(
+                "continue_final_message needs add_generation_prompt set to false",
+                "continue_final_message",
+            )
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None  # the tokenizer's own token strings, when asked
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[TokenId]
+    model: str | None = None
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    prompt: str
+
+
+class TokenizerInfo(msgspec.Struct, kw_only=True):
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    chat_template: str | None
+    max_model_len: int
+
+
+def _tokenizer(state: ServerState) -> object:
+    tokenizer = state.engine.tokenizer
+    if tokenizer is None:
+        raise bad_request("this model has no tokenizer: it takes and returns token ids only")
+    return tokenizer
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = decode(await request.read(), TokenizeRequest)
+    body.check()
+    state.check_model(body.model)
+    tokenizer = _tokenizer(state)
+    if body.messages is not None:
+        messages = [
+            chat_message(m.role, m.content, f"messages[{i}]") for i, m in enumerate(body.messages)
+        ]
+        ids = chat_prompt_ids(
+            state.engine,
+            messages,
+            "messages",
+            add_generation_prompt=body.add_generation_prompt is not False,
+            continue_final_message=bool(body.continue_final_message),
+            add_special_tokens=bool(body.add_special_tokens),
+        )
+    elif body.add_special_tokens is False:
+        ids = list(tokenizer(body.prompt, add_special_tokens=False).input_ids)
+    else:
+        ids = tokenize_prompt(state.engine, body.prompt, "prompt")  # as /v1/completions does
+    token_strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return json_response(
+        TokenizeResponse(
+            count=len(ids), max_model_len=state.context_limit, tokens=ids, token_strs=token_strs
+        )
+    )
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = decode(await request.read(), DetokenizeRequest)
+    state.check_model(body.model)
+    tokenizer = _tokenizer(state)
+    vocab_size = state.engine.vocab_size
+    bad = [t for t in body.tokens if t >= vocab_size]
+    if bad:
+        raise bad_request(f"token {bad[0]} is outside the vocabulary [0, {vocab_size})", "tokens")
+    return json_response(DetokenizeResponse(prompt=tokenizer.decode(body.tokens)))
+
+
+def _token(tokenizer: object, name: str) -> str | None:
+    value = getattr(tokenizer, name, None)
+    return None if value is None else str(value)
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    tokenizer = _tokenizer(state)
+    template = getattr(tokenizer, "chat_template", None)
+    return json_response(
+        TokenizerInfo(
+            tokenizer_class=type(tokenizer).__name__,
+            bos_token=_token(tokenizer, "bos_token"),
+            eos_token=_token(tokenizer, "eos_token"),
+            pad_token=_token(tokenizer, "pad_token"),
+            unk_token=_token(tokenizer, "unk_token"),
+            chat_template=template if isinstance(template, str) else None,
+            max_model_len=state.context_limit,
+        )
+    )
+
+
+# Outside /v1, as vLLM serves them; with API keys they need one like every /v1 route.
+TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
+
+
+def add_tokenizer_routes(app: web.Application) -> None:
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
