@@ -2,7 +2,7 @@
 
     python ci/aot_compile.py [--dtypes fp32,fp16,bf16] [--head-dims 64,80,96,128,256]
                              [--groups 1,4,8,16] [--vocabs 1000,32000,151936] [--jobs N] [--json]
-                             [--tiles TILE_N,NUM_WARPS,NUM_STAGES,MAXNREG]
+                             [--tiles TILE_N,NUM_WARPS,NUM_STAGES,MAXNREG] [--token-mask]
 
 A configuration is compiled as the launcher would launch it: the attention tiles come from
 ``kernels.paged_attention.attention_tiles`` and the sampling tile from ``kernels.sampling``,
@@ -12,7 +12,8 @@ pointers and the strides a contiguous cache makes multiples of 16 carry the JIT'
 spill stores/loads and stack of each kernel. Prints one row per configuration; exits 1 if any
 configuration spills, fails to compile or needs more shared memory than sm_90 has. ``--tiles``
 replaces the launcher's attention ``tile_n``, warps, stages and ``maxnreg`` (0: ptxas' own
-choice), to compare candidates.
+choice), to compare candidates. The sampling kernel is built without a grammar token mask (the
+build every unconstrained batch runs); ``--token-mask`` adds the ``HAS_MASK`` build of each vocab.
 
 The interpreter never compiles, so this is the only check of resource use that needs no GPU.
 It proves nothing numerical: agreement on a GPU is what the ``cuda`` tests check.
@@ -50,12 +51,13 @@ class Config:
     split: bool = False
     window: bool = False
     vocab: int = 0
+    token_mask: bool = False  # sampling: the HAS_MASK build (grammar-constrained rows)
     tiles: tuple[int, ...] | None = None  # (tile_n, num_warps, num_stages, maxnreg) override
 
     @property
     def name(self) -> str:
         if self.kind == "sampling":
-            return f"sampling V={self.vocab}"
+            return f"sampling V={self.vocab}" + " mask" * self.token_mask
         mode = "decode" if self.decode_only else "prefill"
         extra = "".join((" split" if self.split else "", " window" if self.window else ""))
         tiles = f" tiles={','.join(map(str, self.tiles))}" if self.tiles else ""
@@ -150,14 +152,15 @@ def _sampling_source(cfg: Config):
     from kernels.sampling import _NUM_WARPS, _sample_kernel, _tile_shape
 
     block_b, block_v = _tile_shape(cfg.vocab)
-    constants = dict(BLOCK_B=block_b, BLOCK_V=block_v)
+    constants = dict(BLOCK_B=block_b, BLOCK_V=block_v, HAS_MASK=cfg.token_mask)
     signature, attrs = {}, {}
     for i, arg in enumerate(_sample_kernel.arg_names):
         if arg in constants:
             signature[arg] = "constexpr"
         elif arg.endswith("_ptr"):
             kinds = {"top_k_ptr": "*i32", "seeds_ptr": "*i64", "steps_ptr": "*i64"}
-            signature[arg] = kinds.get(arg, "*i64" if arg == "tokens_ptr" else "*fp32")
+            kinds |= {"token_mask_ptr": "*i32", "tokens_ptr": "*i64"}
+            signature[arg] = kinds.get(arg, "*fp32")
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[arg] = "i32"
@@ -219,7 +222,8 @@ def configs(args: argparse.Namespace) -> list[Config]:
             out.append(Config("attention", dtype, head_dim, group, False, True, True))
     if args.tiles is not None:
         out = [replace(c, tiles=tuple(args.tiles)) for c in out]
-    out += [Config("sampling", vocab=v) for v in args.vocabs]
+    masks = (False, True) if args.token_mask else (False,)
+    out += [Config("sampling", vocab=v, token_mask=m) for v in args.vocabs for m in masks]
     return out
 
 
@@ -236,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--tiles", type=_ints, help="TILE_N,NUM_WARPS,NUM_STAGES,MAXNREG override")
+    p.add_argument("--token-mask", action="store_true", help="also the masked sampling builds")
     args = p.parse_args(argv)
     if args.tiles is not None and len(args.tiles) != 4:
         p.error(f"--tiles takes TILE_N,NUM_WARPS,NUM_STAGES,MAXNREG, got {args.tiles}")
