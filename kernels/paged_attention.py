@@ -53,12 +53,13 @@ operands use ``input_precision="ieee"`` (not TF32) so fp32 results match the ref
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.runtime import check_device, interpreting
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 256
@@ -69,10 +70,6 @@ _TARGET_PROGRAMS = 256
 _MIN_KEYS_PER_SPLIT = 512
 _MAX_KV_SPLITS = 32
 _LOG2_E = 1.4426950408889634
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -403,8 +400,7 @@ def paged_attention(
             raise ValueError(f"{name} is on {t.device}, q is on {device}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    if device.type != "cuda" and not _interpreting():
-        raise ValueError(f"tensors on {device} need TRITON_INTERPRET=1 (or use CUDA tensors)")
+    check_device(device)
     if q.stride(-1) != 1:
         raise ValueError(f"q's last dim must be contiguous, got strides {q.stride()}")
     num_tokens, num_q_heads, head_dim = q.shape
@@ -492,7 +488,7 @@ def paged_attention(
     decode_only = max_seqlen_q == 1
     tiles = attention_tiles(head_dim=head_dim, group=group, decode_only=decode_only, dtype=q.dtype)
     num_q_tiles = num_seqs if decode_only else num_tokens // tiles.tokens_per_tile + num_seqs
-    dot_fp32 = q.dtype == torch.bfloat16 and _interpreting()
+    dot_fp32 = q.dtype == torch.bfloat16 and interpreting()
     fp32_operands = q.dtype == torch.float32 or dot_fp32
 
     _paged_attention_kernel[(num_q_tiles, num_kv_heads, num_kv_splits)](

@@ -51,20 +51,16 @@ constrained rows runs a kernel with no mask loads at all.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels.runtime import check_device, interpreting
 
 _MAX_BLOCK_V = 1024
 _TILE_CUDA = 1024
 _TILE_INTERPRET = 65536
 _NUM_WARPS = 8
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -276,7 +272,7 @@ def _uniforms_kernel(seeds_ptr, steps_ptr, out_ptr, vocab_size, BLOCK_V: tl.cons
 
 def _tile_shape(vocab_size: int) -> tuple[int, int]:
     block_v = min(triton.next_power_of_2(vocab_size), _MAX_BLOCK_V)
-    tile = _TILE_INTERPRET if _interpreting() else _TILE_CUDA
+    tile = _TILE_INTERPRET if interpreting() else _TILE_CUDA
     return max(1, tile // block_v), block_v
 
 
@@ -289,11 +285,6 @@ def _check_row_param(
         raise ValueError(f"{name} is on {t.device}, logits on {device}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
-
-
-def _check_device(device: torch.device) -> None:
-    if device.type != "cuda" and not _interpreting():
-        raise ValueError(f"tensors on {device} need TRITON_INTERPRET=1 (or use CUDA tensors)")
 
 
 def sample(
@@ -328,7 +319,7 @@ def sample(
     if logits.stride(-1) != 1:
         raise ValueError(f"logits' last dim must be contiguous, got strides {logits.stride()}")
     device = logits.device
-    _check_device(device)
+    check_device(device)
     _check_row_param("temperature", temperature, torch.float32, num_rows, device)
     _check_row_param("top_k", top_k, torch.int32, num_rows, device)
     _check_row_param("top_p", top_p, torch.float32, num_rows, device)
@@ -385,7 +376,7 @@ def sampling_uniforms(*, seeds: torch.Tensor, steps: torch.Tensor, vocab_size: i
         raise ValueError(f"steps {tuple(steps.shape)} must match seeds {tuple(seeds.shape)}")
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-    _check_device(seeds.device)
+    check_device(seeds.device)
     num_rows = seeds.shape[0]
     out = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=seeds.device)
     if num_rows == 0:
