@@ -4,9 +4,10 @@
                              [--groups 1,4,8,16] [--vocabs 1000,32000,151936] [--jobs N] [--json]
                              [--tiles TILE_N,NUM_WARPS,NUM_STAGES,MAXNREG] [--token-mask]
 
-A configuration is compiled as the launcher would launch it: the attention tiles come from
-``kernels.paged_attention.attention_tiles`` and the sampling tile from ``kernels.sampling``,
-pointers and the strides a contiguous cache makes multiples of 16 carry the JIT's launch-time
+A configuration is compiled as the launcher would launch it: the attention kernel's
+compile-time arguments and options come from ``kernels.paged_attention.attention_launch`` (the
+record the launcher uses) and the sampling tile from ``kernels.sampling``, pointers and the
+strides a contiguous cache makes multiples of 16 carry the JIT's launch-time
 ``tt.divisibility=16`` specialisation, and the target is ``GPUTarget("cuda", 90, 32)``. ptxas
 (the one Triton itself runs for sm_90) is run again with ``-v`` on the PTX for the registers,
 spill stores/loads and stack of each kernel. Prints one row per configuration; exits 1 if any
@@ -90,38 +91,38 @@ def _attention_source(cfg: Config):
     import torch
     from triton.compiler import ASTSource
 
-    from kernels.paged_attention import _paged_attention_kernel, attention_tiles
+    from kernels.attention_checks import AttentionShapes
+    from kernels.paged_attention import _paged_attention_kernel, attention_launch
 
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-    tiles = attention_tiles(
+    # One sequence of one KV head: only the launch settings matter, not the grid.
+    shapes = AttentionShapes(
+        num_tokens=1,
+        num_q_heads=cfg.group,
+        num_kv_heads=1,
         head_dim=cfg.head_dim,
-        group=cfg.group,
-        decode_only=cfg.decode_only,
+        block_size=16,
+        num_seqs=1,
+    )
+    launch = attention_launch(
+        shapes,
         dtype=torch_dtype[cfg.dtype],
+        max_seqlen_q=1 if cfg.decode_only else 2,
+        max_seqlen_k=1,
+        sliding_window=1 if cfg.window else None,
+        num_kv_splits=2 if cfg.split else 1,
     )
     if cfg.tiles is not None:
         tile_n, num_warps, num_stages, maxnreg = cfg.tiles
         tiles = replace(
-            tiles,
+            launch.tiles,
             tile_n=tile_n,
             num_warps=num_warps,
             num_stages=num_stages,
             maxnreg=maxnreg or None,
         )
-    constants = dict(
-        HEAD_DIM=cfg.head_dim,
-        HEAD_DIM_PAD=tiles.head_dim_pad,
-        GROUP=cfg.group,
-        BLOCK_M=tiles.block_m,
-        TOKENS_PER_TILE=tiles.tokens_per_tile,
-        TILE_N=tiles.tile_n,
-        BLOCK_SIZE=16,
-        DECODE_ONLY=cfg.decode_only,
-        USE_WINDOW=cfg.window,
-        SPLIT=cfg.split,
-        DOT_FP32=False,
-        DOT_PRECISION="ieee" if cfg.dtype == "fp32" else "tf32",
-    )
+        launch = replace(launch, tiles=tiles)
+    constants = launch.constexprs()
     # Strides of contiguous [.., H, D] tensors are multiples of D; block_tables' row stride and
     # the scalar sizes are left unspecialised.
     aligned = {"stride_qt", "stride_qh", "stride_ot", "stride_oh"}
@@ -140,10 +141,7 @@ def _attention_source(cfg: Config):
             signature[arg] = "fp32" if arg == "scale_log2" else "i32"
             if arg in aligned and cfg.head_dim % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
-    if tiles.maxnreg is not None:
-        options["maxnreg"] = tiles.maxnreg
-    return ASTSource(_paged_attention_kernel, signature, constants, attrs), options
+    return ASTSource(_paged_attention_kernel, signature, constants, attrs), launch.options()
 
 
 def _sampling_source(cfg: Config):
