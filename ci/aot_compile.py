@@ -2,17 +2,19 @@
 
     python ci/aot_compile.py [--dtypes fp32,fp16,bf16] [--head-dims 64,80,96,128,256]
                              [--groups 1,4,8,16] [--vocabs 1000,32000,151936] [--jobs N] [--json]
-                             [--tiles TILE_N,NUM_WARPS,NUM_STAGES,MAXNREG]
+                             [--tiles TILE_N,NUM_WARPS,NUM_STAGES,MAXNREG] [--token-mask]
 
-A configuration is compiled as the launcher would launch it: the attention tiles come from
-``kernels.paged_attention.attention_tiles`` and the sampling tile from ``kernels.sampling``,
-pointers and the strides a contiguous cache makes multiples of 16 carry the JIT's launch-time
+A configuration is compiled as the launcher would launch it: the attention kernel's
+compile-time arguments and options come from ``kernels.paged_attention.attention_launch`` (the
+record the launcher uses) and the sampling tile from ``kernels.sampling``, pointers and the
+strides a contiguous cache makes multiples of 16 carry the JIT's launch-time
 ``tt.divisibility=16`` specialisation, and the target is ``GPUTarget("cuda", 90, 32)``. ptxas
 (the one Triton itself runs for sm_90) is run again with ``-v`` on the PTX for the registers,
 spill stores/loads and stack of each kernel. Prints one row per configuration; exits 1 if any
 configuration spills, fails to compile or needs more shared memory than sm_90 has. ``--tiles``
 replaces the launcher's attention ``tile_n``, warps, stages and ``maxnreg`` (0: ptxas' own
-choice), to compare candidates.
+choice), to compare candidates. The sampling kernel is built without a grammar token mask (the
+build every unconstrained batch runs); ``--token-mask`` adds the ``HAS_MASK`` build of each vocab.
 
 The interpreter never compiles, so this is the only check of resource use that needs no GPU.
 It proves nothing numerical: agreement on a GPU is what the ``cuda`` tests check.
@@ -50,12 +52,13 @@ class Config:
     split: bool = False
     window: bool = False
     vocab: int = 0
+    token_mask: bool = False  # sampling: the HAS_MASK build (grammar-constrained rows)
     tiles: tuple[int, ...] | None = None  # (tile_n, num_warps, num_stages, maxnreg) override
 
     @property
     def name(self) -> str:
         if self.kind == "sampling":
-            return f"sampling V={self.vocab}"
+            return f"sampling V={self.vocab}" + " mask" * self.token_mask
         mode = "decode" if self.decode_only else "prefill"
         extra = "".join((" split" if self.split else "", " window" if self.window else ""))
         tiles = f" tiles={','.join(map(str, self.tiles))}" if self.tiles else ""
@@ -88,38 +91,38 @@ def _attention_source(cfg: Config):
     import torch
     from triton.compiler import ASTSource
 
-    from kernels.paged_attention import _paged_attention_kernel, attention_tiles
+    from kernels.attention_checks import AttentionShapes
+    from kernels.paged_attention import _paged_attention_kernel, attention_launch
 
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-    tiles = attention_tiles(
+    # One sequence of one KV head: only the launch settings matter, not the grid.
+    shapes = AttentionShapes(
+        num_tokens=1,
+        num_q_heads=cfg.group,
+        num_kv_heads=1,
         head_dim=cfg.head_dim,
-        group=cfg.group,
-        decode_only=cfg.decode_only,
+        block_size=16,
+        num_seqs=1,
+    )
+    launch = attention_launch(
+        shapes,
         dtype=torch_dtype[cfg.dtype],
+        max_seqlen_q=1 if cfg.decode_only else 2,
+        max_seqlen_k=1,
+        sliding_window=1 if cfg.window else None,
+        num_kv_splits=2 if cfg.split else 1,
     )
     if cfg.tiles is not None:
         tile_n, num_warps, num_stages, maxnreg = cfg.tiles
         tiles = replace(
-            tiles,
+            launch.tiles,
             tile_n=tile_n,
             num_warps=num_warps,
             num_stages=num_stages,
             maxnreg=maxnreg or None,
         )
-    constants = dict(
-        HEAD_DIM=cfg.head_dim,
-        HEAD_DIM_PAD=tiles.head_dim_pad,
-        GROUP=cfg.group,
-        BLOCK_M=tiles.block_m,
-        TOKENS_PER_TILE=tiles.tokens_per_tile,
-        TILE_N=tiles.tile_n,
-        BLOCK_SIZE=16,
-        DECODE_ONLY=cfg.decode_only,
-        USE_WINDOW=cfg.window,
-        SPLIT=cfg.split,
-        DOT_FP32=False,
-        DOT_PRECISION="ieee" if cfg.dtype == "fp32" else "tf32",
-    )
+        launch = replace(launch, tiles=tiles)
+    constants = launch.constexprs()
     # Strides of contiguous [.., H, D] tensors are multiples of D; block_tables' row stride and
     # the scalar sizes are left unspecialised.
     aligned = {"stride_qt", "stride_qh", "stride_ot", "stride_oh"}
@@ -138,10 +141,7 @@ def _attention_source(cfg: Config):
             signature[arg] = "fp32" if arg == "scale_log2" else "i32"
             if arg in aligned and cfg.head_dim % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
-    if tiles.maxnreg is not None:
-        options["maxnreg"] = tiles.maxnreg
-    return ASTSource(_paged_attention_kernel, signature, constants, attrs), options
+    return ASTSource(_paged_attention_kernel, signature, constants, attrs), launch.options()
 
 
 def _sampling_source(cfg: Config):
@@ -150,14 +150,15 @@ def _sampling_source(cfg: Config):
     from kernels.sampling import _NUM_WARPS, _sample_kernel, _tile_shape
 
     block_b, block_v = _tile_shape(cfg.vocab)
-    constants = dict(BLOCK_B=block_b, BLOCK_V=block_v)
+    constants = dict(BLOCK_B=block_b, BLOCK_V=block_v, HAS_MASK=cfg.token_mask)
     signature, attrs = {}, {}
     for i, arg in enumerate(_sample_kernel.arg_names):
         if arg in constants:
             signature[arg] = "constexpr"
         elif arg.endswith("_ptr"):
             kinds = {"top_k_ptr": "*i32", "seeds_ptr": "*i64", "steps_ptr": "*i64"}
-            signature[arg] = kinds.get(arg, "*i64" if arg == "tokens_ptr" else "*fp32")
+            kinds |= {"token_mask_ptr": "*i32", "tokens_ptr": "*i64"}
+            signature[arg] = kinds.get(arg, "*fp32")
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[arg] = "i32"
@@ -219,7 +220,8 @@ def configs(args: argparse.Namespace) -> list[Config]:
             out.append(Config("attention", dtype, head_dim, group, False, True, True))
     if args.tiles is not None:
         out = [replace(c, tiles=tuple(args.tiles)) for c in out]
-    out += [Config("sampling", vocab=v) for v in args.vocabs]
+    masks = (False, True) if args.token_mask else (False,)
+    out += [Config("sampling", vocab=v, token_mask=m) for v in args.vocabs for m in masks]
     return out
 
 
@@ -236,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--tiles", type=_ints, help="TILE_N,NUM_WARPS,NUM_STAGES,MAXNREG override")
+    p.add_argument("--token-mask", action="store_true", help="also the masked sampling builds")
     args = p.parse_args(argv)
     if args.tiles is not None and len(args.tiles) != 4:
         p.error(f"--tiles takes TILE_N,NUM_WARPS,NUM_STAGES,MAXNREG, got {args.tiles}")

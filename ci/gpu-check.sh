@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared check for a machine with a GPU and no internet, in under 8 minutes:
-#   1. hazards         pytest -m gpu_hazard (issue 17)      what the interpreter cannot show:
+#   1. hazards         pytest -m gpu_hazard                 what the interpreter cannot show:
 #                      a 154,200-row near-boundary top-p sweep (no draw outside the support),
 #                      NaN/+inf/all -inf rows (token -1), CUDA graphs vs eager vs float64 HF
 #   2. kernels[cuda]   pytest tests/kernels -m cuda         the CUDA grids, compiled Triton
@@ -11,7 +11,7 @@
 #                      graphs on and off (--compare-eager)
 # Steps 2-4 leave out the gpu_hazard tests, which step 1 runs.
 # each under its own time limit, then a summary table, printed last (GPU, driver, versions,
-# pass/fail counts, the issue's targets, the e2e ratios). Exit 0 when every step passed; a
+# pass/fail counts, the performance targets, the e2e ratios). Exit 0 when every step passed; a
 # target that is not met never fails the check. Nothing is downloaded: missing packages are
 # installed only from a local wheel folder, with pip --no-index.
 #
@@ -23,7 +23,7 @@
 #   GPU_CHECK_LOG_DIR      logs, junit XML and JSON results (${TMPDIR:-/tmp}/paged-serve-gpu-check)
 #   GPU_CHECK_WHEELS       wheel folder for missing packages (.whl/ if it exists)
 #   GPU_CHECK_JOBS         parallel shards for the kernel tests: compiling is CPU-bound (6)
-#   GPU_CHECK_E2E_SCALE    fraction of the issue's e2e workload, 0 < s <= 1 (0.25)
+#   GPU_CHECK_E2E_SCALE    fraction of the full e2e workload, 0 < s <= 1 (0.25)
 #   GPU_CHECK_BUDGET_S     limit for the whole script; no step runs past it (465)
 #   GPU_CHECK_TIMEOUT_HAZARDS / _KERNELS_CUDA / _KERNELS_OTHER / _ENGINE / _PERF / _E2E
 #                          step limits, s (60/125/40/30/130/80)
@@ -77,7 +77,8 @@ export PAGED_SERVE_PERF_JSON="$LOG_DIR/perf.json"
 say() { echo "gpu-check: $*"; }
 # The engine's CUDA-only tests (real graph capture, sync debug mode); the rest of tests/ is CPU's.
 ENGINE_TESTS="tests/test_decode_graphs.py tests/test_no_host_sync.py"
-# Issue 17's checks of what the interpreter cannot show (the gpu_hazard marker).
+# The checks of what the interpreter cannot show (the gpu_hazard marker): reduction order, NaN
+# handling in GPU reductions, graphs vs eager.
 HAZARD_TESTS="tests/kernels/test_sampling_hazards.py tests/test_decode_graphs.py"
 HELPER=("$PY" "$REPO/ci/gpu_check.py")
 
@@ -101,14 +102,15 @@ else
 fi
 [ "$problems" = 0 ] || exit 1
 
-# The issue's workload (256 requests, prompt and output lengths uniform in [100, 1024]) scaled:
+# The full e2e workload (256 requests, prompt and output lengths uniform in [100, 1024]: the
+# workload the GPU speed goal, perf.bench_e2e.E2E_GOALS, refers to) scaled:
 # requests and output lengths shrink by SCALE (decode dominates the time); prompts stay as given.
 E2E_REQUESTS=$(awk -v s="$SCALE" 'BEGIN { n = int(256 * s + 0.5); print (n < 1 ? 1 : n) }')
 E2E_MIN_TOKENS=$(awk -v s="$SCALE" 'BEGIN { n = int(100 * s + 0.5); print (n < 1 ? 1 : n) }')
 E2E_MAX_TOKENS=$(awk -v s="$SCALE" -v lo="$E2E_MIN_TOKENS" \
   'BEGIN { n = int(1024 * s + 0.5); print (n < lo ? lo : n) }')
-E2E_WORKLOAD="scale $SCALE of the issue's: $E2E_REQUESTS requests (issue 256), prompts uniform in \
-[100, 1024], outputs uniform in [$E2E_MIN_TOKENS, $E2E_MAX_TOKENS] (issue [100, 1024]), greedy, \
+E2E_WORKLOAD="scale $SCALE of the full workload: $E2E_REQUESTS requests (full: 256), prompts uniform \
+in [100, 1024], outputs uniform in [$E2E_MIN_TOKENS, $E2E_MAX_TOKENS] (full: [100, 1024]), greedy, \
 ignore_eos; vs HF padded generate and generate_batch"
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider)

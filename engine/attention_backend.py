@@ -7,13 +7,13 @@ of functions share one keyword signature, so a backend is just the three functio
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kernels import reference
+from kernels.runtime import can_run_on
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,11 +30,7 @@ def resolve_backend_name(requested: str, device: torch.device) -> str:
     """``auto`` is triton on CUDA and torch elsewhere; triton on CPU needs the interpreter."""
     if requested == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    if (
-        requested == "triton"
-        and device.type != "cuda"
-        and os.environ.get("TRITON_INTERPRET") != "1"
-    ):
+    if requested == "triton" and not can_run_on(device):
         raise ValueError(
             "the triton backend on a CPU needs TRITON_INTERPRET=1 (and is slow): "
             "use --attention-backend torch"

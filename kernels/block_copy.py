@@ -14,11 +14,11 @@ block_size * Hkv * D`` contiguous elements; each program copies one ``CHUNK``-el
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels.runtime import check_device
 
 _MAX_CHUNK = 4096
 
@@ -62,10 +62,7 @@ def copy_blocks(kv_caches: torch.Tensor, *, block_mapping: torch.Tensor) -> None
         raise ValueError(
             f"block_mapping is on {block_mapping.device}, kv_caches on {kv_caches.device}"
         )
-    if kv_caches.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"tensors on {kv_caches.device} need TRITON_INTERPRET=1 (or use CUDA tensors)"
-        )
+    check_device(kv_caches.device)
     if not kv_caches.is_contiguous():
         raise ValueError("kv_caches must be contiguous (one allocation for all layers)")
     if not block_mapping.is_contiguous():

@@ -13,11 +13,11 @@ token offsets are int64, so caches beyond 2^31 elements are addressed correctly.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels.runtime import check_device
 
 _MAX_TILE = 4096
 
@@ -105,8 +105,7 @@ def write_kv(
     ):
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, key is on {device}")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"tensors on {device} need TRITON_INTERPRET=1 (or use CUDA tensors)")
+    check_device(device)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
     if key.stride(-1) != 1 or value.stride(-1) != 1:

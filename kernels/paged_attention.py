@@ -48,21 +48,34 @@ to the group size if larger; ``TILE_N`` = 64 keys (32 for head dims > 128).
 Interpreter caveats: Triton 3.9's interpreter computes ``tl.dot`` on raw bf16 operands wrongly,
 so under ``TRITON_INTERPRET=1`` bf16 operands are cast to fp32 before the dots. On CUDA, fp32
 operands use ``input_precision="ieee"`` (not TF32) so fp32 results match the reference.
+
+Layout
+------
+The kernel is built from ``@triton.jit`` helpers, which Triton inlines (the same PTX as one
+long body): ``_locate_q_tile`` (the binary search), ``_key_tiles`` (the split's run of key
+tiles), ``_load_kv_tile`` (one gathered K/V tile) and ``_attend_key_tile`` (one online-softmax
+step). The launcher checks its inputs with ``kernels/attention_checks.py``, which returns the
+sizes as an ``AttentionShapes`` record, and takes every launch setting -- grids, compile-time
+arguments, warps -- from the frozen ``AttentionLaunch`` that :func:`attention_launch` builds
+(``ci/aot_compile.py`` compiles from the same record).
 """
 
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_MAX_HEAD_DIM = 256
-_MAX_GROUP = 128
+from kernels.attention_checks import (
+    AttentionShapes,
+    check_attention_inputs,
+    check_out,
+    check_workspace,
+)
+from kernels.runtime import interpreting
+
 # Split-KV heuristic: aim for this many programs per launch, never split below this many keys
 # per split, and never split more than this.
 _TARGET_PROGRAMS = 256
@@ -71,8 +84,130 @@ _MAX_KV_SPLITS = 32
 _LOG2_E = 1.4426950408889634
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+@triton.jit
+def _locate_q_tile(
+    cu_seqlens_q_ptr, pid_q, num_seqs, TOKENS_PER_TILE: tl.constexpr, DECODE_ONLY: tl.constexpr
+):
+    """``(seq, tile)``: the sequence and which of its query tiles program ``pid_q`` owns.
+
+    Decode-only batches have one tile per sequence. Otherwise sequence ``s``'s tiles start at
+    ``cu_seqlens_q[s] // TOKENS_PER_TILE + s``, non-decreasing in ``s``: a binary search finds
+    the largest ``s`` whose first tile is ``<= pid_q`` (on the device, no host sync).
+    """
+    if DECODE_ONLY:
+        seq = pid_q
+        tile = 0
+    else:
+        lo = tl.zeros([], dtype=tl.int32)
+        hi = tl.zeros([], dtype=tl.int32) + num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            mid_start = tl.load(cu_seqlens_q_ptr + mid) // TOKENS_PER_TILE + mid
+            if mid_start <= pid_q:
+                lo = mid
+            else:
+                hi = mid - 1
+        seq = lo
+        tile = pid_q - (tl.load(cu_seqlens_q_ptr + seq) // TOKENS_PER_TILE + seq)
+    return seq, tile
+
+
+@triton.jit
+def _key_tiles(
+    seq_len,
+    q_len,
+    tile_tok0,
+    split,
+    num_kv_splits,
+    sliding_window,
+    TOKENS_PER_TILE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+):
+    """``(kv_lo, kv_hi, first, end)``: the query tile needs keys ``[kv_lo, kv_hi)`` (causal,
+    windowed; ``kv_lo`` a multiple of ``TILE_N``), and this split walks key tiles
+    ``[first, end)`` of them, one contiguous run of ``cdiv(tiles, num_kv_splits)`` tiles."""
+    last_tok = tl.minimum(q_len, tile_tok0 + TOKENS_PER_TILE) - 1
+    kv_hi = seq_len - q_len + last_tok + 1
+    if USE_WINDOW:
+        kv_lo = tl.maximum(seq_len - q_len + tile_tok0 - sliding_window + 1, 0)
+        kv_lo = (kv_lo // TILE_N) * TILE_N
+    else:
+        kv_lo = 0
+    num_tiles = tl.cdiv(kv_hi - kv_lo, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_kv_splits)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+    return kv_lo, kv_hi, tile_begin, tile_end
+
+
+@triton.jit
+def _load_kv_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    table_row,
+    kv_head,
+    offs_n,
+    n_valid,
+    offs_d,
+    d_mask,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """``(k, v)`` ``[TILE_N, HEAD_DIM_PAD]`` at key positions ``offs_n``, each gathered through
+    its own block-table entry; invalid positions and padded head lanes read 0."""
+    # Only positions < kv_hi <= seq_len are read: free slots (possibly NaN) never are.
+    block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+    slot = (
+        block * stride_cache_block
+        + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_cache_slot
+        + kv_head * stride_cache_head
+    )
+    kv_mask = n_valid[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + slot[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + slot[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _attend_key_tile(
+    q,
+    k,
+    v,
+    offs_n,
+    n_valid,
+    q_pos,
+    sliding_window,
+    scale_log2,
+    m_i,
+    l_i,
+    acc,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over a key tile: ``(m_i, l_i, acc)`` updated with the scores
+    ``q . k`` (log2 units) of the keys each row may see (causal, in the window)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    allowed = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+    if USE_WINDOW:
+        allowed = allowed & (offs_n[None, :] > q_pos[:, None] - sliding_window)
+    s = tl.where(allowed, s, float("-inf"))
+
+    # A row with no allowed key so far keeps m = -inf and uses 0 as its reference so
+    # exp2(-inf - m) is 0 rather than NaN.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -116,25 +251,7 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
 
-    # -- which sequence and which tile of its query tokens this program owns
-    if DECODE_ONLY:
-        seq = pid_q
-        tile = 0
-    else:
-        # Largest s with cu_seqlens_q[s] // TOKENS_PER_TILE + s <= pid_q (tile starts are
-        # non-decreasing in s).
-        lo = tl.zeros([], dtype=tl.int32)
-        hi = tl.zeros([], dtype=tl.int32) + num_seqs - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            mid_start = tl.load(cu_seqlens_q_ptr + mid) // TOKENS_PER_TILE + mid
-            if mid_start <= pid_q:
-                lo = mid
-            else:
-                hi = mid - 1
-        seq = lo
-        tile = pid_q - (tl.load(cu_seqlens_q_ptr + seq) // TOKENS_PER_TILE + seq)
-
+    seq, tile = _locate_q_tile(cu_seqlens_q_ptr, pid_q, num_seqs, TOKENS_PER_TILE, DECODE_ONLY)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -160,19 +277,11 @@ def _paged_attention_kernel(
     if DOT_FP32:
         q = q.to(tl.float32)
 
-    # -- the key range [kv_lo, kv_hi) this tile needs, cut into key tiles and split runs
-    last_tok = tl.minimum(q_len, tile_tok0 + TOKENS_PER_TILE) - 1
-    kv_hi = seq_len - q_len + last_tok + 1
-    if USE_WINDOW:
-        kv_lo = tl.maximum(seq_len - q_len + tile_tok0 - sliding_window + 1, 0)
-        kv_lo = (kv_lo // TILE_N) * TILE_N
-    else:
-        kv_lo = 0
-    num_tiles = tl.cdiv(kv_hi - kv_lo, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_kv_splits)
-    tile_begin = split * tiles_per_split
-    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
-
+    # -- this split's run of key tiles, one online-softmax step each
+    kv_lo, kv_hi, tile_begin, tile_end = _key_tiles(
+        seq_len, q_len, tile_tok0, split, num_kv_splits, sliding_window,
+        TOKENS_PER_TILE, TILE_N, USE_WINDOW,
+    )  # fmt: skip
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -180,36 +289,16 @@ def _paged_attention_kernel(
     for t in range(tile_begin, tile_end):
         offs_n = kv_lo + t * TILE_N + tl.arange(0, TILE_N)
         n_valid = offs_n < kv_hi
-        # Only positions < kv_hi <= seq_len are read: free slots (possibly NaN) never are.
-        block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        slot = (
-            block * stride_cache_block
-            + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_cache_slot
-            + kv_head * stride_cache_head
-        )
-        kv_mask = n_valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + slot[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + slot[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, table_row, kv_head, offs_n, n_valid, offs_d, d_mask,
+            stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE, DOT_FP32,
+        )  # fmt: skip
+        m_i, l_i, acc = _attend_key_tile(
+            q, k, v, offs_n, n_valid, q_pos, sliding_window, scale_log2, m_i, l_i, acc,
+            USE_WINDOW, DOT_PRECISION,
+        )  # fmt: skip
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        allowed = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            allowed = allowed & (offs_n[None, :] > q_pos[:, None] - sliding_window)
-        s = tl.where(allowed, s, float("-inf"))
-
-        # Online softmax; a row with no allowed key so far keeps m = -inf and uses 0 as its
-        # reference so exp2(-inf - m) is 0 rather than NaN.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_ref[:, None])
-        alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
+    # -- normalise; with split-KV, the partial output and its log-sum-exp go to the workspace
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     out_mask = row_valid[:, None] & d_mask[None, :]
@@ -321,6 +410,107 @@ def attention_tiles(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionLaunch:
+    """Everything one ``paged_attention`` call launches with besides its tensors: the grids,
+    the kernel's compile-time arguments and its launch options.
+
+    ``dot_fp32``: cast bf16 operands to fp32 before the dots (only under the interpreter, whose
+    bf16 ``tl.dot`` is wrong); ``dot_precision``: ``ieee`` whenever the dots see fp32 operands
+    (TF32 would cost ~1e-3), else ``tf32``, which fp16/bf16 dots ignore.
+    """
+
+    shapes: AttentionShapes
+    tiles: AttentionTiles
+    num_kv_splits: int
+    decode_only: bool
+    use_window: bool
+    dot_fp32: bool
+    dot_precision: str
+
+    @property
+    def split(self) -> bool:
+        return self.num_kv_splits > 1
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """``(num_q_tiles, Hkv, num_kv_splits)``; see the module docstring for the q tiles."""
+        shapes = self.shapes
+        if self.decode_only:
+            num_q_tiles = shapes.num_seqs
+        else:
+            num_q_tiles = shapes.num_tokens // self.tiles.tokens_per_tile + shapes.num_seqs
+        return num_q_tiles, shapes.num_kv_heads, self.num_kv_splits
+
+    @property
+    def reduce_block_h(self) -> int:
+        """Query heads per program of the split-KV reduce."""
+        return min(16, triton.next_power_of_2(self.shapes.num_q_heads))
+
+    @property
+    def reduce_grid(self) -> tuple[int, int]:
+        return self.shapes.num_tokens, triton.cdiv(self.shapes.num_q_heads, self.reduce_block_h)
+
+    def constexprs(self) -> dict[str, int | bool | str]:
+        """The compile-time arguments of ``_paged_attention_kernel``, by name."""
+        return dict(
+            HEAD_DIM=self.shapes.head_dim,
+            HEAD_DIM_PAD=self.tiles.head_dim_pad,
+            GROUP=self.shapes.group,
+            BLOCK_M=self.tiles.block_m,
+            TOKENS_PER_TILE=self.tiles.tokens_per_tile,
+            TILE_N=self.tiles.tile_n,
+            BLOCK_SIZE=self.shapes.block_size,
+            DECODE_ONLY=self.decode_only,
+            USE_WINDOW=self.use_window,
+            SPLIT=self.split,
+            DOT_FP32=self.dot_fp32,
+            DOT_PRECISION=self.dot_precision,
+        )
+
+    def options(self) -> dict[str, int | None]:
+        """``num_warps``, ``num_stages`` and ``maxnreg`` of ``_paged_attention_kernel``."""
+        tiles = self.tiles
+        return dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages, maxnreg=tiles.maxnreg)
+
+
+def attention_launch(
+    shapes: AttentionShapes,
+    *,
+    dtype: torch.dtype,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    sliding_window: int | None,
+    num_kv_splits: int | None,
+) -> AttentionLaunch:
+    """The launch settings of one call (``num_kv_splits=None``: :func:`choose_num_kv_splits`).
+
+    A fixed function of the shapes, dtype and arguments, never of tensor contents.
+    """
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(
+            num_seqs=shapes.num_seqs,
+            num_kv_heads=shapes.num_kv_heads,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+        )
+    if num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+    decode_only = max_seqlen_q == 1
+    dot_fp32 = dtype == torch.bfloat16 and interpreting()
+    return AttentionLaunch(
+        shapes=shapes,
+        tiles=attention_tiles(
+            head_dim=shapes.head_dim, group=shapes.group, decode_only=decode_only, dtype=dtype
+        ),
+        num_kv_splits=num_kv_splits,
+        decode_only=decode_only,
+        use_window=sliding_window is not None,
+        dot_fp32=dot_fp32,
+        dot_precision="ieee" if dtype == torch.float32 or dot_fp32 else "tf32",
+    )
+
+
 def choose_num_kv_splits(
     *, num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int
 ) -> int:
@@ -343,17 +533,6 @@ def choose_num_kv_splits(
 def workspace_numel(*, num_tokens: int, num_q_heads: int, head_dim: int, num_kv_splits: int) -> int:
     """fp32 elements of split-KV scratch: partial outputs ``[T, Hq, splits, D]`` then LSEs."""
     return num_tokens * num_q_heads * num_kv_splits * (head_dim + 1)
-
-
-def _check_int_tensor(name: str, t: torch.Tensor, ndim: int, device: torch.device) -> None:
-    if t.dtype != torch.int32:
-        raise ValueError(f"{name} must be int32, got {t.dtype}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, q is on {device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
 
 
 def paged_attention(
@@ -381,121 +560,39 @@ def paged_attention(
     ``num_kv_splits``: split-KV factor, None = :func:`choose_num_kv_splits`. ``out``: optional
     ``[T, Hq, D]`` output in q's dtype. ``workspace``: optional contiguous fp32 scratch of at
     least :func:`workspace_numel` elements for split-KV (allocated here when omitted).
-    Returns ``[T, Hq, D]`` in ``q.dtype``.
+    Returns ``[T, Hq, D]`` in ``q.dtype``. Invalid arguments raise ``ValueError``
+    (``kernels/attention_checks.py``).
     """
     # q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D]
-    if q.dim() != 3:
-        raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            "k_cache and v_cache must both be [num_blocks, block_size, Hkv, D], got "
-            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    if q.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"q dtype must be one of {_SUPPORTED_DTYPES}, got {q.dtype}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(
-            f"cache dtypes ({k_cache.dtype}, {v_cache.dtype}) must equal q dtype {q.dtype}"
-        )
-    device = q.device
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device}, q is on {device}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    if device.type != "cuda" and not _interpreting():
-        raise ValueError(f"tensors on {device} need TRITON_INTERPRET=1 (or use CUDA tensors)")
-    if q.stride(-1) != 1:
-        raise ValueError(f"q's last dim must be contiguous, got strides {q.stride()}")
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim:
-        raise ValueError(f"cache head_dim {cache_head_dim} != q head_dim {head_dim}")
-    if not 1 <= head_dim <= _MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be in [1, {_MAX_HEAD_DIM}], got {head_dim}")
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}"
-        )
-    group = num_q_heads // num_kv_heads
-    if group > _MAX_GROUP:
-        raise ValueError(f"GQA group {group} exceeds {_MAX_GROUP}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-
-    _check_int_tensor("block_tables", block_tables, 2, device)
-    _check_int_tensor("seq_lens", seq_lens, 1, device)
-    _check_int_tensor("cu_seqlens_q", cu_seqlens_q, 1, device)
-    num_seqs = seq_lens.shape[0]
-    if block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} seqs")
-    if cu_seqlens_q.shape[0] != num_seqs + 1:
-        raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries, need {num_seqs + 1}")
-    if max_seqlen_q < 0 or max_seqlen_k < 0:
-        raise ValueError(f"max_seqlen_q {max_seqlen_q} / max_seqlen_k {max_seqlen_k} < 0")
-    if max_seqlen_k > block_tables.shape[1] * block_size:
-        raise ValueError(
-            f"max_seqlen_k {max_seqlen_k} exceeds block_tables capacity "
-            f"{block_tables.shape[1]} blocks x {block_size}"
-        )
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != device:
-        raise ValueError(
-            f"out must be {tuple(q.shape)} {q.dtype} on {device}, got "
-            f"{tuple(out.shape)} {out.dtype} on {out.device}"
-        )
-    elif out.stride(-1) != 1:
-        raise ValueError(f"out's last dim must be contiguous, got strides {out.stride()}")
-    if num_tokens == 0 or num_seqs == 0 or max_seqlen_q == 0:
+    shapes = check_attention_inputs(
+        q,
+        k_cache,
+        v_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        cu_seqlens_q=cu_seqlens_q,
+        scale=scale,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        sliding_window=sliding_window,
+    )
+    out = check_out(out, q)
+    if shapes.num_tokens == 0 or shapes.num_seqs == 0 or max_seqlen_q == 0:
         return out
-
-    if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(
-            num_seqs=num_seqs,
-            num_kv_heads=num_kv_heads,
-            max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k,
-        )
-    if num_kv_splits < 1:
-        raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
-    split = num_kv_splits > 1
-    if split:
-        needed = workspace_numel(
-            num_tokens=num_tokens,
-            num_q_heads=num_q_heads,
-            head_dim=head_dim,
-            num_kv_splits=num_kv_splits,
-        )
-        if workspace is None:
-            workspace = torch.empty(needed, dtype=torch.float32, device=device)
-        elif (
-            workspace.dtype != torch.float32
-            or workspace.device != device
-            or not workspace.is_contiguous()
-            or workspace.numel() < needed
-        ):
-            raise ValueError(
-                f"workspace must be contiguous fp32 on {device} with >= {needed} elements, got "
-                f"{workspace.dtype} on {workspace.device} with {workspace.numel()}"
-            )
-        part_out = workspace[: needed - needed // (head_dim + 1)]
-        part_lse = workspace[needed - needed // (head_dim + 1) : needed]
+    launch = attention_launch(
+        shapes,
+        dtype=q.dtype,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        sliding_window=sliding_window,
+        num_kv_splits=num_kv_splits,
+    )
+    if launch.split:
+        part_out, part_lse = _partials(workspace, shapes, launch.num_kv_splits, q.device)
     else:
         part_out = part_lse = out  # unused (SPLIT=False)
 
-    decode_only = max_seqlen_q == 1
-    tiles = attention_tiles(head_dim=head_dim, group=group, decode_only=decode_only, dtype=q.dtype)
-    num_q_tiles = num_seqs if decode_only else num_tokens // tiles.tokens_per_tile + num_seqs
-    dot_fp32 = q.dtype == torch.bfloat16 and _interpreting()
-    fp32_operands = q.dtype == torch.float32 or dot_fp32
-
-    _paged_attention_kernel[(num_q_tiles, num_kv_heads, num_kv_splits)](
+    _paged_attention_kernel[launch.grid](
         q,
         k_cache,
         v_cache,
@@ -505,9 +602,9 @@ def paged_attention(
         block_tables,
         seq_lens,
         cu_seqlens_q,
-        num_seqs,
-        num_q_heads,
-        num_kv_splits,
+        shapes.num_seqs,
+        shapes.num_q_heads,
+        launch.num_kv_splits,
         sliding_window or 0,
         scale * _LOG2_E,
         q.stride(0),
@@ -518,35 +615,40 @@ def paged_attention(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=tiles.head_dim_pad,
-        GROUP=group,
-        BLOCK_M=tiles.block_m,
-        TOKENS_PER_TILE=tiles.tokens_per_tile,
-        TILE_N=tiles.tile_n,
-        BLOCK_SIZE=block_size,
-        DECODE_ONLY=decode_only,
-        USE_WINDOW=sliding_window is not None,
-        SPLIT=split,
-        DOT_FP32=dot_fp32,
-        DOT_PRECISION="ieee" if fp32_operands else "tf32",
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-        maxnreg=tiles.maxnreg,
+        **launch.constexprs(),
+        **launch.options(),
     )
-    if split:
-        block_h = min(16, triton.next_power_of_2(num_q_heads))
-        _paged_attention_reduce_kernel[(num_tokens, triton.cdiv(num_q_heads, block_h))](
+    if launch.split:
+        _paged_attention_reduce_kernel[launch.reduce_grid](
             part_out,
             part_lse,
             out,
-            num_q_heads,
-            num_kv_splits,
+            shapes.num_q_heads,
+            launch.num_kv_splits,
             out.stride(0),
             out.stride(1),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=tiles.head_dim_pad,
-            BLOCK_H=block_h,
-            SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
+            HEAD_DIM=shapes.head_dim,
+            HEAD_DIM_PAD=launch.tiles.head_dim_pad,
+            BLOCK_H=launch.reduce_block_h,
+            SPLITS_PAD=triton.next_power_of_2(launch.num_kv_splits),
         )
     return out
+
+
+def _partials(
+    workspace: torch.Tensor | None,
+    shapes: AttentionShapes,
+    num_kv_splits: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV scratch, checked or allocated: partial outputs ``[T, Hq, splits, D]`` and their
+    log-sum-exps ``[T, Hq, splits]``, flat views of one fp32 buffer."""
+    numel = workspace_numel(
+        num_tokens=shapes.num_tokens,
+        num_q_heads=shapes.num_q_heads,
+        head_dim=shapes.head_dim,
+        num_kv_splits=num_kv_splits,
+    )
+    workspace = check_workspace(workspace, numel=numel, device=device)
+    num_lse = numel // (shapes.head_dim + 1)
+    return workspace[: numel - num_lse], workspace[numel - num_lse : numel]

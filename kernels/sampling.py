@@ -42,6 +42,12 @@ depend on the vocabulary size only, never on the batch, so a row's arithmetic (r
 included) is batch-independent.
 Cost: 3 + (8 if any top-k) + (8 if any top-p) streaming passes over the row, no sort.
 
+The kernel is built from ``@triton.jit`` helpers, which Triton inlines (the PTX is that of one
+long body): every pass loads through ``_load_chunk``; both radix walks histogram with
+``_digit_histogram`` (one pass: per-bin counts, and per-bin mass for top-p) and descend one
+digit per level with ``_top_k_step`` / ``_top_p_step``; the greedy pass and the race fold
+chunks into a running argmax with ``_running_argmax``.
+
 Grammar masks: with a ``token_mask`` (``int32 [B, ceil(V / 32)]``, bit ``t % 32`` of word
 ``t // 32`` set when token ``t`` is allowed), every pass reads disallowed tokens as -inf
 (``_load_chunk``), so the same launch samples constrained and free rows, greedy ones too, from
@@ -51,20 +57,16 @@ constrained rows runs a kernel with no mask loads at all.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels.runtime import check_device, interpreting
 
 _MAX_BLOCK_V = 1024
 _TILE_CUDA = 1024
 _TILE_INTERPRET = 65536
 _NUM_WARPS = 8
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -112,6 +114,96 @@ def _load_chunk(row_ptr, mask_row_ptr, rows_ok, v0, cols, vocab_size, HAS_MASK: 
 
 
 @triton.jit
+def _running_argmax(best, best_idx, values, v0):
+    """Fold a chunk ``values [B, BLOCK_V]`` that starts at column ``v0`` into a running max and
+    the first column holding it: ``(best, best_idx)``."""
+    c_max = tl.max(values, 1)
+    c_arg = tl.argmax(values, 1, tie_break_left=True)
+    best_idx = tl.where(c_max > best, v0 + c_arg, best_idx)  # strict: earlier chunk wins ties
+    best = tl.maximum(best, c_max)
+    return best, best_idx
+
+
+@triton.jit
+def _digit_histogram(
+    row_ptr,
+    mask_row_ptr,
+    rows_ok,
+    cols,
+    vocab_size,
+    temp,
+    z_max,
+    sum_z,
+    k_key,
+    prefix,
+    r: tl.constexpr,
+    OF_P: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """One radix pass over the row: ``(count, mass)``, both ``[B, 16]``, of digit ``r`` (key
+    bits ``31 - 4r`` down to ``28 - 4r``) among the keys whose higher digits equal ``prefix``'s.
+
+    Without ``OF_P`` the keys are those of ``z`` over the whole row and ``mass`` stays 0. With
+    ``OF_P`` they are those of ``p``, over the top-k set only (``key(z) >= k_key``), and
+    ``mass`` sums ``p`` per bin.
+    """
+    digits = tl.arange(0, 16)
+    count = tl.zeros([BLOCK_B, 16], dtype=tl.int32)
+    mass = tl.zeros([BLOCK_B, 16], dtype=tl.float32)
+    for v0 in range(0, vocab_size, BLOCK_V):
+        x, mask = _load_chunk(row_ptr, mask_row_ptr, rows_ok, v0, cols, vocab_size, HAS_MASK)
+        if OF_P:
+            z = x / temp[:, None]
+            mask = mask & (_ordered_key(z) >= k_key[:, None])  # nucleus of the top-k set
+            p = tl.exp(z - z_max[:, None]) / sum_z[:, None]
+            key = _ordered_key(p)
+        else:
+            key = _ordered_key(x / temp[:, None])
+        if r > 0:
+            mask = mask & ((key >> (32 - 4 * r)) == (prefix >> (32 - 4 * r))[:, None])
+        digit = ((key >> (28 - 4 * r)) & 15).to(tl.int32)
+        onehot = (digit[:, :, None] == digits[None, None, :]) & mask[:, :, None]
+        count += tl.sum(onehot.to(tl.int32), 1)
+        if OF_P:
+            mass += tl.sum(tl.where(onehot, p[:, :, None], 0.0), 1)
+    return count, mass
+
+
+@triton.jit
+def _top_k_step(hist, k_rem, prefix, r: tl.constexpr):
+    """One level of the top-k radix select: ``(prefix, k_rem)`` with digit ``r`` of the prefix
+    set to the bin that holds the ``k_rem``-th largest matching key, and that key's rank among
+    the keys matching the longer prefix."""
+    digits = tl.arange(0, 16)
+    # at_or_above[d] = matching keys whose digit is >= d; the k-th largest is in the highest bin
+    # where that count reaches k.
+    at_or_above = tl.sum(hist, 1)[:, None] - tl.cumsum(hist, 1) + hist
+    d_sel = tl.max(tl.where(at_or_above >= k_rem[:, None], digits[None, :], 0), 1)
+    k_rem -= tl.sum(tl.where(digits[None, :] > d_sel[:, None], hist, 0), 1)
+    return prefix | (d_sel.to(tl.uint32) << (28 - 4 * r)), k_rem
+
+
+@triton.jit
+def _top_p_step(count, mass, mass_above, target, empty, prefix, r: tl.constexpr):
+    """One level of the top-p walk: ``(prefix, mass_above, empty)`` with digit ``r`` of the
+    prefix set to the lowest bin holding a kept value (non-empty, mass strictly above it
+    ``< target``), the mass above that bin's keys, and ``empty`` or'ed with "no bin qualified"
+    (the digit is then 15)."""
+    digits = tl.arange(0, 16)
+    # Mass strictly above the largest key of bin d; exactly mass_above for the highest
+    # non-empty bin, so the previous level's choice always qualifies here.
+    above = mass_above[:, None] + _mass_of_higher_bins(mass)
+    holds_kept = (count > 0) & (above < target[:, None])
+    d_sel = tl.min(tl.where(holds_kept, digits[None, :], 16), 1)
+    empty = empty | (d_sel == 16)
+    d_sel = tl.minimum(d_sel, 15)
+    mass_above = tl.sum(tl.where(digits[None, :] == d_sel[:, None], above, 0.0), 1)
+    return prefix | (d_sel.to(tl.uint32) << (28 - 4 * r)), mass_above, empty
+
+
+@triton.jit
 def _sample_kernel(
     logits_ptr,
     temperature_ptr,
@@ -136,7 +228,6 @@ def _sample_kernel(
     row_ptr = logits_ptr + rows * stride_row
     mask_row_ptr = token_mask_ptr + rows * stride_mask_row
     cols = tl.arange(0, BLOCK_V)
-    digits = tl.arange(0, 16)
 
     temperature = tl.load(temperature_ptr + rows, mask=row_mask, other=1.0)
     temp = tl.where(temperature > 0.0, temperature, 1.0)  # greedy rows: keep rule at T=1
@@ -156,10 +247,7 @@ def _sample_kernel(
         # NaN never reaches the reductions: a GPU's tl.max skips it while tl.argmax keeps it
         # or not depending on the reduction tree (the row's token is -1 anyway).
         x = tl.where(x != x, float("-inf"), x)
-        c_max = tl.max(x, 1)
-        c_arg = tl.argmax(x, 1, tie_break_left=True)
-        greedy = tl.where(c_max > x_max, v0 + c_arg, greedy)  # strict: earlier chunk wins ties
-        x_max = tl.maximum(x_max, c_max)
+        x_max, greedy = _running_argmax(x_max, greedy, x, v0)
     invalid = (num_bad > 0) | (x_max == float("-inf"))  # NaN, +inf or nothing finite
     x_ref = tl.where(x_max == float("-inf"), 0.0, x_max)
     z_max = x_ref / temp
@@ -179,23 +267,11 @@ def _sample_kernel(
         prefix = tl.zeros([BLOCK_B], dtype=tl.uint32)
         k_rem = tl.where(k_on, top_k, 1)  # rank still to find among keys matching the prefix
         for r in tl.static_range(8):
-            hist = tl.zeros([BLOCK_B, 16], dtype=tl.int32)
-            for v0 in range(0, vocab_size, BLOCK_V):
-                x, mask = _load_chunk(
-                    row_ptr, mask_row_ptr, row_mask, v0, cols, vocab_size, HAS_MASK
-                )
-                key = _ordered_key(x / temp[:, None])
-                if r > 0:
-                    mask = mask & ((key >> (32 - 4 * r)) == (prefix >> (32 - 4 * r))[:, None])
-                digit = ((key >> (28 - 4 * r)) & 15).to(tl.int32)
-                onehot = (digit[:, :, None] == digits[None, None, :]) & mask[:, :, None]
-                hist += tl.sum(onehot.to(tl.int32), 1)
-            # at_or_above[d] = matching keys whose digit is >= d; the k-th largest is in the
-            # highest bin where that count reaches k.
-            at_or_above = tl.sum(hist, 1)[:, None] - tl.cumsum(hist, 1) + hist
-            d_sel = tl.max(tl.where(at_or_above >= k_rem[:, None], digits[None, :], 0), 1)
-            k_rem -= tl.sum(tl.where(digits[None, :] > d_sel[:, None], hist, 0), 1)
-            prefix = prefix | (d_sel.to(tl.uint32) << (28 - 4 * r))
+            hist, _ = _digit_histogram(
+                row_ptr, mask_row_ptr, row_mask, cols, vocab_size, temp, z_max, sum_z, k_key,
+                prefix, r, False, HAS_MASK, BLOCK_B, BLOCK_V,
+            )  # fmt: skip
+            prefix, k_rem = _top_k_step(hist, k_rem, prefix, r)
         k_key = tl.where(k_on, prefix, k_key)
 
     # -- passes 11..18: top-p threshold = smallest p whose strictly-greater mass < target
@@ -206,33 +282,15 @@ def _sample_kernel(
         mass_above = tl.zeros([BLOCK_B], dtype=tl.float32)  # mass of keys above the prefix
         target = tl.zeros([BLOCK_B], dtype=tl.float32)
         for r in tl.static_range(8):
-            count = tl.zeros([BLOCK_B, 16], dtype=tl.int32)
-            mass = tl.zeros([BLOCK_B, 16], dtype=tl.float32)
-            for v0 in range(0, vocab_size, BLOCK_V):
-                x, mask = _load_chunk(
-                    row_ptr, mask_row_ptr, row_mask, v0, cols, vocab_size, HAS_MASK
-                )
-                z = x / temp[:, None]
-                mask = mask & (_ordered_key(z) >= k_key[:, None])  # nucleus of the top-k set
-                p = tl.exp(z - z_max[:, None]) / sum_z[:, None]
-                key = _ordered_key(p)
-                if r > 0:
-                    mask = mask & ((key >> (32 - 4 * r)) == (prefix >> (32 - 4 * r))[:, None])
-                digit = ((key >> (28 - 4 * r)) & 15).to(tl.int32)
-                onehot = (digit[:, :, None] == digits[None, None, :]) & mask[:, :, None]
-                count += tl.sum(onehot.to(tl.int32), 1)
-                mass += tl.sum(tl.where(onehot, p[:, :, None], 0.0), 1)
+            count, mass = _digit_histogram(
+                row_ptr, mask_row_ptr, row_mask, cols, vocab_size, temp, z_max, sum_z, k_key,
+                prefix, r, True, HAS_MASK, BLOCK_B, BLOCK_V,
+            )  # fmt: skip
             if r == 0:
                 target = top_p * tl.sum(mass, 1)
-            # Mass strictly above the largest key of bin d; exactly mass_above for the highest
-            # non-empty bin, so the previous level's choice always qualifies here.
-            above = mass_above[:, None] + _mass_of_higher_bins(mass)
-            holds_kept = (count > 0) & (above < target[:, None])
-            d_sel = tl.min(tl.where(holds_kept, digits[None, :], 16), 1)
-            p_empty = p_empty | (d_sel == 16)
-            d_sel = tl.minimum(d_sel, 15)
-            mass_above = tl.sum(tl.where(digits[None, :] == d_sel[:, None], above, 0.0), 1)
-            prefix = prefix | (d_sel.to(tl.uint32) << (28 - 4 * r))
+            prefix, mass_above, p_empty = _top_p_step(
+                count, mass, mass_above, target, p_empty, prefix, r
+            )
         p_key = tl.where(p_on, prefix, p_key)
         p_empty = p_on & p_empty
 
@@ -252,10 +310,7 @@ def _sample_kernel(
         u = tl.rand(seed[:, None], counter_hi[:, None] + idx[None, :].to(tl.int64))
         race = p / -tl.log(tl.maximum(u, 1.1754943508222875e-38))
         race = tl.where(mask, tl.where(keep, race, -1.0), float("-inf"))
-        c_best = tl.max(race, 1)
-        c_arg = tl.argmax(race, 1, tie_break_left=True)
-        drawn = tl.where(c_best > best, v0 + c_arg, drawn)
-        best = tl.maximum(best, c_best)
+        best, drawn = _running_argmax(best, drawn, race, v0)
 
     token = tl.where(invalid, -1, tl.where(temperature > 0.0, drawn, greedy))
     x_tok = tl.load(row_ptr + token, mask=row_mask & ~invalid, other=float("nan"))
@@ -276,7 +331,7 @@ def _uniforms_kernel(seeds_ptr, steps_ptr, out_ptr, vocab_size, BLOCK_V: tl.cons
 
 def _tile_shape(vocab_size: int) -> tuple[int, int]:
     block_v = min(triton.next_power_of_2(vocab_size), _MAX_BLOCK_V)
-    tile = _TILE_INTERPRET if _interpreting() else _TILE_CUDA
+    tile = _TILE_INTERPRET if interpreting() else _TILE_CUDA
     return max(1, tile // block_v), block_v
 
 
@@ -289,11 +344,6 @@ def _check_row_param(
         raise ValueError(f"{name} is on {t.device}, logits on {device}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
-
-
-def _check_device(device: torch.device) -> None:
-    if device.type != "cuda" and not _interpreting():
-        raise ValueError(f"tensors on {device} need TRITON_INTERPRET=1 (or use CUDA tensors)")
 
 
 def sample(
@@ -328,7 +378,7 @@ def sample(
     if logits.stride(-1) != 1:
         raise ValueError(f"logits' last dim must be contiguous, got strides {logits.stride()}")
     device = logits.device
-    _check_device(device)
+    check_device(device)
     _check_row_param("temperature", temperature, torch.float32, num_rows, device)
     _check_row_param("top_k", top_k, torch.int32, num_rows, device)
     _check_row_param("top_p", top_p, torch.float32, num_rows, device)
@@ -385,7 +435,7 @@ def sampling_uniforms(*, seeds: torch.Tensor, steps: torch.Tensor, vocab_size: i
         raise ValueError(f"steps {tuple(steps.shape)} must match seeds {tuple(seeds.shape)}")
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-    _check_device(seeds.device)
+    check_device(seeds.device)
     num_rows = seeds.shape[0]
     out = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=seeds.device)
     if num_rows == 0:

@@ -4,6 +4,7 @@ equal the torch backend's and Hugging Face's; sampling and copy-on-write go thro
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts, tiny_model
@@ -41,3 +42,21 @@ def test_seeded_n2_sampling_through_the_kernels(model):
     single = SamplingParams(max_tokens=4, temperature=1.0, top_k=20, seed=6, ignore_eos=True)
     assert llm.generate([PROMPTS[1]], single)[0].token_ids == first[1]
     assert_pool_clean(llm.engine.block_manager)
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    """The backend choice and the launchers ask ``kernels.runtime`` the same question."""
+    from engine.attention_backend import resolve_backend_name
+    from kernels.kv_write import write_kv
+
+    cpu = torch.device("cpu")
+    x = torch.zeros(1, 1, 16)
+    cache = torch.zeros(1, 16, 1, 16)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        resolve_backend_name("triton", cpu)
+    with pytest.raises(ValueError, match="tensors on cpu need TRITON_INTERPRET=1"):
+        write_kv(x, x, cache, cache, slot_mapping=torch.zeros(1, dtype=torch.int64))
+    assert resolve_backend_name("auto", cpu) == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_backend_name("triton", cpu) == "triton"

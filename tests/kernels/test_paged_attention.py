@@ -13,12 +13,20 @@ cartesian grid (plus 32/8 heads, head dims 96/256, contexts to 8k, bf16) runs on
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 import pytest
 import torch
 
-from kernels.paged_attention import choose_num_kv_splits, paged_attention, workspace_numel
+from kernels.attention_checks import AttentionShapes
+from kernels.paged_attention import (
+    _paged_attention_kernel,
+    attention_launch,
+    choose_num_kv_splits,
+    paged_attention,
+    workspace_numel,
+)
 from kernels.reference import paged_attention_ref
 
 # (dtype, atol, rtol) for kernel output vs the fp32 reference run on the same (rounded) inputs.
@@ -149,6 +157,27 @@ def test_choose_num_kv_splits_is_a_fixed_function_of_shapes():
     assert (
         choose_num_kv_splits(num_seqs=1, num_kv_heads=1, max_seqlen_q=1, max_seqlen_k=10**6) == 32
     )
+
+
+def test_launch_record_names_every_compile_time_argument():
+    """The launcher and ``ci/aot_compile.py`` both take the kernel's constexprs from
+    ``AttentionLaunch``: a constexpr added to the kernel but not to the record fails here."""
+    params = inspect.signature(_paged_attention_kernel.fn).parameters.values()
+    constexprs = {p.name for p in params if "constexpr" in str(p.annotation)}
+    shapes = AttentionShapes(
+        num_tokens=5, num_q_heads=8, num_kv_heads=2, head_dim=80, block_size=16, num_seqs=2
+    )
+    launch = attention_launch(
+        shapes,
+        dtype=torch.float16,
+        max_seqlen_q=4,
+        max_seqlen_k=40,
+        sliding_window=None,
+        num_kv_splits=None,
+    )
+    assert set(launch.constexprs()) == constexprs
+    assert launch.constexprs()["TOKENS_PER_TILE"] == 64 // 4
+    assert launch.grid == (5 // 16 + 2, 2, 1)
 
 
 @pytest.mark.parametrize(
