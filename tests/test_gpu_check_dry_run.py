@@ -83,7 +83,7 @@ def test_dry_run_ends_with_the_summary_table(dry_run):
     assert set(lines[-1]) == {"="}
 
 
-def test_dry_run_runs_the_issue_17_hazards_first(dry_run):
+def test_dry_run_runs_the_kernel_hazards_first(dry_run):
     """The checks the interpreter cannot make run first, so the first GPU session settles them:
     the near-boundary top-p sweep, the invalid rows and the graphs-vs-eager comparison."""
     steps = [line.split()[:2] for line in dry_run.stdout.splitlines() if line[:5] == "  1. "]

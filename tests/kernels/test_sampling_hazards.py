@@ -1,4 +1,4 @@
-"""Sampling hazards a GPU would show and the interpreter hides (issue 17).
+"""Sampling hazards a GPU would show and the interpreter hides: top-p at bin edges, NaN rows.
 
 * Top-p at bin edges: the radix walk must not depend on exact float sums. Rows built so that
   top_p sits within a few hundred ulps of a nucleus boundary, where a walk that needs
