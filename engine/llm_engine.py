@@ -19,6 +19,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.forks import detach, join_forks, make_samples, sample_ids, with_pending_forks
+from engine.fused_projections import fuse_projections
 from engine.live_request import LiveRequest, request_metrics
 from engine.metrics import EngineStats
 from engine.model_loader import LoadedModel, load_model, resolve_dtype
@@ -52,6 +53,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         install_paged_attention(loaded.model)
+        fuse_projections(loaded.model)  # q/k/v and gate/up: one GEMM each, exact
         self.vocab_size = int(loaded.model.config.vocab_size)
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.grammars = (

@@ -1,0 +1,115 @@
+"""Fuse the projections that read the same input into one GEMM, without forking modeling code.
+
+Hugging Face attention calls ``q_proj(x)``, ``k_proj(x)`` and ``v_proj(x)`` one after another,
+and the MLP calls ``gate_proj(x)`` then ``up_proj(x)``: five weight reads and five dispatches
+per layer where two would do. At load we concatenate each group's weights (and biases) into one
+``FusedLinear`` and put a ``FusedPart`` in place of each original module::
+
+    attn.q_proj ─┐                      x ──► one F.linear ──► [q | k | v]
+    attn.k_proj ─┼─► attn.qkv_proj        q_proj(x) computes it and keeps the parts;
+    attn.v_proj ─┘                        k_proj(x), v_proj(x) hand out theirs
+
+The modeling code still calls three modules; the first call for an input computes every part
+and the others return theirs. A part asked for twice, or for another input (the identity of
+``x`` is checked), recomputes, so any call order stays correct, only slower.
+
+Exactness: every output element is the same dot product over the same ``K`` inputs in the same
+order, so on the CPU (oneDNN/MKL) the fused GEMM equals the separate ones bit for bit; the tests
+check greedy tokens against Hugging Face for every supported family.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# (owner attribute, the projections that read one input, the fused module's name)
+FUSED_GROUPS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("self_attn", ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+    ("mlp", ("gate_proj", "up_proj"), "gate_up_proj"),
+)
+
+
+class FusedLinear(nn.Module):
+    """The concatenation of several ``nn.Linear`` that read the same input.
+
+    weight: ``[sum(out_features), in_features]``; bias: ``[sum(out_features)]`` or None.
+    ``part(i, x)`` is what the ``i``-th original module would return for ``x``.
+    """
+
+    def __init__(self, linears: list[nn.Linear]):
+        super().__init__()
+        has_bias = {lin.bias is not None for lin in linears}
+        if len(has_bias) != 1:
+            raise ValueError("projections to fuse must all have a bias or all have none")
+        if len({lin.in_features for lin in linears}) != 1:
+            raise ValueError("projections to fuse must read inputs of one size")
+        self.sizes = [lin.out_features for lin in linears]
+        self.weight = nn.Parameter(torch.cat([lin.weight for lin in linears]), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.cat([lin.bias for lin in linears]), requires_grad=False)
+            if has_bias.pop()
+            else None
+        )
+        self._input: torch.Tensor | None = None
+        self._parts: tuple[torch.Tensor, ...] = ()
+        self._taken: set[int] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """All parts at once: ``[..., sum(out_features)]``."""
+        return F.linear(x, self.weight, self.bias)
+
+    def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Part ``index`` of the fused output for ``x`` (a view of one GEMM's result)."""
+        if self._input is not x or index in self._taken:
+            self._parts = self.forward(x).split(self.sizes, dim=-1)
+            self._input = x
+            self._taken = set()
+        self._taken.add(index)
+        out = self._parts[index]
+        if len(self._taken) == len(self.sizes):  # every part handed out: drop the references
+            self._input, self._parts = None, ()
+        return out
+
+
+class FusedPart(nn.Module):
+    """Stands where one original projection was; returns its slice of the fused GEMM."""
+
+    def __init__(self, fused: FusedLinear, index: int):
+        super().__init__()
+        # Not registered as a child: the fused weights belong to the owner's fused module only.
+        object.__setattr__(self, "fused", fused)
+        self.index = index
+        self.out_features = fused.sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.part(self.index, x)
+
+
+def fuse_group(owner: nn.Module, names: tuple[str, ...], fused_name: str) -> bool:
+    """Fuse ``owner``'s projections ``names`` into ``owner.<fused_name>``; False (unchanged) when
+    the owner lacks one of them or one is not a plain ``nn.Linear`` (already fused, quantized)."""
+    linears = [getattr(owner, name, None) for name in names]
+    if not all(type(lin) is nn.Linear for lin in linears):
+        return False
+    fused = FusedLinear(linears)
+    owner.add_module(fused_name, fused)
+    for index, name in enumerate(names):
+        setattr(owner, name, FusedPart(fused, index))
+    return True
+
+
+@torch.no_grad()
+def fuse_projections(model: nn.Module) -> int:
+    """Fuse q/k/v and gate/up in every decoder layer of a Hugging Face causal LM, in place.
+
+    Returns the number of groups fused (two per layer for the supported families).
+    """
+    count = 0
+    for layer in model.model.layers:
+        for owner_name, names, fused_name in FUSED_GROUPS:
+            owner = getattr(layer, owner_name, None)
+            if owner is not None and fuse_group(owner, names, fused_name):
+                count += 1
+    return count
