@@ -18,7 +18,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="HF model id or folder, or a .gguf file (default: embedded SmolLM2)",
     )
-    parser.add_argument("--dtype", default="auto", choices=DTYPES)
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16, AMX), float32 "
+        "elsewhere; float32 gives tokens equal to Hugging Face fp32",
+    )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     parser.add_argument("--block-size", type=int, default=16)

@@ -17,12 +17,13 @@ import torch
 from engine.attention_swap import install_paged_attention
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.dtype_choice import choose_dtype
 from engine.errors import InvalidRequestError
 from engine.forks import detach, join_forks, make_samples, sample_ids, with_pending_forks
 from engine.fused_projections import fuse_projections
 from engine.live_request import LiveRequest, request_metrics
 from engine.metrics import EngineStats
-from engine.model_loader import LoadedModel, load_model, resolve_dtype
+from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner, StepResult
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampler import INVALID_TOKEN
@@ -46,8 +47,9 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         if loaded is None:
-            dtype = resolve_dtype(config.dtype, self.device)
-            loaded = load_model(config.model, dtype=dtype, device=self.device)
+            choice = choose_dtype(config.dtype, self.device)
+            logger.info("weights in %s", choice)
+            loaded = load_model(config.model, dtype=choice.dtype, device=self.device)
         self.loaded = loaded
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer

@@ -57,13 +57,6 @@ def default_gguf_path() -> Path:
     return path
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` is float32 on CPU and bfloat16 on CUDA."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
-
-
 def load_gguf_float32(gguf: Path) -> tuple[PreTrainedModel, object]:
     """Dequantise a GGUF file with transformers' GGUF loader, in float32."""
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -43,7 +43,8 @@ import transformers
 from transformers import ContinuousBatchingConfig
 
 from engine import LLM
-from engine.model_loader import LoadedModel, load_model, resolve_dtype
+from engine.dtype_choice import resolve_dtype
+from engine.model_loader import LoadedModel, load_model
 from engine.sampling_params import SamplingParams
 from perf.e2e_workload import SystemResult, Workload, agreement, finish, make_workload, timed
 from perf.hf_baselines import (
@@ -115,7 +116,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=96, help="largest max_tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--dtype", default="auto", help="auto: as paged-serve's --dtype auto")
     p.add_argument(
         "--model-shape",
         choices=sorted(MODEL_SHAPES),

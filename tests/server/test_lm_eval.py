@@ -70,6 +70,7 @@ def server_url() -> Iterator[str]:
             "--kv-cache-memory", str(32 << 20),
             "--max-model-len", "512",
             "--served-model-name", SERVED,
+            "--dtype", "float32",  # the scores are held to Hugging Face fp32
         ]
     )  # fmt: skip
     try:
