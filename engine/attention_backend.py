@@ -1,7 +1,8 @@
 """Attention backends: which functions run the KV write, paged attention and block copy.
 
-``torch`` runs the eager references of ``kernels/reference.py`` (the CPU default: Triton's
-interpreter is far too slow to serve); ``triton`` runs our kernels (the CUDA default). Both sets
+``torch`` runs the eager references' arithmetic (the CPU default: Triton's interpreter is far too
+slow to serve), with each step's metadata derived once rather than per layer
+(``engine/cpu_attention.py``); ``triton`` runs our kernels (the CUDA default). Both sets
 of functions share one keyword signature, so a backend is just the three functions.
 """
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cpu_attention import PlannedTorchAttention
 from kernels import reference
 from kernels.runtime import can_run_on
 
@@ -40,8 +42,9 @@ def resolve_backend_name(requested: str, device: torch.device) -> str:
 
 def make_backend(name: str) -> AttentionBackend:
     if name == "torch":
+        planned = PlannedTorchAttention()  # one per runner: it remembers the current step
         return AttentionBackend(
-            name, reference.write_kv_ref, reference.paged_attention_ref, reference.copy_blocks_ref
+            name, planned.write_kv, planned.paged_attention, reference.copy_blocks_ref
         )
     if name == "triton":
         # Imported here: triton must not load before TRITON_INTERPRET is decided.
