@@ -21,7 +21,6 @@ check greedy tokens against Hugging Face for every supported family.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 # (owner attribute, the projections that read one input, the fused module's name)
@@ -34,8 +33,9 @@ FUSED_GROUPS: tuple[tuple[str, tuple[str, ...], str], ...] = (
 class FusedLinear(nn.Module):
     """The concatenation of several ``nn.Linear`` that read the same input.
 
-    weight: ``[sum(out_features), in_features]``; bias: ``[sum(out_features)]`` or None.
-    ``part(i, x)`` is what the ``i``-th original module would return for ``x``.
+    ``proj`` is one ``nn.Linear`` with weight ``[sum(out_features), in_features]`` and bias
+    ``[sum(out_features)]`` or None (a module, so weight-only quantization can swap it like any
+    other). ``part(i, x)`` is what the ``i``-th original module would return for ``x``.
     """
 
     def __init__(self, linears: list[nn.Linear]):
@@ -46,18 +46,22 @@ class FusedLinear(nn.Module):
         if len({lin.in_features for lin in linears}) != 1:
             raise ValueError("projections to fuse must read inputs of one size")
         self.sizes = [lin.out_features for lin in linears]
-        self.weight = nn.Parameter(torch.cat([lin.weight for lin in linears]), requires_grad=False)
-        self.bias = (
-            nn.Parameter(torch.cat([lin.bias for lin in linears]), requires_grad=False)
-            if has_bias.pop()
-            else None
+        first = linears[0]
+        self.proj = nn.Linear(
+            first.in_features,
+            sum(self.sizes),
+            bias=has_bias.pop(),
+            device="meta",  # no throwaway initialisation: the weights are assigned next
         )
+        self.proj.weight = nn.Parameter(torch.cat([lin.weight for lin in linears]), False)
+        if self.proj.bias is not None:
+            self.proj.bias = nn.Parameter(torch.cat([lin.bias for lin in linears]), False)
         # A plain object: nn.Module.__setattr__ costs microseconds, and part() runs 5x a layer.
         self._pending = _PendingParts()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """All parts at once: ``[..., sum(out_features)]``."""
-        return F.linear(x, self.weight, self.bias)
+        return self.proj(x)
 
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Part ``index`` of the fused output for ``x`` (a view of one GEMM's result)."""

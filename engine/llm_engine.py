@@ -21,6 +21,7 @@ from engine.dtype_choice import choose_dtype
 from engine.errors import InvalidRequestError
 from engine.forks import detach, join_forks, make_samples, sample_ids, with_pending_forks
 from engine.fused_projections import fuse_projections
+from engine.int8_weights import quantize_int8
 from engine.live_request import LiveRequest, request_metrics
 from engine.metrics import EngineStats
 from engine.model_loader import LoadedModel, load_model
@@ -56,6 +57,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         install_paged_attention(loaded.model)
         fuse_projections(loaded.model)  # q/k/v and gate/up: one GEMM each, exact
+        if config.quantization == "int8":
+            swapped = quantize_int8(loaded.model, self.device)
+            logger.info("int8 weight-only: %d projections quantized", swapped)
         self.vocab_size = int(loaded.model.config.vocab_size)
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.grammars = (

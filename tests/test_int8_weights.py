@@ -1,0 +1,81 @@
+"""Weight-only int8: the module multiplies by exactly the weights it says it holds, the rounding
+stays within half a step, and the engine's greedy tokens equal Hugging Face's on a model whose
+weights are those dequantized int8 weights (so the only approximation is the quantization)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from engine.config import EngineConfig
+from engine.fused_projections import fuse_projections
+from engine.int8_weights import Int8Linear, quantize_int8
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.conftest import TINY_FAMILIES, hf_greedy, loaded, tiny_model
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_multiplies_by_its_dequantized_weight(bias: bool) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40, bias=bias)
+    q = Int8Linear(linear)
+    assert q.qweight.dtype == torch.int8 and q.qweight.abs().max() <= 127
+    w = q.dequantized()
+    # round to nearest: each weight is within half a step of its row's scale
+    step = q.scale.float()[:, None]
+    assert ((w - linear.weight).abs() <= step / 2 + 1e-7).all()
+    x = torch.randn(2, 5, 96)
+    expected = nn.functional.linear(x, w, linear.bias)
+    torch.testing.assert_close(q(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_int8_linear_takes_bf16_activations() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32, bias=False).bfloat16()
+    q = Int8Linear(linear)
+    x = torch.randn(7, 64, dtype=torch.bfloat16)
+    y = q(x)
+    assert y.dtype == torch.bfloat16
+    expected = x.float() @ q.dequantized().T
+    torch.testing.assert_close(y.float(), expected, atol=0.05, rtol=0.02)
+
+
+def _dequantized_twin(model: nn.Module) -> nn.Module:
+    """``model`` with each quantized projection's weight replaced by its int8 approximation."""
+    twin = copy.deepcopy(model)
+    fuse_projections(twin)
+    quantize_int8(twin, CPU)
+    reference = copy.deepcopy(model)
+    fuse_projections(reference)
+    for name, module in twin.named_modules():
+        if isinstance(module, Int8Linear):
+            reference.get_submodule(name).weight.data = module.dequantized()
+    return reference
+
+
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+def test_engine_int8_equals_hf_on_the_dequantized_weights(family: str) -> None:
+    model = tiny_model(family)
+    llm = LLM(loaded=loaded(model), kv_cache_memory=2 << 20, quantization="int8")
+    layer = llm.engine.runner.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj.proj, Int8Linear)
+    assert isinstance(layer.mlp.down_proj, Int8Linear)
+    assert isinstance(llm.engine.runner.model.lm_head, Int8Linear)
+    reference = _dequantized_twin(model)
+    prompts = [[5, 9, 33, 70, 2], list(range(10, 41))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(reference, prompt, 12)
+
+
+def test_int8_is_refused_off_the_cpu_and_unknown_schemes_are_refused() -> None:
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        quantize_int8(tiny_model("llama"), torch.device("cuda"))
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="int4")
