@@ -259,16 +259,23 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     # ----------------------------------------------------------------- the loop
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is None:
-            return
-        if isinstance(item, BaseException) or item.finished:
-            del self._streams[request_id]
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        except RuntimeError:  # the client's event loop is closed: nobody is listening
-            pass
+    def _deliver(self, replies: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand each reply to its stream's queue (lock held). One wake-up per event loop for the
+        whole step, rather than one per token: each wake-up is a write to the loop's self-pipe
+        and a turn of the loop, ``len(replies)`` times a step at every batch size."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for request_id, item in replies:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue
+            if isinstance(item, BaseException) or item.finished:
+                del self._streams[request_id]
+            batches.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the client's event loop is closed: nobody is listening
+                pass
 
     def _apply(
         self, adds: list[tuple[str, list[int], SamplingParams]], aborts: list[str]
@@ -306,8 +313,7 @@ class AsyncEngine:
                     self.state_watch.after_step(self.engine, snapshot)
                 with self._lock:
                     self._snapshot, self._in_transit = snapshot, 0
-                    for request_id, item in replies:
-                        self._deliver(request_id, item)
+                    self._deliver(replies)
                     for request_id in aborts:  # aborted before the engine knew it
                         self._streams.pop(request_id, None)
                 if stopping and not self.engine.has_unfinished:
@@ -316,5 +322,11 @@ class AsyncEngine:
             logger.exception("engine loop died")
             with self._lock:
                 self.dead = exc
-                for request_id in list(self._streams):
-                    self._deliver(request_id, EngineDeadError(f"engine loop died: {exc!r}"))
+                error = EngineDeadError(f"engine loop died: {exc!r}")
+                self._deliver([(request_id, error) for request_id in list(self._streams)])
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    """Runs on the event loop: put each item on its queue, in order."""
+    for queue, item in items:
+        queue.put_nowait(item)
