@@ -1,0 +1,111 @@
+"""Where a CPU decode step's time goes, per engine mode: the model body against the rest.
+
+``python -m perf.bench_cpu_step [--streams 1 8] [--modes float32 bfloat16 ...]`` runs the engine
+alone (``LLMEngine.step`` in a loop, no server) on the default model with ``streams`` requests
+decoding together, and reports per decode step (p50 over the steps, in ms): the whole step, the
+forward (``ModelRunner.forward``: the model body and the LM head) and the rest (scheduling,
+sampling, detokenizing, stop checks). A mode is a dtype, optionally ``+int8`` (weight-only int8)
+or ``+unfused`` (q/k/v and gate/up as separate GEMMs, the layout before fusion), e.g.
+``float32+unfused``. Each mode runs in its own process, so one mode's allocations and threads
+do not shape another's. Timing belongs here, never in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+DEFAULT_MODES = ("float32+unfused", "float32", "bfloat16", "bfloat16+int8")
+PROMPT_TOKENS = 64  # per request, distinct per stream so no prefix is shared
+DECODE_TOKENS = 48  # per request; every request runs to its limit
+
+
+def measure(mode: str, streams: int, threads: int | None) -> dict:
+    """Per-step p50 times (ms) of one mode with ``streams`` concurrent requests (this process)."""
+    import torch
+
+    import engine.llm_engine as llm_engine
+    from engine.llm import LLM
+    from engine.model_loader import load_model
+    from engine.sampling_params import SamplingParams
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    dtype_name, *flags = mode.split("+")
+    if "unfused" in flags:
+        llm_engine.fuse_projections = lambda model: 0  # the layout before fusion, for the A/B
+    loaded = load_model(None, dtype=getattr(torch, dtype_name), device=torch.device("cpu"))
+    llm = LLM(loaded=loaded, quantization="int8" if "int8" in flags else None)
+    runner = llm.engine.runner
+    forward_s: list[float] = []
+    forward = runner.forward
+
+    def timed_forward(*args, **kwargs):
+        start = time.perf_counter()
+        out = forward(*args, **kwargs)
+        forward_s.append(time.perf_counter() - start)
+        return out
+
+    runner.forward = timed_forward
+    params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True)
+    steps: list[float] = []
+    for repeat in range(2):  # the first round warms up; the second is measured
+        forward_s.clear()
+        steps.clear()
+        for s in range(streams):
+            base = 1000 + 97 * s + 13 * repeat
+            llm.engine.add_request(list(range(base, base + PROMPT_TOKENS)), params)
+        while llm.engine.has_unfinished:
+            start = time.perf_counter()
+            llm.engine.step()
+            steps.append(time.perf_counter() - start)
+    step, fwd = steps[1:], forward_s[1:]  # the prefill step is not a decode step
+    rest = [a - b for a, b in zip(step, fwd)]
+    return {
+        "mode": mode,
+        "streams": streams,
+        "threads": torch.get_num_threads(),
+        "step_ms": 1e3 * statistics.median(step),
+        "forward_ms": 1e3 * statistics.median(fwd),
+        "rest_ms": 1e3 * statistics.median(rest),
+        "tok_s": streams / statistics.median(step),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m perf.bench_cpu_step", description=__doc__)
+    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES))
+    p.add_argument("--streams", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one "mode:streams"
+    args = p.parse_args(argv)
+    if args.one:
+        mode, streams = args.one.rsplit(":", 1)
+        print(json.dumps(measure(mode, int(streams), args.threads)))
+        return 0
+    print(f"load average at start: {os.getloadavg()}")
+    print("| mode | streams | threads | step ms | forward ms | rest ms | tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for streams in args.streams:
+        for mode in args.modes:
+            cmd = [sys.executable, "-m", "perf.bench_cpu_step", "--one", f"{mode}:{streams}"]
+            if args.threads is not None:
+                cmd += ["--threads", str(args.threads)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            print(
+                f"| {r['mode']} | {r['streams']} | {r['threads']} | {r['step_ms']:.1f} | "
+                f"{r['forward_ms']:.1f} | {r['rest_ms']:.2f} | {r['tok_s']:.1f} |",
+                flush=True,
+            )
+    print(f"load average at end: {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
