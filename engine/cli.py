@@ -38,6 +38,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run every step eagerly: no CUDA graphs for decode steps (they need CUDA + triton)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="shard the model over this many processes (one GPU each on CUDA; gloo on CPU)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -54,6 +61,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
