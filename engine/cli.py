@@ -9,6 +9,7 @@ import sys
 from engine.config import ATTENTION_BACKENDS, DTYPES
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.tp_workers import TensorParallelError
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    llm: LLM | None = None
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens,
@@ -98,9 +100,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             prompt = llm.tokenizer(prompt, add_special_tokens=False).input_ids
         result = llm.generate([prompt], params)[0]
-    except ValueError as exc:
+    except (ValueError, TensorParallelError) as exc:
         print(f"paged-generate: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if llm is not None:
+            llm.shutdown()  # the tensor-parallel workers, if any
     print(result.text)
     if args.show_stats:
         m = result.metrics
