@@ -156,11 +156,13 @@ def test_a_worker_that_fails_at_start_up_is_named_with_its_cause(tmp_path):
     """The worker loads ``config.model`` itself (no shared model) from a folder with nothing."""
     config = EngineConfig(model=str(tmp_path / "missing"), tensor_parallel_size=2)
     model = build_tiny_model("llama")
-    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) failed at start-up: \w+"):
+    before = set(multiprocessing.active_children())  # another module fixture's worker may run
+    failed = r"rank 1 \(pid \d+\) failed at start-up: OSError"
+    with pytest.raises(TensorParallelError, match=failed):
         TensorParallelWorkers.start(
             config, model, torch.device("cpu"), max_model_len=64, share_model=False
         )
-    assert not [p for p in multiprocessing.active_children() if p.name.startswith("paged-serve-tp")]
+    assert set(multiprocessing.active_children()) <= before
 
 
 # ------------------------------------------------------------------ the step message
