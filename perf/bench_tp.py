@@ -7,11 +7,11 @@ wall time of a step, the time the driver spent in all-reduces (two per layer, pl
 slowest rank) and in the step message broadcast, and their share of the step.
 
 On the CPU the point is the overhead, not speed: the ranks share the host's cores (each rank gets
-``cores / N`` threads). On CUDA the same command measures NCCL all-reduces (``--device cuda``);
-pass ``--enforce-eager`` there, since collectives inside a replayed decode graph never reach the
-Python wrappers.
+``cores / N`` threads; ``--threads 1`` gives TP=1 one thread too, for a like-for-like step). On
+CUDA the same command measures NCCL all-reduces (``--device cuda``); a replayed decode graph's
+collectives never reach the Python wrappers, so read the collective columns of ``--modes eager``.
 
-    python -m perf.bench_tp --tp 1 2 --check              # random Llama, 8 layers, hidden 512
+    python -m perf.bench_tp --tp 1 2 --threads 1 --check   # random Llama, 8 layers, hidden 512
     python -m perf.bench_tp --tp 1 2 --device cuda --modes eager graphs --check
 
 ``--check`` exits 1 unless every run's greedy tokens equal those of the first (TP=1, eager).
@@ -128,8 +128,8 @@ def bench(
 ) -> tuple[PhaseStats, PhaseStats, list[list[int]]]:
     """(prefill phase, decode phase, greedy tokens) of ``--batch`` requests at TP=``tp``."""
     device = torch.device(args.device)
-    if device.type == "cpu":  # the ranks share the cores, as the workers do
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+    if device.type == "cpu":  # the driver's threads: as many as each worker gets
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // tp))
     loaded = None
     if args.model is None:
         loaded = random_llama(args.layers, args.hidden, args.heads, args.kv_heads)
@@ -148,6 +148,10 @@ def bench(
     try:
         gen = torch.Generator().manual_seed(1)
         vocab = engine.vocab_size
+        warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        engine.add_request(list(range(args.prompt_len)), warm)  # first-call costs, unmeasured
+        while engine.has_unfinished:
+            engine.step()
         params = SamplingParams(max_tokens=args.decode_steps + 1, temperature=0.0, ignore_eos=True)
         for _ in range(args.batch):
             prompt = torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
@@ -175,6 +179,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--kv-cache-memory", type=int, default=64 << 20)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU: the driver's torch threads (default: cores / TP, what each worker takes)",
+    )
     parser.add_argument(
         "--modes",
         nargs="+",
