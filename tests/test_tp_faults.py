@@ -1,6 +1,7 @@
 """Tensor-parallel faults and shutdown: a worker killed mid-stream fails the engine cleanly (the
 stream ends with an ``engine_dead`` error frame, ``/health`` turns 503, ``paged-serve`` exits 1)
-and no worker process outlives its engine, after a fault or after a clean SIGTERM.
+and no worker process outlives its engine, after a fault or after a clean SIGTERM; a rank
+launched on its own through the torch.distributed environment (the multi-node way) joins.
 
 The model is the tiny random Llama at TP=2 on gloo, with the default model's tokenizer so that
 its tokens stream as text (prompts are token ids within its 512-token vocabulary).
@@ -13,6 +14,9 @@ import json
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,11 +25,12 @@ import aiohttp
 import pytest
 from transformers import AutoTokenizer
 
+from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.model_loader import LoadedModel, resolve_model_path
 from server.app import create_app
-from tests.conftest import loaded, tiny_model
+from tests.conftest import hf_greedy, loaded, tiny_model
 from tests.server.conftest import ServerThread, http
 from tests.server.test_cli import READY, START_DEADLINE_S, ServerProcess
 
@@ -160,3 +165,31 @@ def test_workers_exit_when_the_driver_is_killed(model_dir):
     server, _, worker = start_server(model_dir)
     server.stop()  # SIGKILL: no shutdown code runs in the driver
     assert process_gone(worker)
+
+
+def test_a_rank_launched_on_its_own_joins_through_the_environment(model_dir, monkeypatch):
+    """The multi-node launch, on one node: the driver spawns no rank (LOCAL_WORLD_SIZE=1) and
+    rank 1 is ``python -m engine.tp_workers`` with RANK/WORLD_SIZE/MASTER_* set."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    flags = ["--model", str(model_dir), "--kv-cache-memory", str(4 << 20)]
+    rank1 = subprocess.Popen(
+        [sys.executable, "-m", "engine.tp_workers", *flags], env={**os.environ, **env}
+    )
+    try:
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", port)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+        with LLM(str(model_dir), tensor_parallel_size=2, kv_cache_memory=4 << 20) as llm:
+            assert not llm.engine.tp.processes  # nothing spawned: rank 1 came on its own
+            greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+            [result] = llm.generate([prompt], greedy)
+        assert result.token_ids == hf_greedy(tiny_model("llama"), prompt, 8)
+        assert rank1.wait(timeout=EXIT_DEADLINE_S) == 0  # SHUTDOWN reached it
+    finally:
+        if rank1.poll() is None:
+            rank1.kill()
+            rank1.wait()
