@@ -273,6 +273,8 @@ def run_worker(spec: WorkerSpec, pipe: Connection | None) -> None:
     logging.basicConfig(level=logging.WARNING, format=log_format)
     if pipe is not None:
         _exit_when_driver_dies(pipe)
+        # Ctrl-C reaches the whole process group: the driver shuts its workers down itself.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = spec.config
     world = config.tensor_parallel_size
     auto = "cuda" if torch.cuda.is_available() else "cpu"
