@@ -254,16 +254,18 @@ class LLMEngine:
             self.tp.check()  # a worker that died between steps: fail before broadcasting
         try:
             result = self.runner.execute(batch, tables)
-        except RuntimeError as exc:
-            if self.tp is None or isinstance(exc, torch.OutOfMemoryError):
-                raise
-            # A rank died or raised: the group cannot go on. Name the rank and its cause.
-            raise self.tp.failure(exc) from exc
         except (torch.OutOfMemoryError, MemoryError) as exc:
+            if self.tp is not None:  # the ranks may be out of step now: the group cannot go on
+                raise self.tp.failure(exc) from exc
             # The step's size is bounded by the configuration, but a device can still run short
             # (another process, fragmentation): fail this step's requests, keep the engine.
             logger.error("step of %d requests ran out of memory: %s", len(batch.requests), exc)
             return self._fail_step(batch, "the server ran out of memory running this request")
+        except RuntimeError as exc:
+            if self.tp is None:
+                raise
+            # A rank died or raised: the group cannot go on. Name the rank and its cause.
+            raise self.tp.failure(exc) from exc
         self.num_steps += 1
         for sched in batch.requests:
             req = sched.request
