@@ -9,7 +9,7 @@ Two torch.distributed groups per engine:
 - the **step channel** (always gloo, on host memory) carries the driver's per-step message and
   the start-up agreements (KV block count, decode-graph capture). Workers wait on it between
   steps for as long as the engine idles, so its timeout is effectively unbounded; a worker
-  learns that the driver died from its parent pipe instead (``engine/tp_workers.py``).
+  learns that the driver died from its parent pipe instead (``engine/tp_rank.py``).
 
 The step message goes out in one broadcast of ``FIRST_CHUNK`` int64 entries (length first),
 plus a second broadcast of the rest only when a step's metadata is larger (long prefills).

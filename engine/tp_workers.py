@@ -1,4 +1,4 @@
-"""Tensor-parallel worker processes: started by the driver, one per rank 1..N-1, and their loop.
+"""The driver's handle on its tensor-parallel workers: start them, watch them, stop them.
 
 Process layout (rank 0 is the engine process itself, the *driver*)::
 
@@ -13,13 +13,13 @@ Process layout (rank 0 is the engine process itself, the *driver*)::
     per step: broadcast the step message      --->   run the same body forward (no LM head)
     shutdown: broadcast SHUTDOWN, join        --->   leave the groups, exit 0
 
-The pipe does three jobs: start-up status, a worker's last error (its cause, for the driver's
-message), and the driver's liveness: a worker thread blocks reading it, and end-of-file means
-the driver is gone, so the worker exits instead of lingering as an orphan. The driver notices a
-dead worker before each step (process sentinels) or through the failed collective.
+The worker side is ``engine/tp_rank.py``. The pipe does three jobs: start-up status, a worker's
+last error (its cause, for the driver's message), and the driver's liveness (end-of-file tells a
+worker that the driver is gone). The driver notices a dead worker before each step (process
+sentinels) or through the failed collective.
 
 Multi-node: with ``LOCAL_WORLD_SIZE=L`` the driver spawns ranks 1..L-1 only; ranks L..N-1 are
-started on other nodes with ``python -m engine.tp_workers`` (the engine flags, plus ``RANK``,
+started on other nodes with ``python -m engine.tp_rank`` (the engine flags, plus ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` in the environment). Such a
 rank has no pipe: it learns that the driver is gone when a collective fails.
 """
@@ -30,23 +30,17 @@ import logging
 import os
 import signal
 import socket
-import sys
-import threading
-import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
 import torch
 import torch.multiprocessing as mp
 from transformers import PreTrainedModel
 
-from engine.attention_swap import install_paged_attention
 from engine.config import EngineConfig
-from engine.model_loader import load_model, resolve_dtype
-from engine.model_runner import ModelRunner
-from engine.step_message import SHUTDOWN, StepMessage
+from engine.step_message import StepMessage
 from engine.tensor_parallel import shard_model, shard_shape
 from engine.tp_group import TensorParallelGroup
+from engine.tp_rank import WorkerSpec, rank_device, run_worker
 
 logger = logging.getLogger(__name__)
 
@@ -56,26 +50,6 @@ JOIN_TIMEOUT_S = 10.0
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed (at start-up or in a step); the message names it."""
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    """What a worker needs to build its rank: the engine config, its rank, where the groups
-    meet, the driver's context length (None: derive it the driver's way), and the model to
-    shard (None: load ``config.model`` itself)."""
-
-    config: EngineConfig
-    rank: int
-    local_rank: int
-    address: str
-    port: int
-    max_model_len: int | None
-    model: PreTrainedModel | None
-
-
-def rank_device(device: torch.device, local_rank: int) -> torch.device:
-    """A rank runs on ``cuda:LOCAL_RANK`` (its node's GPU) on CUDA, on the CPU otherwise."""
-    return torch.device("cuda", local_rank) if device.type == "cuda" else device
 
 
 def local_world_size(world_size: int) -> int:
@@ -246,107 +220,3 @@ class TensorParallelWorkers:
             pipe.close()
         if group is not None:
             group.close()
-
-
-# ---------------------------------------------------------------------- the worker process
-def _exit_when_driver_dies(pipe: Connection) -> None:
-    """Exit as soon as the driver's end of ``pipe`` closes (the driver ended or was killed)."""
-
-    def watch() -> None:
-        try:
-            while True:
-                pipe.recv()
-        except (EOFError, OSError):
-            os._exit(1)
-
-    threading.Thread(target=watch, name="driver-watch", daemon=True).start()
-
-
-def run_worker(spec: WorkerSpec, pipe: Connection | None) -> None:
-    """A worker rank's whole life: load and shard, join, then run steps until SHUTDOWN.
-
-    Any failure is sent to the driver as ``("error", cause)`` (when there is a ``pipe``: a rank
-    the driver spawned) and ends the process with exit code 1; the driver turns it into a
-    TensorParallelError naming this rank.
-    """
-    log_format = f"%(levelname)s rank {spec.rank}: %(message)s"
-    logging.basicConfig(level=logging.WARNING, format=log_format)
-    if pipe is not None:
-        _exit_when_driver_dies(pipe)
-        # Ctrl-C reaches the whole process group: the driver shuts its workers down itself.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    config = spec.config
-    world = config.tensor_parallel_size
-    auto = "cuda" if torch.cuda.is_available() else "cpu"
-    base = torch.device(auto if config.device == "auto" else config.device)
-    device = rank_device(base, spec.local_rank)
-    if device.type == "cpu":  # the ranks share the host's cores
-        torch.set_num_threads(max(1, torch.get_num_threads() // world))
-    else:
-        torch.cuda.set_device(device)
-    group = None
-    try:
-        model = spec.model
-        max_model_len = spec.max_model_len
-        if model is None:
-            dtype = resolve_dtype(config.dtype, device)
-            loaded = load_model(config.model, dtype=dtype, device=torch.device("cpu"))
-            model, native = loaded.model, loaded.max_model_len
-            max_model_len = max_model_len or min(config.max_model_len or native, native)
-        shard_model(model, rank=spec.rank, world_size=world)
-        install_paged_attention(model)
-        model.to(device)
-        if pipe is not None:
-            pipe.send(("loaded", None))
-        group = TensorParallelGroup.join(
-            rank=spec.rank, world_size=world, address=spec.address, port=spec.port, device=device
-        )
-        runner = ModelRunner(model, config, device, max_model_len=max_model_len, tp=group)
-        while True:
-            message = group.receive_step()
-            if message.kind == SHUTDOWN:
-                break
-            runner.run_worker_step(message)
-    except BaseException as exc:
-        logging.getLogger(__name__).error("rank %d failed:\n%s", spec.rank, traceback.format_exc())
-        try:
-            if pipe is not None:
-                pipe.send(("error", f"{type(exc).__name__}: {exc}"))
-        except OSError:
-            pass
-        os._exit(1)
-    if group is not None:
-        group.close()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m engine.tp_workers [engine flags]``: one rank on another node.
-
-    The rank comes from ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and the driver's address from
-    ``MASTER_ADDR``/``MASTER_PORT``; the engine flags must be the driver's (``--model``,
-    ``--max-model-len``, ``--kv-cache-memory``, ...), ``-tp`` defaulting to ``WORLD_SIZE``.
-    """
-    import argparse
-
-    from engine.cli import add_engine_args, engine_kwargs  # the CLI imports the engine
-
-    parser = argparse.ArgumentParser(prog="python -m engine.tp_workers", description=main.__doc__)
-    add_engine_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    except KeyError as exc:
-        parser.error(f"{exc.args[0]} must be set in the environment")
-    if args.tensor_parallel_size == 1:
-        args.tensor_parallel_size = world
-    config = EngineConfig(model=args.model, **engine_kwargs(args))
-    if config.tensor_parallel_size != world or not 0 < rank < world:
-        parser.error(f"RANK {rank} of WORLD_SIZE {world} with -tp {config.tensor_parallel_size}")
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    run_worker(WorkerSpec(config, rank, local_rank, address, port, None, None), None)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
