@@ -125,11 +125,12 @@ class TensorParallelWorkers:
             logger.info("tensor-parallel rank %d started (pid %d)", rank, proc.pid)
         workers = cls(processes, pipes)
         try:
+            own_device = rank_device(device, 0)  # cuda:0, with its index (NCCL's device_id)
             shard_model(model, rank=0, world_size=world)
-            model.to(rank_device(device, 0))
+            model.to(own_device)
             workers._wait_loaded()
             workers.group = TensorParallelGroup.join(
-                rank=0, world_size=world, address=address, port=port, device=device
+                rank=0, world_size=world, address=address, port=port, device=own_device
             )
         except BaseException:
             workers.close()
