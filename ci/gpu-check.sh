@@ -9,6 +9,8 @@
 #   5. perf            pytest perf/                         microbenchmarks and their table
 #   6. e2e             python -m perf.bench_e2e --device cuda --model-shape qwen3-0.6b (scaled),
 #                      graphs on and off (--compare-eager)
+#   7. tp              python -m perf.bench_tp --device cuda --tp 1 2 (needs >= 2 GPUs, else
+#                      "not measured"): per-step time in NCCL collectives, TP=2 tokens = TP=1
 # Steps 2-4 leave out the gpu_hazard tests, which step 1 runs.
 # each under its own time limit, then a summary table, printed last (GPU, driver, versions,
 # pass/fail counts, the performance targets, the e2e ratios). Exit 0 when every step passed; a
@@ -25,8 +27,8 @@
 #   GPU_CHECK_JOBS         parallel shards for the kernel tests: compiling is CPU-bound (6)
 #   GPU_CHECK_E2E_SCALE    fraction of the full e2e workload, 0 < s <= 1 (0.25)
 #   GPU_CHECK_BUDGET_S     limit for the whole script; no step runs past it (465)
-#   GPU_CHECK_TIMEOUT_HAZARDS / _KERNELS_CUDA / _KERNELS_OTHER / _ENGINE / _PERF / _E2E
-#                          step limits, s (60/125/40/30/130/80)
+#   GPU_CHECK_TIMEOUT_HAZARDS / _KERNELS_CUDA / _KERNELS_OTHER / _ENGINE / _PERF / _E2E / _TP
+#                          step limits, s (60/125/40/30/130/80/90)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
@@ -51,6 +53,7 @@ T_KERNELS_OTHER="${GPU_CHECK_TIMEOUT_KERNELS_OTHER:-40}"
 T_ENGINE="${GPU_CHECK_TIMEOUT_ENGINE:-30}"
 T_PERF="${GPU_CHECK_TIMEOUT_PERF:-130}"
 T_E2E="${GPU_CHECK_TIMEOUT_E2E:-80}"
+T_TP="${GPU_CHECK_TIMEOUT_TP:-90}"
 WHEELS="${GPU_CHECK_WHEELS:-}"
 if [ -z "$WHEELS" ] && [ -d .whl ]; then WHEELS="$REPO/.whl"; fi
 if [ "$DRY_RUN" = 1 ]; then
@@ -127,6 +130,10 @@ E2E_CMD=("$PY" -m perf.bench_e2e --device cuda --model-shape qwen3-0.6b
          --min-tokens "$E2E_MIN_TOKENS" --max-tokens "$E2E_MAX_TOKENS"
          --max-num-seqs 256 --max-num-batched-tokens 8192
          --hf-batch-api generate_batch --check-requests 2 --compare-eager)
+# Tensor parallelism: eager steps (collectives inside a replayed graph are invisible to the
+# timers), then decode graphs captured per rank; --check fails the step unless every run's greedy
+# tokens equal TP=1 eager's.
+TP_CMD=("$PY" -m perf.bench_tp --device cuda --tp 1 2 --modes eager graphs --check)
 
 print_steps() {
   say "steps (each under its own limit; the whole script under ${BUDGET_S} s):"
@@ -137,6 +144,7 @@ print_steps() {
   echo "  5. perf            limit ${T_PERF} s: PAGED_SERVE_PERF_JSON=$PAGED_SERVE_PERF_JSON ${PYTEST[*]} perf ${BENCH_ARGS[*]+"${BENCH_ARGS[*]}"}"
   echo "  6. e2e             limit ${T_E2E} s: ${E2E_CMD[*]}"
   echo "     e2e workload: $E2E_WORKLOAD"
+  echo "  7. tp              limit ${T_TP} s, needs >= 2 GPUs: ${TP_CMD[*]}"
 }
 
 if [ "$DRY_RUN" = 1 ]; then
@@ -167,7 +175,7 @@ elif [ -n "$missing" ]; then
 fi
 if [ "$rc" != 0 ]; then
   say "prerequisites not met (exit $rc above): no step can run"
-  for name in hazards "kernels[cuda]" "kernels[other]" "engine[cuda]" perf e2e; do
+  for name in hazards "kernels[cuda]" "kernels[other]" "engine[cuda]" perf e2e tp; do
     "${HELPER[@]}" skip --log-dir "$LOG_DIR" --name "$name" --note "prerequisites not met"
   done
   "${HELPER[@]}" summary --log-dir "$LOG_DIR" --e2e-workload "$E2E_WORKLOAD"
@@ -206,6 +214,13 @@ run_step "kernels[other]" "$T_KERNELS_OTHER" "$JOBS" 1 "${PYTEST[@]}" tests/kern
 run_step "engine[cuda]" "$T_ENGINE" 1 1 "${PYTEST[@]}" $ENGINE_TESTS -m "$M_ENGINE"
 run_step perf "$T_PERF" 1 1 "${PYTEST[@]}" perf ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
 run_step e2e "$T_E2E" 1 0 "${E2E_CMD[@]}"
+GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "${GPUS:-0}" -ge 2 ]; then
+  run_step tp "$T_TP" 1 0 "${TP_CMD[@]}"
+else
+  say "tp: not measured (needs >= 2 GPUs, this machine has ${GPUS:-0})"
+  "${HELPER[@]}" skip --log-dir "$LOG_DIR" --name tp --note "not measured: needs >= 2 GPUs"
+fi
 
 echo
 "${HELPER[@]}" summary --log-dir "$LOG_DIR" --e2e-workload "$E2E_WORKLOAD"

@@ -94,7 +94,8 @@ class AsyncEngine:
     # ----------------------------------------------------------------- public API
     @property
     def is_alive(self) -> bool:
-        return self.dead is None and self._thread.is_alive()
+        """The loop runs (and, under tensor parallelism, every worker process does)."""
+        return self.dead is None and self._thread.is_alive() and self.engine.workers_alive
 
     @property
     def tokenizer(self) -> object | None:
@@ -257,6 +258,8 @@ class AsyncEngine:
             self._aborts.extend(self._streams)
             self._wake.notify()
         self._thread.join(timeout)
+        if not self._thread.is_alive():  # never pull the workers from under a running step
+            self.engine.shutdown()
 
     # ----------------------------------------------------------------- the loop
     def _deliver(self, replies: list[tuple[str, RequestOutput | BaseException]]) -> None:

@@ -9,6 +9,7 @@ import sys
 from engine.config import ATTENTION_BACKENDS, DTYPES, QUANTIZATIONS
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.tp_workers import TensorParallelError
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +52,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run every step eagerly: no CUDA graphs for decode steps (they need CUDA + triton)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="shard the model over this many processes (one GPU each on CUDA; gloo on CPU)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -68,6 +76,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
         quantization=args.quantization,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -86,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    llm: LLM | None = None
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens,
@@ -104,9 +114,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             prompt = llm.tokenizer(prompt, add_special_tokens=False).input_ids
         result = llm.generate([prompt], params)[0]
-    except ValueError as exc:
+    except (ValueError, TensorParallelError) as exc:
         print(f"paged-generate: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if llm is not None:
+            llm.shutdown()  # the tensor-parallel workers, if any
     print(result.text)
     if args.show_stats:
         m = result.metrics

@@ -26,6 +26,8 @@ class EngineConfig:
     seed: where the seeds of requests that give none come from; None (the default) draws them
     from the OS, so a restart does not repeat the same "random" outputs; an integer makes them
     reproducible from run to run.
+    tensor_parallel_size: processes the model is sharded over (``engine/tensor_parallel.py``):
+    this engine process is rank 0 and starts the others (``engine/tp_workers.py``).
     """
 
     model: str | None = None
@@ -42,6 +44,7 @@ class EngineConfig:
     enforce_eager: bool = False
     quantization: str | None = None
     seed: int | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -68,6 +71,11 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be >= 1 (processes to shard the model over), "
+                f"got {self.tensor_parallel_size}"
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

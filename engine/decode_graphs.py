@@ -98,8 +98,10 @@ class DecodeGraphs:
     """Static decode buffers plus one captured forward per bucket size.
 
     model: the Hugging Face causal LM with paged attention installed; ``max_model_len`` (tokens)
-    sets the block-table width. ``replays[size]`` counts the steps each bucket served and
-    ``padded_rows`` the padding rows they computed in all (the price of bucketing).
+    sets the block-table width. ``with_logits=False`` captures the model body only (a
+    tensor-parallel worker, which never samples). ``replays[size]`` counts the steps each
+    bucket served and ``padded_rows`` the padding rows they computed in all (the price of
+    bucketing).
     """
 
     def __init__(
@@ -110,8 +112,10 @@ class DecodeGraphs:
         *,
         max_batch_size: int,
         max_model_len: int,
+        with_logits: bool = True,
     ):
         self.model = model
+        self.with_logits = with_logits
         self.kv_cache = kv_cache
         self.backend = backend
         self.sizes = graph_batch_sizes(min(max_batch_size, MAX_GRAPH_BATCH_SIZE))
@@ -129,7 +133,7 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         # One fp32 logits buffer for every bucket (each graph's own output would hold sum(sizes)
         # rows); fp32 because the sampler upcasts anyway, so no model's logits lose precision.
-        vocab_size = model.get_output_embeddings().weight.shape[0]
+        vocab_size = model.get_output_embeddings().weight.shape[0] if with_logits else 0
         self.logits = torch.empty(n, vocab_size, dtype=torch.float32, device=device)
         self._replay: dict[int, Replay] = {}
         self.replays: Counter[int] = Counter()
@@ -154,6 +158,13 @@ class DecodeGraphs:
             backend=self.backend,
         )
         with attention_context(ctx):
+            if not self.with_logits:
+                self.model.model(
+                    input_ids=self.input_ids[:, :size],
+                    position_ids=self.positions[:, :size],
+                    use_cache=False,
+                )
+                return
             out = self.model(
                 input_ids=self.input_ids[:, :size],
                 position_ids=self.positions[:, :size],

@@ -73,10 +73,12 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        tensor_parallel_size: int = 1,
     ) -> KVCache:
         """As many blocks as ``budget_bytes`` holds for a Hugging Face model config's layers and
-        KV heads. Raises ValueError when not even one block fits."""
-        num_kv_heads = hf_config.num_key_value_heads
+        KV heads (this rank's share of them under tensor parallelism). Raises ValueError when
+        not even one block fits."""
+        num_kv_heads = hf_config.num_key_value_heads // tensor_parallel_size
         head_dim = getattr(hf_config, "head_dim", None) or (
             hf_config.hidden_size // hf_config.num_attention_heads
         )

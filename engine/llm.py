@@ -18,6 +18,8 @@ class LLM:
     """Runs batches of prompts to completion on the paged engine.
 
     ``LLM(model=None)`` loads the embedded default model; keyword arguments go to EngineConfig.
+    With ``tensor_parallel_size > 1`` call ``shutdown()`` (or use ``with LLM(...) as llm``)
+    to stop the worker processes before starting another tensor-parallel engine.
     """
 
     def __init__(self, model: str | None = None, *, loaded: LoadedModel | None = None, **config):
@@ -26,6 +28,16 @@ class LLM:
     @property
     def tokenizer(self) -> object | None:
         return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers (a no-op without tensor parallelism)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def generate(
         self,

@@ -14,23 +14,23 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.attention_swap import install_paged_attention
+from engine.attention_swap import check_supported
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.dtype_choice import choose_dtype
 from engine.errors import InvalidRequestError
 from engine.forks import detach, join_forks, make_samples, sample_ids, with_pending_forks
-from engine.fused_projections import fuse_projections
-from engine.int8_weights import quantize_int8
 from engine.live_request import LiveRequest, request_metrics
 from engine.metrics import EngineStats
 from engine.model_loader import LoadedModel, load_model
+from engine.model_prep import prepare_model
 from engine.model_runner import ModelRunner, StepResult
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampler import INVALID_TOKEN
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.structured_output import GrammarCompiler, StructuredOutput
+from engine.tp_workers import TensorParallelWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -47,21 +47,38 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
         self.device = resolve_device(config.device)
+        tensor_parallel = config.tensor_parallel_size > 1
+        share_model = loaded is not None
         if loaded is None:
             choice = choose_dtype(config.dtype, self.device)
             logger.info("weights in %s", choice)
-            loaded = load_model(config.model, dtype=choice.dtype, device=self.device)
+            # Under tensor parallelism the whole model never goes to one device: only shards.
+            load_device = torch.device("cpu") if tensor_parallel else self.device
+            loaded = load_model(config.model, dtype=choice.dtype, device=load_device)
         self.loaded = loaded
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
-        install_paged_attention(loaded.model)
-        fuse_projections(loaded.model)  # q/k/v and gate/up: one GEMM each, exact
-        if config.quantization == "int8":
-            swapped = quantize_int8(loaded.model, self.device)
-            logger.info("int8 weight-only: %d projections quantized", swapped)
-        self.vocab_size = int(loaded.model.config.vocab_size)
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        self.tp: TensorParallelWorkers | None = None
+        if tensor_parallel:  # shards the model in place; the workers shard their copies
+            check_supported(loaded.model)
+            self.tp = TensorParallelWorkers.start(
+                config,
+                loaded.model,
+                self.device,
+                max_model_len=self.max_model_len,
+                share_model=share_model,
+            )
+        try:
+            self._build(config, loaded)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        prepare_model(loaded.model, config, self.device)
+        self.vocab_size = int(loaded.model.config.vocab_size)
         self.grammars = (
             GrammarCompiler(
                 self.tokenizer,
@@ -77,6 +94,7 @@ class LLMEngine:
             self.device,
             max_model_len=self.max_model_len,
             eos_token_ids=tuple(sorted(self.eos_token_ids)),
+            tp=None if self.tp is None else self.tp.group,
         )
         self.block_manager = BlockManager(
             self.runner.kv_cache.num_blocks,
@@ -100,6 +118,16 @@ class LLMEngine:
     def backend_name(self) -> str:
         """The attention backend the runner uses: ``torch`` or ``triton``."""
         return self.runner.backend_name
+
+    @property
+    def workers_alive(self) -> bool:
+        """Every tensor-parallel worker runs (True without tensor parallelism)."""
+        return self.tp is None or self.tp.alive()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; the engine cannot step after)."""
+        if self.tp is not None:
+            self.tp.close()
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
@@ -225,13 +253,22 @@ class LLMEngine:
             return []
         bm = self.block_manager
         tables = [bm.block_table(s.request.request_id) for s in batch.requests]
+        if self.tp is not None:
+            self.tp.check()  # a worker that died between steps: fail before broadcasting
         try:
             result = self.runner.execute(batch, tables)
         except (torch.OutOfMemoryError, MemoryError) as exc:
+            if self.tp is not None:  # the ranks may be out of step now: the group cannot go on
+                raise self.tp.failure(exc) from exc
             # The step's size is bounded by the configuration, but a device can still run short
             # (another process, fragmentation): fail this step's requests, keep the engine.
             logger.error("step of %d requests ran out of memory: %s", len(batch.requests), exc)
             return self._fail_step(batch, "the server ran out of memory running this request")
+        except RuntimeError as exc:
+            if self.tp is None:
+                raise
+            # A rank died or raised: the group cannot go on. Name the rank and its cause.
+            raise self.tp.failure(exc) from exc
         self.num_steps += 1
         for sched in batch.requests:
             req = sched.request

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,7 +30,11 @@ from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import ScheduledBatch
 from engine.step_inputs import StepInputs, flatten_step
+from engine.step_message import STEP, StepMessage
 from engine.token_mask import fill_token_bitmask
+
+if TYPE_CHECKING:
+    from engine.tp_group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +86,10 @@ class ModelRunner:
     Construction sizes the KV cache from the memory budget (``kv_budget_bytes``) and, on CUDA
     with the triton backend unless ``enforce_eager``, captures decode graphs for batch sizes up
     to ``max_num_seqs``.
+
+    With ``tp`` (tensor parallelism) the model is this rank's shard: the KV cache holds the
+    local KV heads, its budget is the smallest of all ranks', the driver (rank 0) sends each
+    step to the workers before running it, and a worker runs ``run_worker_step``.
     """
 
     def __init__(
@@ -91,19 +100,25 @@ class ModelRunner:
         *,
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
+        tp: TensorParallelGroup | None = None,
     ):
         self.model = model
+        self.tp = tp
         self.eos_token_ids = eos_token_ids  # blocked while a row is short of its min_tokens
         self.device = device
         self.backend_name = resolve_backend_name(config.attention_backend, device)
         self.backend = make_backend(self.backend_name)
         self.sampler = Sampler(self.backend_name)
+        budget = kv_budget_bytes(config, device)
+        if tp is not None:  # equal blocks on every rank: the smallest budget decides
+            budget = tp.min_over_ranks(budget)
         self.kv_cache = KVCache.for_model(
             model.config,
-            budget_bytes=kv_budget_bytes(config, device),
+            budget_bytes=budget,
             block_size=config.block_size,
             dtype=next(model.parameters()).dtype,
             device=device,
+            tensor_parallel_size=1 if tp is None else tp.world_size,
         )
         self.block_size = config.block_size
         self.vocab_size = int(model.config.vocab_size)
@@ -123,13 +138,22 @@ class ModelRunner:
             self.backend,
             max_batch_size=max_batch_size,
             max_model_len=max_model_len,
+            with_logits=self.tp is None or self.tp.is_driver,
         )
         start = time.monotonic()
         try:
-            self.enable_decode_graphs(graphs, CudaGraphCapture(self.device))
+            graphs.capture(CudaGraphCapture(self.device))
+            captured = True
         except Exception:
             logger.exception("decode graph capture failed: running eagerly (--enforce-eager)")
+            captured = False
+        # Ranks replay graphs in lockstep (their collectives pair up): all or none use them.
+        if self.tp is not None and not self.tp.all_ranks(captured):
+            logger.warning("decode graphs failed on another rank: running eagerly")
             return
+        if not captured:
+            return
+        self.graphs = graphs
         logger.info(
             "captured %d decode graphs (batch sizes up to %d) in %.1f s",
             len(graphs.sizes),
@@ -230,10 +254,10 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> LaunchedStep:
         """Queue the step's device work: copy-on-write, forward, sampling. Never syncs."""
-        if batch.block_copies:
-            mapping = self._tensor([list(p) for p in batch.block_copies], torch.int64)
-            self.backend.copy_blocks(self.kv_cache.tensor, block_mapping=mapping)
         inputs = flatten_step(batch, block_tables, self.block_size)
+        if self.tp is not None:  # the workers run the same copies and forward on their shards
+            self.tp.send_step(StepMessage(STEP, batch.block_copies, inputs))
+        self._copy_blocks(batch.block_copies)
         logits, prompt_scores = self.forward(inputs, plan_prompt_scoring(batch, inputs.cu_seqlens))
         rows = sampling_rows(batch)
         if logits is None:
@@ -252,6 +276,25 @@ class ModelRunner:
         k = max((r.params.logprobs or 0) for r in rows)
         top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1) if k > 0 else None
         return LaunchedStep([r.request_id for r in rows], tokens, logprobs, top, prompt_scores)
+
+    def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
+        if block_copies:
+            mapping = self._tensor([list(p) for p in block_copies], torch.int64)
+            self.backend.copy_blocks(self.kv_cache.tensor, block_mapping=mapping)
+
+    @torch.inference_mode()
+    def run_worker_step(self, message: StepMessage) -> None:
+        """A tensor-parallel worker's step: the driver's block copies and the model body on
+        this rank's shard (same graph bucket or eager path, so the collectives pair up); no
+        LM head, since only the driver samples."""
+        inputs = message.inputs
+        self._copy_blocks(message.block_copies)
+        if self.graphs is not None and self.graphs.holds(inputs):
+            self.graphs.run(inputs)
+            return
+        input_ids, position_ids, ctx = self.build_context(inputs)
+        with attention_context(ctx):
+            self.model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
 
     def execute(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> StepResult:
         """Run the step and read its sampled tokens back (the step's one host sync)."""

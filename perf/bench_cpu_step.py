@@ -29,7 +29,7 @@ def measure(mode: str, streams: int, threads: int | None) -> dict:
     """Per-step p50 times (ms) of one mode with ``streams`` concurrent requests (this process)."""
     import torch
 
-    import engine.llm_engine as llm_engine
+    import engine.model_prep as model_prep
     from engine.llm import LLM
     from engine.model_loader import load_model
     from engine.sampling_params import SamplingParams
@@ -38,7 +38,7 @@ def measure(mode: str, streams: int, threads: int | None) -> dict:
         torch.set_num_threads(threads)
     dtype_name, *flags = mode.split("+")
     if "unfused" in flags:
-        llm_engine.fuse_projections = lambda model: 0  # the layout before fusion, for the A/B
+        model_prep.fuse_projections = lambda model: 0  # the layout before fusion, for the A/B
     loaded = load_model(None, dtype=getattr(torch, dtype_name), device=torch.device("cpu"))
     llm = LLM(loaded=loaded, quantization="int8" if "int8" in flags else None)
     runner = llm.engine.runner

@@ -2,7 +2,9 @@
 
 On a signal the server stops accepting connections, aborts the requests in flight (their
 streams get a final error frame), waits for the handlers to finish, stops the engine and
-exits 0.
+exits 0. If the engine dies (its loop, or a tensor-parallel worker), the server shuts down the
+same way and exits 1: nothing in the process can bring the engine back, so a supervisor should
+restart it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from aiohttp import web
 from engine.async_engine import AsyncEngine
 from engine.cli import add_engine_args, engine_kwargs
 from engine.config import EngineConfig
+from engine.tp_workers import TensorParallelError
 from server.app import create_app, make_runner
 from server.limits import ServerLimits
 from server.reasoning import REASONING_PARSERS
@@ -26,6 +29,7 @@ from server.state import STATE
 from server.tool_parsers import PARSERS
 
 logger = logging.getLogger("server")
+ENGINE_WATCH_S = 0.5  # how often the server checks that the engine is alive
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,8 +192,18 @@ def _log_dashboard(url: str, host: str, keyed: bool) -> None:
         )
 
 
-async def serve(engine: AsyncEngine, args: argparse.Namespace, limits: ServerLimits) -> None:
-    """Serve until SIGINT or SIGTERM, then shut down cleanly."""
+async def _watch_engine(engine: AsyncEngine, stop: asyncio.Event) -> None:
+    """Set ``stop`` once the engine has died."""
+    while engine.is_alive:
+        await asyncio.sleep(ENGINE_WATCH_S)
+    cause = engine.dead or "a tensor-parallel worker exited"
+    logger.error("the engine died (%s): shutting down", cause)
+    stop.set()
+
+
+async def serve(engine: AsyncEngine, args: argparse.Namespace, limits: ServerLimits) -> bool:
+    """Serve until SIGINT or SIGTERM (True), or until the engine dies (False); then shut down
+    cleanly."""
     app = create_app(
         engine,
         served_model_name=args.served_model_name,
@@ -221,10 +235,13 @@ async def serve(engine: AsyncEngine, args: argparse.Namespace, limits: ServerLim
         logger.info("serving %s at http://%s:%d/v1", app[STATE].served_model_name, host, port)
         if not args.no_dashboard:
             _log_dashboard(f"http://{host}:{port}/", args.host, bool(args.api_key))
+        watch = asyncio.create_task(_watch_engine(engine, stop))
         await stop.wait()
+        watch.cancel()
         logger.info("shutting down")
     finally:
         await runner.cleanup()
+    return engine.is_alive
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,18 +261,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = EngineConfig(model=args.model, **engine_kwargs(args))
         engine = AsyncEngine(config, max_waiting=args.max_waiting)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, TensorParallelError) as exc:
         logger.error("cannot start the engine: %s", exc)
         return 2
     try:
-        asyncio.run(serve(engine, args, limits))
+        healthy = asyncio.run(serve(engine, args, limits))
     except OSError as exc:  # the address is in use, or not ours to bind
         logger.error("cannot serve on %s:%d: %s", args.host, args.port, exc)
         return 1
     finally:
         engine.shutdown()
     logger.info("stopped")
-    return 0
+    return 0 if healthy else 1
 
 
 if __name__ == "__main__":

@@ -216,3 +216,17 @@ def test_a_stopped_e2e_run_still_reports_the_systems_it_finished(helper, tmp_pat
     assert "e2e: PARTIAL" in out
     assert "paged_serve/paged_serve_eager" in out and "1.50x" in out
     assert "e2e paged_serve / best HF 3.60x (goal 3.0x: met)" in out
+
+
+def test_the_tp_step_is_planned_and_not_measured_is_no_failure(dry_run, helper, tmp_path):
+    """Step 7 (tensor parallelism) needs two GPUs: skipped elsewhere, it never fails the check."""
+    assert "7. tp" in dry_run.stdout
+    assert "-m perf.bench_tp --device cuda --tp 1 2 --modes eager graphs --check" in dry_run.stdout
+    rows = [(name, "0", "1.0", "") for name in helper.STEPS if name != "tp"]
+    (tmp_path / "steps.tsv").write_text("".join("\t".join(r) + "\tcmd\n" for r in rows))
+    helper.record_step(tmp_path, "tp", None, 0.0, "not measured: needs >= 2 GPUs", [])
+    assert helper.overall_ok(tmp_path)
+    (tmp_path / "steps.tsv").write_text(
+        "".join("\t".join(r) + "\tcmd\n" for r in [*rows, ("tp", "1", "9.0", "")])
+    )
+    assert not helper.overall_ok(tmp_path)

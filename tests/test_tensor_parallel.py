@@ -1,0 +1,183 @@
+"""Tensor parallelism over gloo on the CPU: a TP=2 engine gives the tokens of TP=1 and of Hugging
+Face ``generate`` for every supported family, alone, batched, chunked, preempted, with prefix
+hits and seeded n > 1; bad sizes are refused before any process starts; a worker that fails at
+start-up is named with its cause; the step message survives its round trip.
+
+One TP=2 engine per family serves every scenario (a worker's start costs seconds): its budget
+splits a 100-token prompt into chunks (64 tokens a step) and its 12-block pool cannot hold the
+whole batch at once, so the batched run preempts.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterator
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.step_inputs import StepInputs
+from engine.step_message import STEP, StepMessage, pack_step, unpack_step
+from engine.tensor_parallel import shard_shape
+from engine.tp_workers import TensorParallelError, TensorParallelWorkers
+from tests.conftest import TINY_FAMILIES, assert_pool_clean, hf_greedy, loaded, random_prompts
+from tests.conftest import tiny_model as build_tiny_model
+
+LENGTHS = [1, 5, 15, 16, 17, 31, 40, 63, 100]
+MAX_TOKENS = 16
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.95, n=3, seed=11, ignore_eos=True)
+NUM_BLOCKS = 12
+ENGINE_ARGS = {"max_num_batched_tokens": 64, "max_num_seqs": 16}
+
+
+def block_bytes(config: object, tp: int) -> int:
+    """Bytes of one fp32 block of 16 tokens on one rank of a TP=``tp`` engine."""
+    kv_heads = config.num_key_value_heads // tp
+    return config.num_hidden_layers * 2 * 16 * kv_heads * config.head_dim * 4
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_FAMILIES))
+def family(request: pytest.FixtureRequest) -> Iterator[tuple]:
+    """(family, HF model, prompts, HF greedy tokens, TP=1 LLM, TP=2 LLM), 12 blocks each."""
+    model = build_tiny_model(request.param)
+    prompts = random_prompts(LENGTHS, seed=1)
+    want = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+    tp1_bytes = NUM_BLOCKS * block_bytes(model.config, 1)
+    tp1 = LLM(loaded=loaded(model), kv_cache_memory=tp1_bytes, **ENGINE_ARGS)
+    tp2 = LLM(
+        loaded=loaded(model),
+        tensor_parallel_size=2,
+        kv_cache_memory=NUM_BLOCKS * block_bytes(model.config, 2),
+        **ENGINE_ARGS,
+    )
+    try:
+        yield request.param, model, prompts, want, tp1, tp2
+    finally:
+        tp2.shutdown()
+
+
+def test_each_rank_holds_its_kv_heads_and_the_same_block_count(family):
+    _, model, _, _, tp1, tp2 = family
+    cache = tp2.engine.runner.kv_cache
+    assert cache.num_blocks == tp1.engine.runner.kv_cache.num_blocks == NUM_BLOCKS
+    assert cache.tensor.shape[-2] == model.config.num_key_value_heads // 2
+    assert tp2.engine.runner.model.model.layers[0].self_attn.q_proj.out_features == 2 * 64
+    assert all(p.is_alive() for p in tp2.engine.tp.processes.values())
+
+
+def test_alone_equals_hf_and_tp1(family):
+    _, _, prompts, want, tp1, tp2 = family
+    for prompt, tokens in zip(prompts, want):
+        [result] = tp2.generate([prompt], GREEDY)
+        assert result.token_ids == tokens
+    assert [r.token_ids for r in tp1.generate(prompts[:3], GREEDY)] == want[:3]
+    assert_pool_clean(tp2.engine.block_manager)
+
+
+def test_batched_chunked_and_preempted_equals_hf(family):
+    _, _, prompts, want, _, tp2 = family
+    preempted = tp2.engine.scheduler.num_preemptions
+    results = tp2.generate(prompts, GREEDY)
+    assert [r.token_ids for r in results] == want
+    assert tp2.engine.scheduler.num_preemptions > preempted
+    assert max(LENGTHS) > ENGINE_ARGS["max_num_batched_tokens"]  # the longest prompt is chunked
+    assert_pool_clean(tp2.engine.block_manager)
+
+
+def test_prefix_cache_hits_give_the_same_tokens(family):
+    _, model, prompts, _, _, tp2 = family
+    shared = prompts[7][:48]
+    follow_ups = [shared + [1, 2, 3], shared + [4, 5]]
+    hits = tp2.engine.scheduler.prefix_hit_tokens
+    tp2.generate([shared], GREEDY)
+    results = [tp2.generate([p], GREEDY)[0] for p in follow_ups]
+    assert tp2.engine.scheduler.prefix_hit_tokens >= hits + 2 * 32
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, MAX_TOKENS) for p in follow_ups]
+    assert_pool_clean(tp2.engine.block_manager)
+
+
+def test_seeded_n3_equals_tp1(family):
+    _, _, prompts, _, tp1, tp2 = family
+    chosen = [prompts[2], prompts[6]]
+    want = [r.token_ids for r in tp1.generate(chosen, SEEDED)]
+    got = [r.token_ids for r in tp2.generate(chosen, SEEDED)]
+    assert got == want
+    assert len(got) == 6 and len({tuple(t) for t in got}) > 1  # the samples differ
+    assert_pool_clean(tp2.engine.block_manager)
+
+
+# ------------------------------------------------------------------ configurations refused
+def test_size_zero_is_refused():
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1.*got 0"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+def mha_llama() -> LlamaForCausalLM:
+    """A tiny Llama with 4 query and 4 KV heads (no GQA)."""
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize(
+    ("model", "size", "message"),
+    [
+        ("gqa", 4, "tensor_parallel_size 4 is more than the model's 2 KV heads"),
+        ("mha", 3, "tensor_parallel_size 3 does not divide the model's 4 attention heads"),
+    ],
+)
+def test_sizes_the_heads_do_not_allow_are_refused_before_any_process_starts(model, size, message):
+    hf = build_tiny_model("llama") if model == "gqa" else mha_llama()
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match=message):
+        LLM(loaded=loaded(hf), tensor_parallel_size=size)
+    assert set(multiprocessing.active_children()) <= before
+
+
+def test_shard_shape_names_the_mlp_width():
+    config = build_tiny_model("llama").config
+    config.intermediate_size = 255
+    with pytest.raises(ValueError, match="does not divide the model's 255 MLP intermediate size"):
+        shard_shape(config, 2)
+
+
+def test_a_worker_that_fails_at_start_up_is_named_with_its_cause(tmp_path):
+    """The worker loads ``config.model`` itself (no shared model) from a folder with nothing."""
+    config = EngineConfig(model=str(tmp_path / "missing"), tensor_parallel_size=2)
+    model = build_tiny_model("llama")
+    before = set(multiprocessing.active_children())  # another module fixture's worker may run
+    failed = r"rank 1 \(pid \d+\) failed at start-up: OSError"
+    with pytest.raises(TensorParallelError, match=failed):
+        TensorParallelWorkers.start(
+            config, model, torch.device("cpu"), max_model_len=64, share_model=False
+        )
+    assert set(multiprocessing.active_children()) <= before
+
+
+# ------------------------------------------------------------------ the step message
+def test_step_message_round_trip():
+    inputs = StepInputs(
+        input_ids=[5, 6, 7, 8],
+        positions=[0, 1, 2, 9],
+        slots=[32, 33, 34, 9],
+        cu_seqlens=[0, 3, 4],
+        seq_lens=[3, 10],
+        block_tables=[[2], [0, 7]],
+        logit_rows=[2, 3, 3],
+    )
+    message = StepMessage(STEP, [(1, 4), (7, 9)], inputs)
+    assert unpack_step(pack_step(message)) == message
+    assert unpack_step(pack_step(StepMessage.shutdown())) == StepMessage.shutdown()
+    with pytest.raises(ValueError, match="malformed step message"):
+        unpack_step(pack_step(message)[:-1])
