@@ -7,7 +7,8 @@
 
 Systems (``perf.serving_systems``): ``paged-serve[:DTYPE]`` started from this checkout,
 ``llama-cpp-f32`` / ``llama-cpp-q4_1`` (llama.cpp's ``llama-server``, built by
-``python -m perf.llama_cpp build``), or an ``external`` server at ``--base-url``. Workloads:
+``python -m perf.llama_cpp build``), or an ``external`` server at ``--base-url``; a system may
+carry flags of its own (``--system "paged-serve:float32 --quantization int8"``). Workloads:
 ``perf.serving_workloads``. The same token-id prompts go to every system.
 
 For each system, in turn:
@@ -36,6 +37,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -71,7 +73,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--system", action="append", default=None,
         help="paged-serve[:DTYPE] (default paged-serve:float32), llama-cpp-f32, llama-cpp-q4_1 "
-        "or external; repeat to compare several in one run",
+        "or external, optionally with flags of its own, e.g. 'paged-serve:float32 "
+        "--quantization int8'; repeat to compare several in one run",
     )
     p.add_argument(
         "--workload", action="append", default=None, choices=[*WORKLOADS, "all"],
@@ -248,7 +251,7 @@ def timed_run(
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     """Check and time every system on every workload; the report and whether all checks
     passed."""
-    started = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    started, clock = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()), time.perf_counter()
     report: dict[str, Any] = {
         "bench": "perf.bench_serving",
         "label": args.label,
@@ -274,7 +277,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
 
     def server(system: System) -> Server:
         return Server(
-            system, log_path=log_dir / f"{system.name}.log", llama_slots=args.llama_slots,
+            system, log_path=log_dir / (re.sub(r"[^\w.-]+", "_", system.name) + ".log"),
+            llama_slots=args.llama_slots,
             threads=threads,
         )
 
@@ -283,6 +287,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
         checks: dict[str, CheckResult] = {}
         if not args.no_check:
             with server(system) as srv:
+                print(f"  {system.name}: up in {srv.startup_s} s, checking", flush=True)
                 checks = run_checks(
                     srv, system, workloads, tokenizer, references[reference_key(system)]
                 )
@@ -300,6 +305,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
                     "system": system.name,
                     "workload": w.name,
                     "repeat": repeat,
+                    "server_start_s": srv.startup_s,
                     "load_average": {"before": before, "after": load_average()},
                     "metrics": metrics,
                     "check_summary": checks[w.name].summary() if w.name in checks else "",
@@ -312,6 +318,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
                     flush=True,
                 )
     report["load_average_end"] = load_average()
+    report["elapsed_s"] = round(time.perf_counter() - clock, 1)
     return report, all_passed
 
 
@@ -322,7 +329,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     label = f" ({args.label})" if args.label else ""
     head = (
         f"perf.bench_serving{label}, commit {report['source']['commit']}, load average "
-        f"{report['load_average_start']} -> {report['load_average_end']}"
+        f"{report['load_average_start']} -> {report['load_average_end']}, "
+        f"{report['elapsed_s']} s in all"
     )
     print(f"\n{head}\n\n{table}")
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -63,8 +63,14 @@ def completion_body(model: str, prompt: list[int], max_tokens: int, *, stream: b
 
 
 def new_session() -> aiohttp.ClientSession:
-    # limit=0: aiohttp's default pool of 100 connections would queue a large mix client-side.
-    return aiohttp.ClientSession(timeout=TIMEOUT, connector=aiohttp.TCPConnector(limit=0))
+    """A session that opens a connection per request.
+
+    limit=0: aiohttp's default pool of 100 connections would queue a large mix client-side.
+    force_close: reusing a kept-alive connection races with a server closing it (llama-server
+    does), which fails the next request's write; a loopback connect costs well under 1 ms.
+    """
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    return aiohttp.ClientSession(timeout=TIMEOUT, connector=connector)
 
 
 async def served_model(session: aiohttp.ClientSession, base_url: str) -> str:

@@ -48,28 +48,38 @@ class System:
     extra_args: tuple[str, ...] = field(default=())
 
 
+# paged-serve flags that change its arithmetic: with one, float32 need not equal HF fp32.
+NUMERICS_FLAGS = ("--quantization",)
+
+
 def parse_system(
     text: str, *, base_url: str | None = None, extra_args: tuple[str, ...] = ()
 ) -> System:
-    """``paged-serve[:DTYPE]``, ``llama-cpp-f32``, ``llama-cpp-q4_1`` or ``external``."""
-    name, _, dtype = text.partition(":")
+    """``paged-serve[:DTYPE]``, ``llama-cpp-f32``, ``llama-cpp-q4_1`` or ``external``, optionally
+    followed by flags for that system alone: ``"paged-serve:float32 --quantization int8"``
+    (they come after ``extra_args`` and name the system apart)."""
+    spec, *own_args = text.split()
+    name, _, dtype = spec.partition(":")
+    label = " ".join([spec.replace(":", "-"), *own_args]) if own_args else ""
+    args = (*extra_args, *own_args)
     if name == "paged-serve":
         dtype = dtype or "float32"
         if dtype not in DTYPES:
             raise ValueError(f"paged-serve dtype must be one of {DTYPES}, got {dtype!r}")
+        exact = dtype == "float32" and not any(a.startswith(NUMERICS_FLAGS) for a in args)
         return System(
-            f"paged-serve-{dtype}",
+            label or f"paged-serve-{dtype}",
             "paged-serve",
             dtype=dtype,
             # auto resolves inside the server; its tokens are compared with HF float32.
             hf_dtype=dtype if dtype in ("bfloat16", "float16") else "float32",
-            require_hf_equality=dtype == "float32",
-            extra_args=extra_args,
+            require_hf_equality=exact,
+            extra_args=args,
         )
     if dtype:
         raise ValueError(f"only paged-serve takes a dtype, got {text!r}")
     if name in LLAMA_CPP_SYSTEMS:
-        return System(name, "llama-cpp", suppress_eog=True, extra_args=extra_args)
+        return System(label or name, "llama-cpp", suppress_eog=True, extra_args=args)
     if name == "external":
         if not base_url:
             raise ValueError("--system external needs --base-url")
@@ -99,7 +109,7 @@ def server_command(
         from perf.llama_cpp import binary, gguf_for
 
         return [
-            str(binary("llama-server")), "-m", str(gguf_for(system.name)),
+            str(binary("llama-server")), "-m", str(gguf_for(system.name.split()[0])),
             "--host", "127.0.0.1", "--port", str(port),
             # One slot per concurrent request, sharing one KV pool, as paged-serve's pool.
             "--parallel", str(llama_slots), "--kv-unified",
@@ -132,6 +142,7 @@ class Server:
         self.startup_timeout_s = startup_timeout_s
         self.process: subprocess.Popen | None = None
         self.command: list[str] = []
+        self.startup_s: float | None = None  # seconds from launch to answering
         if system.kind == "external":
             self.base_url = system.base_url or ""
             return
@@ -143,6 +154,7 @@ class Server:
         )
 
     def __enter__(self) -> Server:
+        started = time.perf_counter()
         if self.command:
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join(
@@ -158,6 +170,7 @@ class Server:
         except BaseException:
             self.stop()
             raise
+        self.startup_s = round(time.perf_counter() - started, 2)
         return self
 
     def __exit__(

@@ -285,6 +285,14 @@ def test_systems(text, name, equality):
         parse_system("llama-cpp-f32:bfloat16")
 
 
+def test_a_system_may_carry_its_own_flags():
+    int8 = parse_system("paged-serve:float32 --quantization int8", extra_args=("--max-num-seqs=8",))
+    assert int8.name == "paged-serve-float32 --quantization int8"
+    assert int8.extra_args == ("--max-num-seqs=8", "--quantization", "int8")
+    assert not int8.require_hf_equality  # int8 weights: report the agreement rate
+    assert parse_system("paged-serve", extra_args=("--max-num-seqs=8",)).require_hf_equality
+
+
 # ------------------------------------------------------------------------------ the real server
 def test_check_passes_on_paged_serve_fp32(default_model: LoadedModel, hf_default_model):
     """Through the real server, in float32: exact lengths and HF's greedy tokens."""
