@@ -185,12 +185,16 @@ def compute_references(
         suppress = llama_cpp_eog_ids(tokenizer, eos_token_ids(model, tokenizer))
         for rule in sorted({s.suppress_eog for s in systems if s.hf_dtype == dtype}):
             started = time.perf_counter()
-            refs[(dtype, rule)] = {
-                w.name: hf_references(
-                    model, w, sample_indices(w.num_requests, k), suppress if rule else ()
-                )
-                for w in workloads
-            }
+            # Without EOG, greedy's choices are the same as with it until it picks an EOG
+            # token: a reference free of them serves both rules.
+            plain = refs.get((dtype, False), {})
+            refs[(dtype, rule)] = {}
+            for w in workloads:
+                known = plain.get(w.name, {}) if rule else {}
+                reuse = {i: r for i, r in known.items() if not set(r) & set(suppress)}
+                todo = [i for i in sample_indices(w.num_requests, k) if i not in reuse]
+                fresh = hf_references(model, w, todo, suppress if rule else ())
+                refs[(dtype, rule)][w.name] = {**reuse, **fresh}
             print(
                 f"HF {dtype} references{' (EOG suppressed)' if rule else ''}: "
                 f"{time.perf_counter() - started:.1f} s",
