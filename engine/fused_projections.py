@@ -128,3 +128,31 @@ def fuse_projections(model: nn.Module) -> int:
             if owner is not None and fuse_group(owner, names, fused_name):
                 count += 1
     return count
+
+
+@torch.no_grad()
+def unfuse_projections(model: nn.Module) -> int:
+    """Undo ``fuse_projections`` in place: each group back to its plain ``nn.Linear`` modules
+    (tensor parallelism shards those, so a model prepared once can still be sharded).
+    Returns the number of groups split."""
+    count = 0
+    for layer in model.model.layers:
+        for owner_name, names, fused_name in FUSED_GROUPS:
+            owner = getattr(layer, owner_name, None)
+            fused = getattr(owner, fused_name, None)
+            if not isinstance(fused, FusedLinear) or type(fused.proj) is not nn.Linear:
+                continue
+            weights = fused.proj.weight.split(fused.sizes)
+            biases = fused.proj.bias.split(fused.sizes) if fused.proj.bias is not None else None
+            for index, name in enumerate(names):
+                linear = nn.Linear(
+                    fused.proj.in_features, fused.sizes[index], bias=biases is not None,
+                    device="meta",
+                )  # fmt: skip
+                linear.weight = nn.Parameter(weights[index].clone(), requires_grad=False)
+                if biases is not None:
+                    linear.bias = nn.Parameter(biases[index].clone(), requires_grad=False)
+                setattr(owner, name, linear)
+            delattr(owner, fused_name)
+            count += 1
+    return count

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.fused_projections import unfuse_projections
+
 
 @dataclass(frozen=True, slots=True)
 class ShardShape:
@@ -86,8 +88,18 @@ class RowParallelLinear(nn.Module):
         return f"in_features={self.in_features} (local), out_features={self.out_features}"
 
 
+def _plain(linear: nn.Module) -> nn.Linear:
+    if type(linear) is not nn.Linear:
+        raise ValueError(
+            f"tensor parallelism shards plain nn.Linear projections, got {type(linear).__name__}:"
+            " shard before quantizing"
+        )
+    return linear
+
+
 def _rows(linear: nn.Linear, rank: int, world_size: int) -> nn.Linear:
     """Column-parallel: the ``rank``-th block of output rows, as a plain ``nn.Linear``."""
+    linear = _plain(linear)
     n = linear.out_features // world_size
     rows = slice(rank * n, (rank + 1) * n)
     out = nn.Linear(linear.in_features, n, bias=linear.bias is not None)
@@ -101,6 +113,7 @@ def _rows(linear: nn.Linear, rank: int, world_size: int) -> nn.Linear:
 
 def _columns(linear: nn.Linear, rank: int, world_size: int, group: object | None) -> nn.Module:
     """Row-parallel: the ``rank``-th block of input columns, summed over the ranks."""
+    linear = _plain(linear)
     n = linear.in_features // world_size
     weight = linear.weight.detach()[:, rank * n : (rank + 1) * n].contiguous()
     bias = None if linear.bias is None else linear.bias.detach().clone()
@@ -116,6 +129,7 @@ def shard_model(
     which must exist before the first forward, not before this call).
     """
     shape = shard_shape(model.config, world_size)
+    unfuse_projections(model)  # a model prepared for one device: shard its original projections
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for name in ("q_proj", "k_proj", "v_proj"):

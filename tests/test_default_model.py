@@ -14,6 +14,7 @@ from engine.model_loader import (
     default_gguf_path,
     gguf_cache_dir,
     load_gguf_float32,
+    load_model,
 )
 from tests.conftest import assert_pool_clean, hf_greedy
 
@@ -38,7 +39,9 @@ def test_cached_checkpoint_equals_transformers_gguf_loader(default_model):
     # Tied weights are stored once; everything else is present.
     missing = set(want) - set(cached)
     assert missing <= {"lm_head.weight"}
-    loaded_state = default_model.model.state_dict()
+    # A fresh load: engines in other tests prepare (fuse) the shared fixture's model in place.
+    fresh = load_model(None, dtype=torch.float32, device=torch.device("cpu"))
+    loaded_state = fresh.model.state_dict()
     for name, tensor in want.items():
         assert torch.equal(loaded_state[name], tensor), name
 

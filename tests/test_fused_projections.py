@@ -9,7 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from engine.fused_projections import FusedLinear, FusedPart, fuse_projections
+from engine.fused_projections import (
+    FusedLinear,
+    FusedPart,
+    fuse_projections,
+    unfuse_projections,
+)
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.conftest import TINY_FAMILIES, hf_greedy, loaded, tiny_model
@@ -74,3 +79,17 @@ def test_engine_with_fused_projections_equals_hf_greedy(family: str) -> None:
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(model, prompt, 12)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # without and with q/k/v biases
+def test_unfuse_gives_back_the_original_modules(family: str) -> None:
+    model = tiny_model(family)
+    fused = copy.deepcopy(model)
+    fuse_projections(fused)
+    assert unfuse_projections(fused) == 2 * model.config.num_hidden_layers
+    assert unfuse_projections(fused) == 0
+    want = dict(model.named_parameters())
+    got = dict(fused.named_parameters())
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[name], want[name]) for name in want)
+    assert all(type(m) is not FusedPart for m in fused.modules())
