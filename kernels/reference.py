@@ -32,7 +32,10 @@ Shared conventions (the kernels follow them exactly):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 
 def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -50,58 +53,142 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
     return dense.view(-1, per_seq * block_size, num_heads, head_dim)[:, :max_len]
 
 
-def _attend_uniform(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: list[int],
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    """Attention for ``S`` sequences that all bring ``Lq`` new tokens.
+@dataclass(frozen=True, slots=True)
+class UniformGroup:
+    """Sequences attended together because they bring the same number ``q_len`` of new tokens.
 
-    q: ``[S, Lq, Hq, D]``; returns ``[S, Lq, Hq, D]`` in fp32. K and V are read once per KV
-    head (SDPA's GQA support, or the group folded into the query rows), never repeated.
+    rows: the flat query rows ``[S * q_len]`` (None: all of q, in order);
+    block_tables: ``[S, *]``; max_len: the longest context;
+    tail: the (sequence, position) index pairs past each sequence's end (None when all are
+    equally long); mask: ``[S, 1, G * q_len, max_len]`` bool, or None for the causal fast path
+    of one fresh prompt.
     """
-    num_seqs, q_len, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    device = q.device
-    max_len = max(seq_lens)
-    k = gather_context(k_cache, block_tables, max_len).float().transpose(1, 2)  # [S, Hkv, Lk, D]
-    v = gather_context(v_cache, block_tables, max_len).float().transpose(1, 2)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
 
-    if min(seq_lens) < max_len:
-        # Slots past a sequence's end may hold NaN (a masked score is NaN + -inf = NaN, and
-        # 0 * NaN is NaN): zero that tail of our gathered copies.
+    rows: torch.Tensor | None
+    num_seqs: int
+    q_len: int
+    block_tables: torch.Tensor
+    max_len: int
+    tail: tuple[torch.Tensor, torch.Tensor] | None
+    mask: torch.Tensor | None
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        rows: torch.Tensor | None,
+        block_tables: torch.Tensor,
+        seq_lens: list[int],
+        q_len: int,
+        group: int,
+        sliding_window: int | None,
+    ) -> UniformGroup:
+        device = block_tables.device
+        num_seqs, max_len = len(seq_lens), max(seq_lens)
+        lens = torch.tensor(seq_lens, device=device)
         k_pos = torch.arange(max_len, device=device)
-        seq_idx, pos_idx = (
-            k_pos[None, :] >= torch.tensor(seq_lens, device=device)[:, None]
-        ).nonzero(as_tuple=True)
-        k[seq_idx, :, pos_idx] = 0.0
-        v[seq_idx, :, pos_idx] = 0.0
+        tail = None
+        if min(seq_lens) < max_len:
+            tail = (k_pos[None, :] >= lens[:, None]).nonzero(as_tuple=True)
+        mask = None
+        fresh = q_len == max_len and num_seqs == 1
+        if not (fresh and (sliding_window is None or sliding_window >= q_len)):
+            q_pos = (lens - q_len)[:, None] + torch.arange(q_len, device=device)[None, :]
+            allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Lq, Lk]
+            if sliding_window is not None:
+                allowed &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+            mask = allowed[:, None].expand(num_seqs, group, q_len, max_len)
+            mask = mask.reshape(num_seqs, 1, group * q_len, max_len)
+        return cls(rows, num_seqs, q_len, block_tables, max_len, tail, mask)
 
-    if q_len == max_len and num_seqs == 1 and (sliding_window is None or sliding_window >= q_len):
-        # A fresh prompt: plain causal attention, the fast fused path.
-        out = sdpa(q.float().transpose(1, 2), k, v, is_causal=True, scale=scale, enable_gqa=True)
-        return out.transpose(1, 2)
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """``q [S, Lq, Hq, D]`` over the group's contexts; ``[S, Lq, Hq, D]`` in fp32."""
+        num_seqs, q_len, num_q_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        group = num_q_heads // num_kv_heads
+        k = gather_context(k_cache, self.block_tables, self.max_len).float().transpose(1, 2)
+        v = gather_context(v_cache, self.block_tables, self.max_len).float().transpose(1, 2)
+        if self.tail is not None:
+            # Slots past a sequence's end may hold NaN, which masking alone does not cancel.
+            # (Indexing only the tail beats masked_fill over all of k and v.)
+            seq_idx, pos_idx = self.tail
+            k[seq_idx, :, pos_idx] = 0.0
+            v[seq_idx, :, pos_idx] = 0.0
+        if self.mask is None:
+            qt = q.float().transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                qt, k, v, is_causal=True, scale=scale, enable_gqa=True
+            )
+            return out.transpose(1, 2)
+        qg = q.float().view(num_seqs, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        qg = qg.reshape(num_seqs, num_kv_heads, group * q_len, head_dim)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=self.mask, scale=scale)
+        out = out.view(num_seqs, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
+        return out.reshape(num_seqs, q_len, num_q_heads, head_dim)
 
-    lens = torch.tensor(seq_lens, device=device)
-    q_pos = (lens - q_len)[:, None] + torch.arange(q_len, device=device)[None, :]  # [S, Lq]
-    k_pos = torch.arange(max_len, device=device)
-    allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Lq, Lk]; also bounds seq_len
-    if sliding_window is not None:
-        allowed &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    # [S, Lq, Hkv, G, D] -> [S, Hkv, G * Lq, D], rows ordered (g, position).
-    qg = q.float().view(num_seqs, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    qg = qg.reshape(num_seqs, num_kv_heads, group * q_len, head_dim)
-    mask = allowed[:, None].expand(num_seqs, group, q_len, max_len)
-    mask = mask.reshape(num_seqs, 1, group * q_len, max_len)
-    out = sdpa(qg, k, v, attn_mask=mask, scale=scale)  # [S, Hkv, G * Lq, D]
-    out = out.view(num_seqs, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(num_seqs, q_len, num_q_heads, head_dim)
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """A step's attention work, derived from its metadata alone: the decode sequences (one query
+    token) as one group, each prefill chunk on its own, so no sequence is padded to another's
+    query length. It holds no cache data, so one plan serves every layer of a step."""
+
+    groups: tuple[UniformGroup, ...]
+    pure_decode: bool
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        cu_seqlens_q: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        num_tokens: int,
+        group: int,
+        sliding_window: int | None,
+    ) -> AttentionPlan:
+        cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+        device = cu_seqlens_q.device
+        decode = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]
+        common = {"group": group, "sliding_window": sliding_window}
+        pure_decode = len(decode) == len(lens) == num_tokens
+        groups: list[UniformGroup] = []
+        if decode:
+            rows = None if pure_decode else torch.tensor([cu[i] for i in decode], device=device)
+            tables = block_tables if pure_decode else block_tables[decode]
+            seqs = [lens[i] for i in decode]
+            groups.append(
+                UniformGroup.build(rows=rows, block_tables=tables, seq_lens=seqs, q_len=1, **common)
+            )
+        for i in range(len(lens)):
+            q_len = cu[i + 1] - cu[i]
+            if q_len > 1:
+                rows = torch.arange(cu[i], cu[i + 1], device=device)
+                groups.append(
+                    UniformGroup.build(
+                        rows=rows,
+                        block_tables=block_tables[i : i + 1],
+                        seq_lens=[lens[i]],
+                        q_len=q_len,
+                        **common,
+                    )
+                )
+        return cls(tuple(groups), pure_decode)
+
+    def run(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """``q [T, Hq, D]`` -> ``[T, Hq, D]`` in q's dtype."""
+        if self.pure_decode:
+            out = self.groups[0].attend(q.unsqueeze(1), k_cache, v_cache, scale)
+            return out.squeeze(1).to(q.dtype)
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        for g in self.groups:
+            rows = g.rows.view(g.num_seqs, g.q_len)
+            out[rows] = g.attend(q[rows], k_cache, v_cache, scale)
+        return out.to(q.dtype)
 
 
 def paged_attention_ref(
@@ -124,43 +211,44 @@ def paged_attention_ref(
     cu_seqlens_q: ``[S + 1]`` int32. ``sliding_window`` w (if set) limits each query to the
     ``w`` most recent positions (its own included), as HF's Mistral does.
     ``max_seqlen_q`` / ``max_seqlen_k`` are accepted for interface parity with the kernel.
-    Returns ``[T, Hq, D]`` in ``q.dtype``.
-
-    Decode sequences (one new token) run as one batch; each prefill chunk runs on its own, so
-    no sequence is padded to another's query length.
+    Returns ``[T, Hq, D]`` in ``q.dtype``. (The engine's CPU backend keeps the ``AttentionPlan``
+    for all layers of a step; here it is derived on every call.)
     """
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    decode = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]
-    if len(decode) == len(lens) == q.shape[0]:  # a pure decode step: no scatter needed
-        out = _attend_uniform(
-            q.unsqueeze(1), k_cache, v_cache, block_tables, lens, scale, sliding_window
-        )
-        return out.squeeze(1).to(q.dtype)
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    if decode:
-        rows = torch.tensor([cu[i] for i in decode], device=q.device)
-        out[rows] = _attend_uniform(
-            q[rows].unsqueeze(1),
-            k_cache,
-            v_cache,
-            block_tables[decode],
-            [lens[i] for i in decode],
-            scale,
-            sliding_window,
-        ).squeeze(1)
-    for i in range(len(lens)):
-        if cu[i + 1] - cu[i] > 1:
-            out[cu[i] : cu[i + 1]] = _attend_uniform(
-                q[cu[i] : cu[i + 1]].unsqueeze(0),
-                k_cache,
-                v_cache,
-                block_tables[i : i + 1],
-                [lens[i]],
-                scale,
-                sliding_window,
-            ).squeeze(0)
-    return out.to(q.dtype)
+    plan = AttentionPlan.build(
+        cu_seqlens_q=cu_seqlens_q,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        num_tokens=q.shape[0],
+        group=q.shape[1] // k_cache.shape[2],
+        sliding_window=sliding_window,
+    )
+    return plan.run(q, k_cache, v_cache, scale)
+
+
+def kept_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The slots to write and the token rows they come from (None: every row, in order), given
+    ``slot_mapping [T]`` where ``-1`` means "do not write"."""
+    keep = slot_mapping >= 0
+    if bool(keep.all()):
+        return slot_mapping, None
+    rows = keep.nonzero().squeeze(1)
+    return slot_mapping[rows], rows
+
+
+def scatter_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    rows: torch.Tensor | None,
+) -> None:
+    """Write rows ``rows`` (None: all) of ``key``/``value`` ``[T, Hkv, D]`` at ``slots``."""
+    if rows is not None:
+        key, value = key[rows], value[rows]
+    num_blocks, block_size = k_cache.shape[:2]
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slots] = key.to(k_cache.dtype)
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slots] = value.to(v_cache.dtype)
 
 
 def write_kv_ref(
@@ -175,11 +263,7 @@ def write_kv_ref(
 
     Slot ``-1`` means "do not write". In place, exact.
     """
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    num_blocks, block_size = k_cache.shape[:2]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+    scatter_kv(key, value, k_cache, v_cache, *kept_slots(slot_mapping))
 
 
 def copy_blocks_ref(kv_caches: torch.Tensor, *, block_mapping: torch.Tensor) -> None:

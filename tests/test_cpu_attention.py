@@ -1,5 +1,6 @@
-"""The planned torch backend equals the references bit for bit: on every attention case the
-kernel tests use, across "layers" that share one step's metadata, and from step to step."""
+"""The planned torch backend, which keeps one step's plan for all its layers, equals the
+references derived afresh on every call, bit for bit: on every attention case the kernel tests
+use, across "layers" that share one step's metadata, and from step to step."""
 
 from __future__ import annotations
 
