@@ -30,6 +30,16 @@ FUSED_GROUPS: tuple[tuple[str, tuple[str, ...], str], ...] = (
 )
 
 
+def linear_from(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An inference ``nn.Linear`` holding ``weight [out, in]`` and ``bias [out]`` themselves
+    (no copy, and no throwaway initialisation of weights that are replaced at once)."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=False)
+    return linear
+
+
 class FusedLinear(nn.Module):
     """The concatenation of several ``nn.Linear`` that read the same input.
 
@@ -46,16 +56,10 @@ class FusedLinear(nn.Module):
         if len({lin.in_features for lin in linears}) != 1:
             raise ValueError("projections to fuse must read inputs of one size")
         self.sizes = [lin.out_features for lin in linears]
-        first = linears[0]
-        self.proj = nn.Linear(
-            first.in_features,
-            sum(self.sizes),
-            bias=has_bias.pop(),
-            device="meta",  # no throwaway initialisation: the weights are assigned next
+        self.proj = linear_from(
+            torch.cat([lin.weight for lin in linears]),
+            torch.cat([lin.bias for lin in linears]) if has_bias.pop() else None,
         )
-        self.proj.weight = nn.Parameter(torch.cat([lin.weight for lin in linears]), False)
-        if self.proj.bias is not None:
-            self.proj.bias = nn.Parameter(torch.cat([lin.bias for lin in linears]), False)
         # A plain object: nn.Module.__setattr__ costs microseconds, and part() runs 5x a layer.
         self._pending = _PendingParts()
 
@@ -145,14 +149,8 @@ def unfuse_projections(model: nn.Module) -> int:
             weights = fused.proj.weight.split(fused.sizes)
             biases = fused.proj.bias.split(fused.sizes) if fused.proj.bias is not None else None
             for index, name in enumerate(names):
-                linear = nn.Linear(
-                    fused.proj.in_features, fused.sizes[index], bias=biases is not None,
-                    device="meta",
-                )  # fmt: skip
-                linear.weight = nn.Parameter(weights[index].clone(), requires_grad=False)
-                if biases is not None:
-                    linear.bias = nn.Parameter(biases[index].clone(), requires_grad=False)
-                setattr(owner, name, linear)
+                bias = biases[index].clone() if biases is not None else None
+                setattr(owner, name, linear_from(weights[index].clone(), bias))
             delattr(owner, fused_name)
             count += 1
     return count

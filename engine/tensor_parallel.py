@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.fused_projections import unfuse_projections
+from engine.fused_projections import linear_from, unfuse_projections
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +74,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
-        self.proj = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
-        self.proj.weight = nn.Parameter(weight, requires_grad=False)
+        self.proj = linear_from(weight, None)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.group = group  # None: the default process group
 
