@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.core_split_linear import join_cores
 from engine.fused_projections import linear_from, unfuse_projections
 
 
@@ -128,7 +129,8 @@ def shard_model(
     which must exist before the first forward, not before this call).
     """
     shape = shard_shape(model.config, world_size)
-    unfuse_projections(model)  # a model prepared for one device: shard its original projections
+    join_cores(model)  # a model prepared for one device: shard its original projections
+    unfuse_projections(model)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for name in ("q_proj", "k_proj", "v_proj"):

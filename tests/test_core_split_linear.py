@@ -1,0 +1,117 @@
+"""fp32 projections split across the CPU cores: the same numbers as ``F.linear`` at one row (bit
+for bit) and above the split's row limit, last-bit rounding in between, and the engine's greedy
+tokens still equal Hugging Face for every family."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.core_split_linear import (
+    MAX_SPLIT_ROWS,
+    CoreSplitLinear,
+    join_cores,
+    split_across_cores,
+)
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.conftest import TINY_FAMILIES, hf_greedy, loaded, tiny_model
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """torch at two threads (the split follows the thread count), restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _linear(out_features: int, in_features: int, bias: bool) -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(in_features, out_features, bias=bias).requires_grad_(False)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("blocks", [2, 4])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (64, 128)])
+def test_one_row_equals_f_linear_bit_for_bit(shape: tuple, blocks: int, bias: bool) -> None:
+    linear = _linear(*shape, bias=bias)
+    split = CoreSplitLinear(linear, blocks)
+    for leading in ((1,), (1, 1)):
+        x = torch.randn(*leading, shape[1])
+        assert torch.equal(split(x), linear(x))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_many_rows_equal_f_linear_to_rounding_and_exactly_past_the_limit(bias: bool) -> None:
+    linear = _linear(960, 576, bias=bias)
+    split = CoreSplitLinear(linear, 2)
+    for rows in (2, 5, 8, 24, 100, MAX_SPLIT_ROWS):
+        x = torch.randn(1, rows, 576)
+        got, want = split(x), linear(x)
+        assert got.shape == want.shape == (1, rows, 960)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    x = torch.randn(MAX_SPLIT_ROWS + 1, 576)
+    assert torch.equal(split(x), F.linear(x, linear.weight, linear.bias))
+
+
+def test_refuses_outputs_that_do_not_divide_into_blocks() -> None:
+    with pytest.raises(ValueError, match="cannot split 10 outputs into 4 blocks"):
+        CoreSplitLinear(nn.Linear(8, 10), 4)
+    with pytest.raises(ValueError, match="into 1 blocks"):
+        CoreSplitLinear(nn.Linear(8, 10), 1)
+
+
+def test_split_swaps_fp32_projections_and_keeps_the_head_tied(two_threads: None) -> None:
+    model = tiny_model("llama")
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    split = copy.deepcopy(model)
+    linears = sum(type(m) is nn.Linear for m in split.modules())
+    assert split_across_cores(split) == linears
+    assert split_across_cores(split) == 0  # nothing plain is left
+    assert all(type(m) is not nn.Linear for m in split.modules())
+    head = split.get_output_embeddings()
+    assert isinstance(head, CoreSplitLinear)
+    assert head.weight.data_ptr() == split.get_input_embeddings().weight.data_ptr()
+    ids = torch.tensor([[3, 17, 92, 5, 44, 8]])
+    with torch.inference_mode():
+        torch.testing.assert_close(split(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+        assert torch.equal(split(ids[:, :1]).logits, model(ids[:, :1]).logits)  # one row: exact
+
+
+def test_split_leaves_other_dtypes_and_one_thread_alone(two_threads: None) -> None:
+    assert split_across_cores(tiny_model("llama").to(torch.bfloat16)) == 0
+    torch.set_num_threads(1)
+    assert split_across_cores(tiny_model("llama")) == 0
+
+
+def test_join_gives_back_plain_linears_with_the_same_weights(two_threads: None) -> None:
+    model = tiny_model("qwen2")  # q/k/v with biases
+    split = copy.deepcopy(model)
+    count = split_across_cores(split)
+    assert join_cores(split) == count > 0
+    assert all(not isinstance(m, CoreSplitLinear) for m in split.modules())
+    want = dict(model.named_parameters())
+    got = dict(split.named_parameters())
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[name], want[name]) for name in want)
+
+
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+def test_engine_with_split_projections_equals_hf_greedy(family: str, two_threads: None) -> None:
+    model = tiny_model(family)
+    prompts = [[5, 9, 33, 70, 2], list(range(10, 41)), [7] * 3]
+    llm = LLM(loaded=loaded(model), kv_cache_memory=2 << 20, max_num_batched_tokens=16)
+    runner_model = llm.engine.runner.model
+    assert isinstance(runner_model.model.layers[0].self_attn.qkv_proj.proj, CoreSplitLinear)
+    assert isinstance(runner_model.get_output_embeddings(), CoreSplitLinear)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(model, prompt, 12)
