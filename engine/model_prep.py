@@ -1,6 +1,6 @@
 """Turn a loaded (and, under tensor parallelism, sharded) Hugging Face model into the one the
 runner drives: paged attention swapped in, q/k/v and gate/up fused, int8 weights if asked, and
-fp32 projections split across the CPU cores.
+on the CPU the projections' faster exact kernels (engine/cpu_linears.py).
 
 The driver and every tensor-parallel worker rank call this one function, so all ranks run the
 same layout.
@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 
 from engine.attention_swap import install_paged_attention
 from engine.config import EngineConfig
-from engine.core_split_linear import split_across_cores
+from engine.cpu_linears import speed_up_cpu_linears
 from engine.fused_projections import fuse_projections
 from engine.int8_weights import quantize_int8
 
@@ -30,6 +30,6 @@ def prepare_model(model: PreTrainedModel, config: EngineConfig, device: torch.de
         swapped = quantize_int8(model, device)
         logger.info("int8 weight-only: %d projections quantized", swapped)
     if device.type == "cpu":
-        split = split_across_cores(model)  # fp32 only; after int8, which leaves nothing to split
-        if split:
-            logger.info("fp32 projections split over %d cores: %d", torch.get_num_threads(), split)
+        swapped = speed_up_cpu_linears(model)  # after int8, which leaves no nn.Linear to swap
+        if swapped:
+            logger.info("CPU projections on their faster exact kernels: %d", swapped)

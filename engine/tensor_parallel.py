@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.core_split_linear import join_cores
+from engine.cpu_linears import join_cores
 from engine.fused_projections import linear_from, unfuse_projections
 
 
@@ -92,7 +92,7 @@ def _plain(linear: nn.Module) -> nn.Linear:
     if type(linear) is not nn.Linear:
         raise ValueError(
             f"tensor parallelism shards plain nn.Linear projections, got {type(linear).__name__}:"
-            " shard before quantizing"
+            " shard before quantizing or packing (a model prepared for a CPU in bf16)"
         )
     return linear
 

@@ -5,9 +5,10 @@ alone (``LLMEngine.step`` in a loop, no server) on the default model with ``stre
 decoding together, and reports per decode step (p50 over the steps, in ms): the whole step, the
 forward (``ModelRunner.forward``: the model body and the LM head) and the rest (scheduling,
 sampling, detokenizing, stop checks). A mode is a dtype, optionally ``+int8`` (weight-only int8),
-``+unfused`` (q/k/v and gate/up as separate GEMMs, the layout before fusion) or ``+unsplit``
-(fp32 projections as plain ``F.linear``, not split across the cores), e.g. ``float32+unsplit``. Each mode runs in its own process, so one mode's allocations and threads
-do not shape another's. Timing belongs here, never in tests.
+``+unfused`` (q/k/v and gate/up as separate GEMMs, the layout before fusion) or ``+plain``
+(projections as plain ``F.linear``, without engine/cpu_linears.py), e.g. ``float32+plain``.
+Each mode runs in its own process, so one mode's allocations and threads do not shape
+another's. Timing belongs here, never in tests.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import time
 
-DEFAULT_MODES = ("float32+unsplit", "float32", "bfloat16", "bfloat16+int8")
+DEFAULT_MODES = ("float32+plain", "float32", "bfloat16", "bfloat16+int8")
 PROMPT_TOKENS = 64  # per request, distinct per stream so no prefix is shared
 DECODE_TOKENS = 48  # per request; every request runs to its limit
 
@@ -39,8 +40,8 @@ def measure(mode: str, streams: int, threads: int | None) -> dict:
     dtype_name, *flags = mode.split("+")
     if "unfused" in flags:
         model_prep.fuse_projections = lambda model: 0  # the layout before fusion, for the A/B
-    if "unsplit" in flags:
-        model_prep.split_across_cores = lambda model: 0  # plain F.linear, for the A/B
+    if "plain" in flags:
+        model_prep.speed_up_cpu_linears = lambda model: 0  # plain F.linear, for the A/B
     loaded = load_model(None, dtype=getattr(torch, dtype_name), device=torch.device("cpu"))
     llm = LLM(loaded=loaded, quantization="int8" if "int8" in flags else None)
     runner = llm.engine.runner

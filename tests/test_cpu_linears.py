@@ -1,6 +1,7 @@
-"""fp32 projections split across the CPU cores: the same numbers as ``F.linear`` at one row (bit
-for bit) and above the split's row limit, last-bit rounding in between, and the engine's greedy
-tokens still equal Hugging Face for every family."""
+"""The projections' CPU kernels. fp32 split across the cores: the same numbers as ``F.linear`` at
+one row (bit for bit) and above the split's row limit, last-bit rounding in between. bf16 packed
+for oneDNN: bit for bit at every row count. The engine's greedy tokens still equal Hugging Face
+for every family."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.core_split_linear import (
+from engine.cpu_linears import (
     MAX_SPLIT_ROWS,
     CoreSplitLinear,
+    PackedLinear,
     join_cores,
-    split_across_cores,
+    speed_up_cpu_linears,
 )
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -74,8 +76,8 @@ def test_split_swaps_fp32_projections_and_keeps_the_head_tied(two_threads: None)
     model.tie_weights()
     split = copy.deepcopy(model)
     linears = sum(type(m) is nn.Linear for m in split.modules())
-    assert split_across_cores(split) == linears
-    assert split_across_cores(split) == 0  # nothing plain is left
+    assert speed_up_cpu_linears(split) == linears
+    assert speed_up_cpu_linears(split) == 0  # nothing plain is left
     assert all(type(m) is not nn.Linear for m in split.modules())
     head = split.get_output_embeddings()
     assert isinstance(head, CoreSplitLinear)
@@ -87,15 +89,37 @@ def test_split_swaps_fp32_projections_and_keeps_the_head_tied(two_threads: None)
 
 
 def test_split_leaves_other_dtypes_and_one_thread_alone(two_threads: None) -> None:
-    assert split_across_cores(tiny_model("llama").to(torch.bfloat16)) == 0
+    assert speed_up_cpu_linears(tiny_model("llama").to(torch.float16)) == 0
     torch.set_num_threads(1)
-    assert split_across_cores(tiny_model("llama")) == 0
+    assert speed_up_cpu_linears(tiny_model("llama")) == 0
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_equals_f_linear_bit_for_bit_at_every_row_count(bias: bool) -> None:
+    linear = _linear(960, 576, bias=bias).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    for rows in (1, 2, 3, 8, 24, 100, 300):
+        x = torch.randn(1, rows, 576, dtype=torch.bfloat16)
+        assert torch.equal(packed(x), linear(x))
+    assert torch.equal(packed(x[0]), linear(x[0]))  # 2-D input
+
+
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+def test_packing_a_bf16_model_keeps_its_logits_bit_for_bit(family: str) -> None:
+    model = tiny_model(family).to(torch.bfloat16)
+    packed = copy.deepcopy(model)
+    assert speed_up_cpu_linears(packed) == sum(type(m) is nn.Linear for m in model.modules())
+    assert isinstance(packed.get_output_embeddings(), PackedLinear)
+    assert not any(type(m) is nn.Linear for m in packed.modules())
+    ids = torch.tensor([[3, 17, 92, 5, 44, 8]])
+    with torch.inference_mode():
+        assert torch.equal(packed(ids).logits, model(ids).logits)
 
 
 def test_join_gives_back_plain_linears_with_the_same_weights(two_threads: None) -> None:
     model = tiny_model("qwen2")  # q/k/v with biases
     split = copy.deepcopy(model)
-    count = split_across_cores(split)
+    count = speed_up_cpu_linears(split)
     assert join_cores(split) == count > 0
     assert all(not isinstance(m, CoreSplitLinear) for m in split.modules())
     want = dict(model.named_parameters())
