@@ -10,8 +10,11 @@ others::
     layer i:  plan.run(q, k_cache, v_cache, scale)                                  # tensor work
 
 They are keyed on the identity of those tensors (held, so an id is never reused while it is the
-key). The arithmetic is the reference's own code, so the outputs equal the references bit for
-bit (tests/test_cpu_attention.py).
+key). The arithmetic is the reference's own code with one difference: the reference computes in
+fp32 (it is the kernels' ground truth), while this backend computes in the model's own dtype, as
+Hugging Face's ``sdpa`` attention does, with HF's layout. In fp32 the outputs equal the
+references bit for bit; in bf16 each sequence gets what HF computes for it alone, so a request
+alone decodes HF's own bf16 tokens (tests/test_cpu_attention.py, tests/test_greedy_equality.py).
 """
 
 from __future__ import annotations
@@ -58,20 +61,19 @@ class PlannedTorchAttention:
         max_seqlen_q: int | None = None,
         max_seqlen_k: int | None = None,
     ) -> torch.Tensor:
-        """As ``paged_attention_ref``: ``q [T, Hq, D]`` over the paged cache, fp32 math."""
-        group = q.shape[1] // k_cache.shape[2]
-        key = (cu_seqlens_q, seq_lens, block_tables, q.shape[0], group, sliding_window)
+        """As ``paged_attention_ref``: ``q [T, Hq, D]`` over the paged cache, the math in q's
+        dtype."""
+        key = (cu_seqlens_q, seq_lens, block_tables, q.shape[0], sliding_window)
         if self._plan is None or not _same_key(key, self._plan_key):
             self._plan = AttentionPlan.build(
                 cu_seqlens_q=cu_seqlens_q,
                 seq_lens=seq_lens,
                 block_tables=block_tables,
                 num_tokens=q.shape[0],
-                group=group,
                 sliding_window=sliding_window,
             )
             self._plan_key = key
-        return self._plan.run(q, k_cache, v_cache, scale)
+        return self._plan.run(q, k_cache, v_cache, scale, q.dtype)
 
 
 def _same_key(a: tuple[object, ...], b: tuple[object, ...]) -> bool:

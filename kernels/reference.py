@@ -60,8 +60,8 @@ class UniformGroup:
     rows: the flat query rows ``[S * q_len]`` (None: all of q, in order);
     block_tables: ``[S, *]``; max_len: the longest context;
     tail: the (sequence, position) index pairs past each sequence's end (None when all are
-    equally long); mask: ``[S, 1, G * q_len, max_len]`` bool, or None for the causal fast path
-    of one fresh prompt.
+    equally long); mask: ``[S, 1, q_len, max_len]`` bool, or None when nothing is cut off (one
+    fresh prompt runs causal; equally long decode rows see everything).
     """
 
     rows: torch.Tensor | None
@@ -80,7 +80,6 @@ class UniformGroup:
         block_tables: torch.Tensor,
         seq_lens: list[int],
         q_len: int,
-        group: int,
         sliding_window: int | None,
     ) -> UniformGroup:
         device = block_tables.device
@@ -90,43 +89,50 @@ class UniformGroup:
         tail = None
         if min(seq_lens) < max_len:
             tail = (k_pos[None, :] >= lens[:, None]).nonzero(as_tuple=True)
-        mask = None
+        # q is laid out as Hugging Face's sdpa attention lays it out, [S, Hq, Lq, D] with GQA in
+        # the kernel: the same blocking, so the same rounding as HF in every dtype. The mask is
+        # built only where something is cut off: one fresh prompt runs the causal fast path,
+        # and decode rows of equal length need none.
+        window_cuts = sliding_window is not None and sliding_window < max_len
         fresh = q_len == max_len and num_seqs == 1
-        if not (fresh and (sliding_window is None or sliding_window >= q_len)):
+        mask = None
+        if (q_len > 1 and not fresh) or tail is not None or window_cuts:
             q_pos = (lens - q_len)[:, None] + torch.arange(q_len, device=device)[None, :]
             allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Lq, Lk]
             if sliding_window is not None:
                 allowed &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-            mask = allowed[:, None].expand(num_seqs, group, q_len, max_len)
-            mask = mask.reshape(num_seqs, 1, group * q_len, max_len)
+            mask = allowed[:, None]  # [S, 1, Lq, Lk]
         return cls(rows, num_seqs, q_len, block_tables, max_len, tail, mask)
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        """``q [S, Lq, Hq, D]`` over the group's contexts; ``[S, Lq, Hq, D]`` in fp32."""
-        num_seqs, q_len, num_q_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[2]
-        group = num_q_heads // num_kv_heads
-        k = gather_context(k_cache, self.block_tables, self.max_len).float().transpose(1, 2)
-        v = gather_context(v_cache, self.block_tables, self.max_len).float().transpose(1, 2)
+        """``q [S, Lq, Hq, D]`` over the group's contexts; ``[S, Lq, Hq, D]`` in ``dtype``, the
+        precision q, k and v are taken to for the math."""
+        q_len = q.shape[1]
+        k = gather_context(k_cache, self.block_tables, self.max_len).to(dtype).transpose(1, 2)
+        v = gather_context(v_cache, self.block_tables, self.max_len).to(dtype).transpose(1, 2)
         if self.tail is not None:
             # Slots past a sequence's end may hold NaN, which masking alone does not cancel.
             # (Indexing only the tail beats masked_fill over all of k and v.)
             seq_idx, pos_idx = self.tail
             k[seq_idx, :, pos_idx] = 0.0
             v[seq_idx, :, pos_idx] = 0.0
-        if self.mask is None:
-            qt = q.float().transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                qt, k, v, is_causal=True, scale=scale, enable_gqa=True
-            )
-            return out.transpose(1, 2)
-        qg = q.float().view(num_seqs, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-        qg = qg.reshape(num_seqs, num_kv_heads, group * q_len, head_dim)
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=self.mask, scale=scale)
-        out = out.view(num_seqs, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
-        return out.reshape(num_seqs, q_len, num_q_heads, head_dim)
+        out = F.scaled_dot_product_attention(
+            q.to(dtype).transpose(1, 2),
+            k,
+            v,
+            attn_mask=self.mask,
+            is_causal=self.mask is None and q_len > 1,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.transpose(1, 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,13 +152,12 @@ class AttentionPlan:
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
         num_tokens: int,
-        group: int,
         sliding_window: int | None,
     ) -> AttentionPlan:
         cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
         device = cu_seqlens_q.device
         decode = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]
-        common = {"group": group, "sliding_window": sliding_window}
+        common = {"sliding_window": sliding_window}
         pure_decode = len(decode) == len(lens) == num_tokens
         groups: list[UniformGroup] = []
         if decode:
@@ -178,16 +183,22 @@ class AttentionPlan:
         return cls(tuple(groups), pure_decode)
 
     def run(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        """``q [T, Hq, D]`` -> ``[T, Hq, D]`` in q's dtype."""
+        """``q [T, Hq, D]`` -> ``[T, Hq, D]`` in q's dtype, with the math in ``dtype`` (fp32 for
+        the reference; the model's own dtype reproduces Hugging Face's ``sdpa`` attention)."""
         if self.pure_decode:
-            out = self.groups[0].attend(q.unsqueeze(1), k_cache, v_cache, scale)
+            out = self.groups[0].attend(q.unsqueeze(1), k_cache, v_cache, scale, dtype)
             return out.squeeze(1).to(q.dtype)
-        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        out = torch.empty(q.shape, dtype=dtype, device=q.device)
         for g in self.groups:
             rows = g.rows.view(g.num_seqs, g.q_len)
-            out[rows] = g.attend(q[rows], k_cache, v_cache, scale)
+            out[rows] = g.attend(q[rows], k_cache, v_cache, scale, dtype)
         return out.to(q.dtype)
 
 
@@ -203,8 +214,10 @@ def paged_attention_ref(
     sliding_window: int | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    math_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Attention of ragged query chunks over the paged KV cache, in fp32.
+    """Attention of ragged query chunks over the paged KV cache, in fp32 (``math_dtype``: the
+    engine's CPU backend computes in the model's dtype, as Hugging Face does).
 
     q: ``[T, Hq, D]``; k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``;
     block_tables: ``[S, max_blocks]`` int32; seq_lens: ``[S]`` int32 (context incl. new tokens);
@@ -219,10 +232,9 @@ def paged_attention_ref(
         seq_lens=seq_lens,
         block_tables=block_tables,
         num_tokens=q.shape[0],
-        group=q.shape[1] // k_cache.shape[2],
         sliding_window=sliding_window,
     )
-    return plan.run(q, k_cache, v_cache, scale)
+    return plan.run(q, k_cache, v_cache, scale, math_dtype)
 
 
 def kept_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,11 +1,15 @@
 """The planned torch backend, which keeps one step's plan for all its layers, equals the
 references derived afresh on every call, bit for bit: on every attention case the kernel tests
-use, across "layers" that share one step's metadata, and from step to step."""
+use, across "layers" that share one step's metadata, and from step to step. It computes in the
+model's dtype, and there it equals Hugging Face's sdpa attention bit for bit."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from engine.cpu_attention import PlannedTorchAttention
 from kernels.reference import paged_attention_ref, write_kv_ref
@@ -41,9 +45,12 @@ def test_equals_the_reference_bit_for_bit(spec, heads, head_dim, block_size, dty
     other_k, other_v = batch.k_cache * -2, batch.v_cache * 3  # NaN stays where no token is
     for k_cache, v_cache in ((batch.k_cache, batch.v_cache), (other_k, other_v)):
         out = planned.paged_attention(batch.q, k_cache, v_cache, **kwargs)
-        ref = paged_attention_ref(batch.q, k_cache, v_cache, **kwargs)
+        ref = paged_attention_ref(batch.q, k_cache, v_cache, math_dtype=dtype, **kwargs)
         assert out.dtype == ref.dtype
         assert torch.equal(out, ref)
+        if dtype != torch.float32:  # the model's precision stays close to the fp32 reference
+            fp32 = paged_attention_ref(batch.q, k_cache, v_cache, **kwargs)
+            torch.testing.assert_close(out, fp32, rtol=2e-2, atol=2e-2)
 
 
 def test_a_new_step_gets_a_new_plan():
@@ -68,3 +75,56 @@ def test_write_kv_equals_the_reference(skip: bool):
         planned.write_kv(key + layer, value, caches[0], caches[1], slot_mapping=slots)
         write_kv_ref(key + layer, value, caches[2], caches[3], slot_mapping=slots)
         assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def _hf_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Hugging Face's sdpa attention for one sequence alone, the way ``generate`` calls it:
+    ``q [1, Hq, Lq, D]`` against ``k, v [1, Hkv, L, D]``, causal when Lq > 1; ``[Lq, Hq, D]``."""
+    module = types.SimpleNamespace(is_causal=True, num_key_value_groups=q.shape[1] // k.shape[1])
+    module.training = False
+    out, _ = sdpa_attention_forward(module, q, k, v, None, scaling=scale)
+    return out[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_each_sequence_gets_what_hf_computes_for_it_alone(dtype: torch.dtype) -> None:
+    """Decode rows of equal length attended together, one fresh prompt, and the last chunk of a
+    prompt whose start is cached: every row equals HF's sdpa on that sequence alone."""
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, block_size, scale = 9, 3, 64, 16, 0.125
+    length, seqs = 70, 3
+    keys = torch.randn(seqs, kv_heads, length, head_dim, dtype=dtype)
+    values = torch.randn(seqs, kv_heads, length, head_dim, dtype=dtype)
+    per_seq = (length + block_size - 1) // block_size
+    k_cache = torch.full((seqs * per_seq + 1, block_size, kv_heads, head_dim), float("nan"))
+    k_cache, v_cache = k_cache.to(dtype), k_cache.clone().to(dtype)
+    tables = torch.arange(1, seqs * per_seq + 1, dtype=torch.int32).view(seqs, per_seq)
+    for s in range(seqs):
+        slots = (tables[s].long()[:, None] * block_size + torch.arange(block_size)).flatten()
+        k_cache.view(-1, kv_heads, head_dim)[slots[:length]] = keys[s].transpose(0, 1)
+        v_cache.view(-1, kv_heads, head_dim)[slots[:length]] = values[s].transpose(0, 1)
+    backend = PlannedTorchAttention()
+
+    def ours(q: torch.Tensor, q_lens: list[int], rows: slice) -> torch.Tensor:
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        return backend.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables=tables[rows],
+            seq_lens=torch.full((len(q_lens),), length, dtype=torch.int32),
+            cu_seqlens_q=cu,
+            scale=scale,
+        )
+
+    decode_q = torch.randn(seqs, heads, 1, head_dim, dtype=dtype)
+    got = ours(decode_q[:, :, 0], [1] * seqs, slice(0, seqs))
+    for s in range(seqs):
+        want = _hf_sdpa(decode_q[s : s + 1], keys[s : s + 1], values[s : s + 1], scale)
+        assert torch.equal(got[s : s + 1], want)
+    prompt_q = torch.randn(1, heads, length, head_dim, dtype=dtype)
+    want = _hf_sdpa(prompt_q, keys[:1], values[:1], scale)
+    assert torch.equal(ours(prompt_q[0].transpose(0, 1), [length], slice(0, 1)), want)
+    tail = 20  # the last 20 tokens as a chunk over the 50 cached before them
+    got = ours(prompt_q[0, :, -tail:].transpose(0, 1), [tail], slice(0, 1))
+    assert torch.equal(got, want[-tail:])

@@ -3,7 +3,10 @@ family, whether requests run alone, batched with staggered arrivals, chunked or 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
@@ -76,4 +79,17 @@ def test_prefix_cache_off_gives_same_tokens(expected):
     _, model, prompts, want = expected
     llm = LLM(loaded=loaded(model), kv_cache_memory=4 << 20, enable_prefix_caching=False)
     assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == want
+    assert_pool_clean(llm.engine.block_manager)
+
+
+def test_bf16_alone_equals_hf_bf16(tiny_family):
+    """In bf16 a request alone computes what HF computes for it (the CPU backend attends in the
+    model's dtype with HF's layout; packed projections are exact), so the tokens are equal too.
+    Batching changes bf16 rounding (docs/performance.md measures by how much)."""
+    _, model = tiny_family
+    model = copy.deepcopy(model).to(torch.bfloat16)
+    llm = LLM(loaded=loaded(model), kv_cache_memory=4 << 20)
+    for prompt in random_prompts(LENGTHS, seed=2):
+        [result] = llm.generate([prompt], GREEDY)
+        assert result.token_ids == hf_greedy(model, prompt, MAX_TOKENS)
     assert_pool_clean(llm.engine.block_manager)
