@@ -1,7 +1,8 @@
 """The asyncio-facing engine: ``add_request`` returns an async iterator of outputs.
 
 The synchronous ``LLMEngine`` runs in its own thread so a forward pass never blocks the event
-loop. Requests and aborts reach that thread through a locked inbox; outputs come back to each
+loop; the thread that built it frees its OpenMP workers for that thread (engine/openmp_pool.py).
+Requests and aborts reach that thread through a locked inbox; outputs come back to each
 request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``. Validation (tokenizing, length
 and capacity checks, the waiting-queue limit) happens in the caller, so a bad request raises
 before any stream starts.
@@ -26,6 +27,7 @@ from engine.forks import sample_ids
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStats, SnapshotCollector
 from engine.model_loader import LoadedModel
+from engine.openmp_pool import release_openmp_pool
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
@@ -88,6 +90,9 @@ class AsyncEngine:
         self._snapshot = self._take_snapshot()
         self.engine.stats.registry.register(SnapshotCollector(self.snapshot))
         self.state_watch = StateWatch()  # the dashboard's detailed state, taken when watched
+        # The engine thread's OpenMP pool must be the only one, or libgomp stops spinning
+        # between parallel regions and every CPU step slows down (engine/openmp_pool.py).
+        release_openmp_pool()
         self._thread = threading.Thread(target=self._run, name="paged-serve-engine", daemon=True)
         self._thread.start()
 
