@@ -62,6 +62,12 @@ class UniformGroup:
     tail: the (sequence, position) index pairs past each sequence's end (None when all are
     equally long); mask: ``[S, 1, q_len, max_len]`` bool, or None when nothing is cut off (one
     fresh prompt runs causal; equally long decode rows see everything).
+
+    Layout: q is laid out as Hugging Face's sdpa attention lays it out, ``[S, Hq, Lq, D]`` with
+    GQA in the kernel, so a sequence alone gets HF's blocking and rounding in every dtype. Two
+    or more decode rows are grouped instead, ``[S, Hkv, G, D]`` (the G query heads of one KV
+    head as G query rows): torch's bf16 CPU kernel takes 5x longer on the HF layout at 8 rows
+    and more (docs/performance.md), and batching changes bf16 rounding anyway.
     """
 
     rows: torch.Tensor | None
@@ -89,10 +95,8 @@ class UniformGroup:
         tail = None
         if min(seq_lens) < max_len:
             tail = (k_pos[None, :] >= lens[:, None]).nonzero(as_tuple=True)
-        # q is laid out as Hugging Face's sdpa attention lays it out, [S, Hq, Lq, D] with GQA in
-        # the kernel: the same blocking, so the same rounding as HF in every dtype. The mask is
-        # built only where something is cut off: one fresh prompt runs the causal fast path,
-        # and decode rows of equal length need none.
+        # The mask is built only where something is cut off: one fresh prompt runs the causal
+        # fast path, and decode rows of equal length need none.
         window_cuts = sliding_window is not None and sliding_window < max_len
         fresh = q_len == max_len and num_seqs == 1
         mask = None
@@ -123,6 +127,11 @@ class UniformGroup:
             seq_idx, pos_idx = self.tail
             k[seq_idx, :, pos_idx] = 0.0
             v[seq_idx, :, pos_idx] = 0.0
+        if q_len == 1 and self.num_seqs > 1:  # grouped decode rows (see the class docstring)
+            num_seqs, _, num_q_heads, head_dim = q.shape
+            qg = q.to(dtype).reshape(num_seqs, k.shape[1], num_q_heads // k.shape[1], head_dim)
+            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=self.mask, scale=scale)
+            return out.view(num_seqs, 1, num_q_heads, head_dim)
         out = F.scaled_dot_product_attention(
             q.to(dtype).transpose(1, 2),
             k,

