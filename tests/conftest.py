@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -104,6 +105,15 @@ def assert_pool_clean(bm: BlockManager) -> None:
     """After a scenario: the pool is consistent and no live request holds a block."""
     bm.check_integrity()
     assert bm.usage().used_blocks == 0
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """torch at two threads (what the CPU kernels split over), restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session", params=sorted(TINY_FAMILIES))

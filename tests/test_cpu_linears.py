@@ -6,7 +6,6 @@ for every family."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,15 +22,6 @@ from engine.cpu_linears import (
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.conftest import TINY_FAMILIES, hf_greedy, loaded, tiny_model
-
-
-@pytest.fixture
-def two_threads() -> Iterator[None]:
-    """torch at two threads (the split follows the thread count), restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
 
 
 def _linear(out_features: int, in_features: int, bias: bool) -> nn.Linear:

@@ -5,23 +5,13 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
 
-import pytest
 import torch
 
 import engine.async_engine as async_engine
 from engine import EngineConfig
 from engine.openmp_pool import release_openmp_pool
 from tests.conftest import loaded, tiny_model
-
-
-@pytest.fixture
-def two_threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
 
 
 def _os_threads() -> int:
