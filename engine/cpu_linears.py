@@ -53,23 +53,27 @@ class CoreSplitLinear(nn.Module):
         super().__init__()
         if blocks < 2 or linear.out_features % blocks:
             raise ValueError(f"cannot split {linear.out_features} outputs into {blocks} blocks")
+        if not linear.weight.is_contiguous():
+            raise ValueError("the weight must be contiguous to be viewed as row blocks")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.blocks = blocks
         self.weight = linear.weight
         self.bias = linear.bias
+        per_block = self.out_features // blocks
+        # Views of the Parameters themselves, taken once: [blocks, K, N/blocks] and [blocks, 1,
+        # N/blocks] (plain attributes, so state_dict and the tie see only the Parameters).
+        self._blocks_t = self.weight.detach().view(blocks, per_block, self.in_features).mT
+        self._bias_blocks = None if self.bias is None else self.bias.detach().view(blocks, 1, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        count = rows.shape[0]
-        if count > MAX_SPLIT_ROWS or not self.weight.is_contiguous():
+        if rows.shape[0] > MAX_SPLIT_ROWS:
             return F.linear(x, self.weight, self.bias)
-        per_block = self.out_features // self.blocks
-        weight_t = self.weight.view(self.blocks, per_block, self.in_features).transpose(1, 2)
-        batched = rows.expand(self.blocks, count, self.in_features)
-        if self.bias is None:
-            y = torch.bmm(batched, weight_t)
+        batched = rows.expand(self.blocks, *rows.shape)
+        if self._bias_blocks is None:
+            y = torch.bmm(batched, self._blocks_t)
         else:
-            y = torch.baddbmm(self.bias.view(self.blocks, 1, per_block), batched, weight_t)
+            y = torch.baddbmm(self._bias_blocks, batched, self._blocks_t)
         return y.transpose(0, 1).reshape(*x.shape[:-1], self.out_features)
 
 
@@ -94,7 +98,7 @@ def _swap_for(linear: nn.Module, blocks: int) -> nn.Module | None:
         return None
     dtype = linear.weight.dtype
     if dtype == torch.float32 and blocks > 1 and linear.out_features % blocks == 0:
-        return CoreSplitLinear(linear, blocks)
+        return CoreSplitLinear(linear, blocks) if linear.weight.is_contiguous() else None
     if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
         return PackedLinear(linear)
     return None
@@ -128,13 +132,17 @@ def speed_up_cpu_linears(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def join_cores(model: nn.Module) -> int:
-    """Undo the fp32 split in place (tensor parallelism shards plain ``nn.Linear``s); returns
-    how many modules were put back. Packed bf16 weights cannot be unpacked: shard first."""
+def restore_plain_linears(model: nn.Module) -> int:
+    """Undo ``speed_up_cpu_linears`` in place, each swapped module back to a plain ``nn.Linear``
+    with the same weights (tensor parallelism shards plain ones); returns how many."""
     count = 0
     for owner in list(model.modules()):
         for name, child in list(owner.named_children()):
             if isinstance(child, CoreSplitLinear):
                 setattr(owner, name, linear_from(child.weight, child.bias))
-                count += 1
+            elif isinstance(child, PackedLinear):
+                setattr(owner, name, linear_from(child.packed.to_dense(), child.bias))
+            else:
+                continue
+            count += 1
     return count

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.cpu_linears import join_cores
+from engine.cpu_linears import restore_plain_linears
 from engine.fused_projections import linear_from, unfuse_projections
 
 
@@ -92,7 +92,7 @@ def _plain(linear: nn.Module) -> nn.Linear:
     if type(linear) is not nn.Linear:
         raise ValueError(
             f"tensor parallelism shards plain nn.Linear projections, got {type(linear).__name__}:"
-            " shard before quantizing or packing (a model prepared for a CPU in bf16)"
+            " shard before quantizing"
         )
     return linear
 
@@ -129,7 +129,7 @@ def shard_model(
     which must exist before the first forward, not before this call).
     """
     shape = shard_shape(model.config, world_size)
-    join_cores(model)  # a model prepared for one device: shard its original projections
+    restore_plain_linears(model)  # a model prepared for one device: shard its original ones
     unfuse_projections(model)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp

@@ -16,7 +16,7 @@ from engine.cpu_linears import (
     MAX_SPLIT_ROWS,
     CoreSplitLinear,
     PackedLinear,
-    join_cores,
+    restore_plain_linears,
     speed_up_cpu_linears,
 )
 from engine.llm import LLM
@@ -58,6 +58,10 @@ def test_refuses_outputs_that_do_not_divide_into_blocks() -> None:
         CoreSplitLinear(nn.Linear(8, 10), 4)
     with pytest.raises(ValueError, match="into 1 blocks"):
         CoreSplitLinear(nn.Linear(8, 10), 1)
+    strided = nn.Linear(8, 10)
+    strided.weight = nn.Parameter(torch.randn(8, 10).t())
+    with pytest.raises(ValueError, match="contiguous"):
+        CoreSplitLinear(strided, 2)
 
 
 def test_split_swaps_fp32_projections_and_keeps_the_head_tied(two_threads: None) -> None:
@@ -106,14 +110,17 @@ def test_packing_a_bf16_model_keeps_its_logits_bit_for_bit(family: str) -> None:
         assert torch.equal(packed(ids).logits, model(ids).logits)
 
 
-def test_join_gives_back_plain_linears_with_the_same_weights(two_threads: None) -> None:
-    model = tiny_model("qwen2")  # q/k/v with biases
-    split = copy.deepcopy(model)
-    count = speed_up_cpu_linears(split)
-    assert join_cores(split) == count > 0
-    assert all(not isinstance(m, CoreSplitLinear) for m in split.modules())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_restore_gives_back_plain_linears_with_the_same_weights(
+    dtype: torch.dtype, two_threads: None
+) -> None:
+    model = tiny_model("qwen2").to(dtype)  # q/k/v with biases
+    swapped = copy.deepcopy(model)
+    count = speed_up_cpu_linears(swapped)
+    assert restore_plain_linears(swapped) == count > 0
+    assert all(not isinstance(m, (CoreSplitLinear, PackedLinear)) for m in swapped.modules())
     want = dict(model.named_parameters())
-    got = dict(split.named_parameters())
+    got = dict(swapped.named_parameters())
     assert got.keys() == want.keys()
     assert all(torch.equal(got[name], want[name]) for name in want)
 

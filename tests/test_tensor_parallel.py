@@ -19,9 +19,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from engine.cpu_linears import speed_up_cpu_linears
+from engine.fused_projections import fuse_projections
 from engine.step_inputs import StepInputs
 from engine.step_message import STEP, StepMessage, pack_step, unpack_step
-from engine.tensor_parallel import shard_shape
+from engine.tensor_parallel import shard_model, shard_shape
 from engine.tp_workers import TensorParallelError, TensorParallelWorkers
 from tests.conftest import TINY_FAMILIES, assert_pool_clean, hf_greedy, loaded, random_prompts
 from tests.conftest import tiny_model as build_tiny_model
@@ -181,3 +183,19 @@ def test_step_message_round_trip():
     assert unpack_step(pack_step(StepMessage.shutdown())) == StepMessage.shutdown()
     with pytest.raises(ValueError, match="malformed step message"):
         unpack_step(pack_step(message)[:-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_model_prepared_for_one_cpu_shards_its_original_projections(
+    dtype: torch.dtype, two_threads: None
+) -> None:
+    """Fused, then split over the cores (fp32) or packed for oneDNN (bf16): sharding puts the
+    plain projections back first, so each rank holds its rows of the original weights."""
+    model = build_tiny_model("qwen2").to(dtype)
+    original = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    fuse_projections(model)
+    assert speed_up_cpu_linears(model) > 0
+    shard_model(model, rank=1, world_size=2)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert type(q_proj) is torch.nn.Linear
+    assert torch.equal(q_proj.weight, original[original.shape[0] // 2 :])
