@@ -30,8 +30,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         default=None,
         choices=QUANTIZATIONS,
-        help="int8: weight-only int8 projections on the CPU (faster decoding at low "
-        "concurrency; the tokens differ from the unquantized model's)",
+        help="weight-only projections on the CPU, faster decoding at low concurrency, tokens "
+        "that differ from the unquantized model's: int8 (one scale per row) or int4 (4-bit "
+        "codes with a scale and offset per 32 inputs, as llama.cpp's Q4_1)",
     )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("int8",)  # weight-only, CPU (engine/int8_weights.py)
+QUANTIZATIONS = ("int8", "int4")  # weight-only, CPU (engine/int8_weights.py, int4_weights.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,8 +21,9 @@ class EngineConfig:
     max_model_len: the longest sequence (prompt plus output), in tokens; None takes the model's.
     enforce_eager: never capture CUDA graphs (on CUDA with the triton backend, decode steps
     otherwise replay graphs captured at start for batch sizes up to ``max_num_seqs``).
-    quantization: None, or ``int8`` for weight-only int8 projections on the CPU (an
-    approximation of the model: faster decoding at low concurrency, different tokens).
+    quantization: None, ``int8`` for weight-only int8 projections on the CPU, or ``int4`` for
+    4-bit ones in groups of 32 (each an approximation of the model: faster decoding at low
+    concurrency, different tokens).
     seed: where the seeds of requests that give none come from; None (the default) draws them
     from the OS, so a restart does not repeat the same "random" outputs; an integer makes them
     reproducible from run to run.

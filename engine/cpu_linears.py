@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.fused_projections import linear_from
+from engine.linear_swap import swap_linears
 
 MAX_SPLIT_ROWS = 256  # above this many rows the plain F.linear is as fast (measured at 512)
 
@@ -92,9 +93,9 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def _swap_for(linear: nn.Module, blocks: int) -> nn.Module | None:
+def _swap_for(linear: nn.Linear, blocks: int) -> nn.Module | None:
     """The faster module computing what ``linear`` does, or None to keep it."""
-    if type(linear) is not nn.Linear or linear.weight.device.type != "cpu":
+    if linear.weight.device.type != "cpu":
         return None
     dtype = linear.weight.dtype
     if dtype == torch.float32 and blocks > 1 and linear.out_features % blocks == 0:
@@ -104,18 +105,6 @@ def _swap_for(linear: nn.Module, blocks: int) -> nn.Module | None:
     return None
 
 
-def _swap(module: nn.Module, blocks: int) -> int:
-    count = 0
-    for name, child in module.named_children():
-        faster = _swap_for(child, blocks)
-        if faster is not None:
-            setattr(module, name, faster)
-            count += 1
-        else:
-            count += _swap(child, blocks)
-    return count
-
-
 @torch.no_grad()
 def speed_up_cpu_linears(model: nn.Module) -> int:
     """Swap the decoder layers' and the LM head's CPU ``nn.Linear``s for their faster equals,
@@ -123,12 +112,7 @@ def speed_up_cpu_linears(model: nn.Module) -> int:
     with one thread), bf16 ones for ``PackedLinear``. Returns how many were swapped; other
     dtypes, devices and module types are left alone."""
     blocks = torch.get_num_threads()
-    count = _swap(model.model.layers, blocks)
-    head = _swap_for(model.get_output_embeddings(), blocks)
-    if head is not None:
-        model.lm_head = head
-        count += 1
-    return count
+    return swap_linears(model, lambda linear: _swap_for(linear, blocks))
 
 
 @torch.no_grad()

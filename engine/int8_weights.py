@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.linear_swap import swap_linears
+
 
 class Int8Linear(nn.Module):
     """``y = bf16(x) @ (qweight * scale[:, None]).T + bias`` for ``x [..., in_features]``, in
@@ -47,17 +49,6 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def _swap_linears(module: nn.Module) -> int:
-    count = 0
-    for name, child in module.named_children():
-        if type(child) is nn.Linear:
-            setattr(module, name, Int8Linear(child))
-            count += 1
-        else:
-            count += _swap_linears(child)
-    return count
-
-
 @torch.no_grad()
 def quantize_int8(model: nn.Module, device: torch.device) -> int:
     """Swap every ``nn.Linear`` of the decoder layers and the LM head for ``Int8Linear``, in
@@ -65,9 +56,5 @@ def quantize_int8(model: nn.Module, device: torch.device) -> int:
     CPU one)."""
     if device.type != "cpu":
         raise ValueError(f"int8 weight-only quantization runs on the CPU, not {device.type}")
-    count = _swap_linears(model.model.layers)
-    head = model.get_output_embeddings()
-    if type(head) is nn.Linear:
-        model.lm_head = Int8Linear(head)  # unties it from the embeddings, which stay as they are
-        count += 1
-    return count
+    # The LM head is untied from the embeddings, which stay as they are.
+    return swap_linears(model, Int8Linear)

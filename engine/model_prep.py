@@ -1,6 +1,6 @@
 """Turn a loaded (and, under tensor parallelism, sharded) Hugging Face model into the one the
-runner drives: paged attention swapped in, q/k/v and gate/up fused, int8 weights if asked, and
-on the CPU the projections' faster exact kernels (engine/cpu_linears.py).
+runner drives: paged attention swapped in, q/k/v and gate/up fused, int8 or int4 weights if
+asked, and on the CPU the projections' faster exact kernels (engine/cpu_linears.py).
 
 The driver and every tensor-parallel worker rank call this one function, so all ranks run the
 same layout.
@@ -17,19 +17,21 @@ from engine.attention_swap import install_paged_attention
 from engine.config import EngineConfig
 from engine.cpu_linears import speed_up_cpu_linears
 from engine.fused_projections import fuse_projections
+from engine.int4_weights import quantize_int4
 from engine.int8_weights import quantize_int8
 
 logger = logging.getLogger(__name__)
 
 
 def prepare_model(model: PreTrainedModel, config: EngineConfig, device: torch.device) -> None:
-    """In place; ``device`` is where the model runs (int8 is refused off the CPU)."""
+    """In place; ``device`` is where the model runs (int8 and int4 are refused off the CPU)."""
     install_paged_attention(model)
     fuse_projections(model)  # one GEMM for q/k/v and one for gate/up; exact
-    if config.quantization == "int8":
-        swapped = quantize_int8(model, device)
-        logger.info("int8 weight-only: %d projections quantized", swapped)
+    if config.quantization is not None:
+        quantize = quantize_int8 if config.quantization == "int8" else quantize_int4
+        swapped = quantize(model, device)
+        logger.info("%s weight-only: %d projections quantized", config.quantization, swapped)
     if device.type == "cpu":
-        swapped = speed_up_cpu_linears(model)  # after int8, which leaves no nn.Linear to swap
+        swapped = speed_up_cpu_linears(model)  # after quantizing: packs what stays an nn.Linear
         if swapped:
             logger.info("CPU projections on their faster exact kernels: %d", swapped)

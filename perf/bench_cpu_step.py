@@ -4,9 +4,10 @@
 alone (``LLMEngine.step`` in a loop, no server) on the default model with ``streams`` requests
 decoding together, and reports per decode step (p50 over the steps, in ms): the whole step, the
 forward (``ModelRunner.forward``: the model body and the LM head) and the rest (scheduling,
-sampling, detokenizing, stop checks). A mode is a dtype, optionally ``+int8`` (weight-only int8),
-``+unfused`` (q/k/v and gate/up as separate GEMMs, the layout before fusion) or ``+plain``
-(projections as plain ``F.linear``, without engine/cpu_linears.py), e.g. ``float32+plain``.
+sampling, detokenizing, stop checks). A mode is a dtype, optionally ``+int8`` or ``+int4``
+(weight-only), ``+unfused`` (q/k/v and gate/up as separate GEMMs, the layout before fusion) or
+``+plain`` (projections as plain ``F.linear``, without engine/cpu_linears.py), e.g.
+``float32+plain``.
 Each mode runs in its own process, so one mode's allocations and threads do not shape
 another's. Timing belongs here, never in tests.
 """
@@ -43,7 +44,8 @@ def measure(mode: str, streams: int, threads: int | None) -> dict:
     if "plain" in flags:
         model_prep.speed_up_cpu_linears = lambda model: 0  # plain F.linear, for the A/B
     loaded = load_model(None, dtype=getattr(torch, dtype_name), device=torch.device("cpu"))
-    llm = LLM(loaded=loaded, quantization="int8" if "int8" in flags else None)
+    quantization = next((flag for flag in flags if flag in ("int8", "int4")), None)
+    llm = LLM(loaded=loaded, quantization=quantization)
     runner = llm.engine.runner
     forward_s: list[float] = []
     forward = runner.forward

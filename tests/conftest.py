@@ -92,7 +92,14 @@ def hf_greedy(
         pad_token_id=0,
         **generation,
     )
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    # generate() fills an unset eos_token_id from the model's own generation config (the tiny
+    # configs say 2), which would end the reference at that token: clear it for the call.
+    saved_eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    try:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    finally:
+        model.generation_config.eos_token_id = saved_eos
     return out[0, len(prompt) :].tolist()
 
 

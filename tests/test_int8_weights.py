@@ -78,4 +78,4 @@ def test_int8_is_refused_off_the_cpu_and_unknown_schemes_are_refused() -> None:
     with pytest.raises(ValueError, match="runs on the CPU"):
         quantize_int8(tiny_model("llama"), torch.device("cuda"))
     with pytest.raises(ValueError, match="quantization must be one of"):
-        EngineConfig(quantization="int4")
+        EngineConfig(quantization="fp8")
