@@ -6,17 +6,24 @@ step time. Two swaps, each equal to ``F.linear`` on the same rows:
 
 **fp32: split over the cores** (``CoreSplitLinear``). torch's fp32 ``F.linear`` (MKL) runs a
 few-row product on one core whatever ``torch.set_num_threads`` says. Splitting the weight's
-output rows into ``blocks`` contiguous blocks makes it a batched product,
-``bmm(x expanded to [blocks, M, K], W viewed as [blocks, N/blocks, K] transposed)``, and torch's
-CPU ``bmm`` hands one block to each thread::
+output rows into ``blocks`` contiguous blocks makes it a batched product, and torch's CPU
+``bmm`` hands one block to each thread::
 
-    W [N, K] ──view──► [W₀ ; W₁]                 core 0: x @ W₀ᵀ ─┐
-    (no copy: a view of the contiguous weight)   core 1: x @ W₁ᵀ ─┴─► [M, N]
+    W [N, K] ──view──► [W₀ ; W₁]                 core 0: W₀ @ xᵀ ─┐
+    (no copy: a view of the contiguous weight)   core 1: W₁ @ xᵀ ─┴─► [M, N]
 
-Each output element is still one MKL dot product over the same ``K`` inputs in the same order:
-at one row the result equals ``F.linear`` bit for bit, and at more rows it differs by the same
-last-bit rounding that batching rows already causes in ``F.linear`` (MKL's kernel depends on the
-row count). Above ``MAX_SPLIT_ROWS`` (prefill chunks) MKL's own threading is as good.
+Up to ``MAX_COLUMN_ROWS`` rows (decode steps of a few sequences) each block multiplies the
+inputs as columns, ``bmm(W viewed as [blocks, N/blocks, K], x expanded and transposed to
+[blocks, K, M])``: MKL then streams the weight rows at about twice the rate of the row-major
+product (30 layers of SmolLM2-135M at 1 row: 12.5-17.6 ms against 19.5-26.6 ms for ``bmm(x,
+Wᵀ)``, 34 against 19 GB/s; a whole fp32 decode step of the engine at 1, 2 and 3 streams: 29.7,
+48.9 and 54.2 ms against 37.1, 58.2 and 68.6, but 69.1 against 51.8-59.2 at 4). More rows use
+``bmm(x expanded to [blocks, M, K], W viewed and transposed)``, and above ``MAX_SPLIT_ROWS``
+(prefill chunks) MKL's own threading is as good. Every output element is still one fp32 dot
+product over the same ``K`` inputs; only the order of its partial sums differs from
+``F.linear``'s, as it already differs in ``F.linear`` between row counts, so outputs differ from
+``F.linear``'s in the last bits (the same size of error against fp64) and the greedy tokens
+still equal Hugging Face's (tests, and the benchmarks' checks on the default model).
 
 **bf16: weights packed once for oneDNN** (``PackedLinear``). bf16 ``F.linear`` goes to oneDNN,
 which reorders the weight into its blocked layout on every call: a second pass over the weight
@@ -26,9 +33,9 @@ bit at every row count (tests). The packed copy replaces the weight (a tied LM h
 copy sits beside the embedding, which the lookup still reads).
 
 Measured on this 2-core box, SmolLM2-135M's 30 layers of projections (docs/performance.md):
-fp32 26 ms split against 38 ms plain at 1 row, 31 against 54 ms at 8 rows; bf16 11.5 ms packed
-against 19 ms plain at 1 row, 12 against 23 ms at 8. The tests check greedy tokens against
-Hugging Face for every supported family in both dtypes.
+fp32 26 ms split row-major against 38 ms plain at 1 row, 31 against 54 ms at 8 rows; bf16
+11.5 ms packed against 19 ms plain at 1 row, 12 against 23 ms at 8. The tests check greedy
+tokens against Hugging Face for every supported family in both dtypes.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from torch import nn
 from engine.fused_projections import linear_from
 from engine.linear_swap import swap_linears
 
+MAX_COLUMN_ROWS = 3  # up to this many rows, W @ xᵀ per block (faster to 3 rows: measured)
 MAX_SPLIT_ROWS = 256  # above this many rows the plain F.linear is as fast (measured at 512)
 
 
@@ -61,21 +69,33 @@ class CoreSplitLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         per_block = self.out_features // blocks
-        # Views of the Parameters themselves, taken once: [blocks, K, N/blocks] and [blocks, 1,
-        # N/blocks] (plain attributes, so state_dict and the tie see only the Parameters).
-        self._blocks_t = self.weight.detach().view(blocks, per_block, self.in_features).mT
-        self._bias_blocks = None if self.bias is None else self.bias.detach().view(blocks, 1, -1)
+        # Views of the Parameters themselves, taken once (plain attributes, so state_dict and
+        # the tie see only the Parameters): [blocks, N/blocks, K] and its transpose, and the
+        # bias as [blocks, N/blocks, 1] and [blocks, 1, N/blocks].
+        self._blocks = self.weight.detach().view(blocks, per_block, self.in_features)
+        self._blocks_t = self._blocks.mT
+        bias = None if self.bias is None else self.bias.detach().view(blocks, per_block, 1)
+        self._bias_columns = bias
+        self._bias_rows = None if bias is None else bias.mT
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > MAX_SPLIT_ROWS:
+        count = rows.shape[0]
+        if count > MAX_SPLIT_ROWS:
             return F.linear(x, self.weight, self.bias)
-        batched = rows.expand(self.blocks, *rows.shape)
-        if self._bias_blocks is None:
-            y = torch.bmm(batched, self._blocks_t)
+        batched = rows.expand(self.blocks, *rows.shape)  # [blocks, M, K], no copy
+        if count <= MAX_COLUMN_ROWS:  # [blocks, N/blocks, M]
+            columns = batched.mT
+            if self._bias_columns is None:
+                y = torch.bmm(self._blocks, columns)
+            else:
+                y = torch.baddbmm(self._bias_columns, self._blocks, columns)
+            y = y.permute(2, 0, 1)
+        elif self._bias_rows is None:  # [blocks, M, N/blocks]
+            y = torch.bmm(batched, self._blocks_t).transpose(0, 1)
         else:
-            y = torch.baddbmm(self._bias_blocks, batched, self._blocks_t)
-        return y.transpose(0, 1).reshape(*x.shape[:-1], self.out_features)
+            y = torch.baddbmm(self._bias_rows, batched, self._blocks_t).transpose(0, 1)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 class PackedLinear(nn.Module):
