@@ -80,7 +80,9 @@ class RowParallelLinear(nn.Module):
         self.group = group  # None: the default process group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.proj(x)
+        # all_reduce sums the ranks' buffers element by element in memory order, so a product
+        # returned as a strided view (the CPU column split's) must be laid out densely first.
+        y = self.proj(x).contiguous()
         dist.all_reduce(y, group=self.group)
         return y if self.bias is None else y + self.bias
 
