@@ -1,29 +1,37 @@
-"""The projections' CPU kernels: what ``F.linear`` leaves on the table, taken back exactly.
+"""The projections' CPU kernels: what ``F.linear`` leaves on the table, taken back.
 
 Decoding reads every weight once per step, so at a few rows a projection is a matrix-vector
 product bounded by memory bandwidth, and the kernel torch picks for ``F.linear`` decides the
-step time. Two swaps, each equal to ``F.linear`` on the same rows:
+step time. Two swaps, each computing what ``F.linear`` computes (bf16 bit for bit, fp32 up to
+the order of its sums):
 
-**fp32: split over the cores** (``CoreSplitLinear``). torch's fp32 ``F.linear`` (MKL) runs a
-few-row product on one core whatever ``torch.set_num_threads`` says. Splitting the weight's
-output rows into ``blocks`` contiguous blocks makes it a batched product, and torch's CPU
-``bmm`` hands one block to each thread::
+**fp32: few rows split over the cores, more rows on a packed copy** (``CoreSplitLinear``).
+torch's fp32 ``F.linear`` (MKL) runs a few-row product on one core whatever
+``torch.set_num_threads`` says. Up to ``MAX_COLUMN_ROWS`` rows (decode steps of a few
+sequences) the weight's output rows are split into ``blocks`` contiguous blocks, one per
+thread of torch's CPU ``bmm``, and each block multiplies the inputs as columns::
 
     W [N, K] ──view──► [W₀ ; W₁]                 core 0: W₀ @ xᵀ ─┐
     (no copy: a view of the contiguous weight)   core 1: W₁ @ xᵀ ─┴─► [M, N]
 
-Up to ``MAX_COLUMN_ROWS`` rows (decode steps of a few sequences) each block multiplies the
-inputs as columns, ``bmm(W viewed as [blocks, N/blocks, K], x expanded and transposed to
-[blocks, K, M])``: MKL then streams the weight rows at about twice the rate of the row-major
-product (30 layers of SmolLM2-135M at 1 row: 12.5-17.6 ms against 19.5-26.6 ms for ``bmm(x,
-Wᵀ)``, 34 against 19 GB/s; a whole fp32 decode step of the engine at 1, 2 and 3 streams: 29.7,
-48.9 and 54.2 ms against 37.1, 58.2 and 68.6, but 69.1 against 51.8-59.2 at 4). More rows use
-``bmm(x expanded to [blocks, M, K], W viewed and transposed)``, and above ``MAX_SPLIT_ROWS``
-(prefill chunks) MKL's own threading is as good. Every output element is still one fp32 dot
-product over the same ``K`` inputs; only the order of its partial sums differs from
-``F.linear``'s, as it already differs in ``F.linear`` between row counts, so outputs differ from
-``F.linear``'s in the last bits (the same size of error against fp64) and the greedy tokens
-still equal Hugging Face's (tests, and the benchmarks' checks on the default model).
+``bmm(W viewed as [blocks, N/blocks, K], x expanded and transposed to [blocks, K, M])`` streams
+the weight rows at about twice the rate of the row-major ``bmm(x, Wᵀ)`` (30 layers of
+SmolLM2-135M at 1 row: 12.5-17.6 ms against 19.5-26.6 ms, 34 against 19 GB/s; an engine decode
+step at 1, 2 and 3 streams: 29.7, 48.9 and 54.2 ms against 37.1, 58.2 and 68.6), but loses from
+4 rows. Its result is a strided view (``[M, N]`` laid out as ``[N, M]``); whoever needs the
+memory order (an all-reduce) makes it contiguous.
+
+More rows (decode batches, prefill chunks) go to oneDNN on a copy of the weight packed once at
+load into its blocked layout, which beats MKL at every row count from 4 (30 layers at 8 rows:
+21.6 against 35.6 ms; the LM head at 8 rows: 5.2 against 12.2 ms; a 128-token chunk: 157
+against 283 ms for ``F.linear``). The cost is memory: fp32 projections are held twice (the
+plain weight for the columns, the packed copy for the rest).
+
+Every output element is still an fp32 dot product over the same ``K`` inputs; only the order of
+its partial sums differs from ``F.linear``'s, as it already differs in ``F.linear`` between row
+counts. So the outputs stay within fp32's rounding bound of the exact product, as
+``F.linear``'s do (tests), and the greedy tokens still equal Hugging Face's (tests, and the
+benchmarks' checks on the default model).
 
 **bf16: weights packed once for oneDNN** (``PackedLinear``). bf16 ``F.linear`` goes to oneDNN,
 which reorders the weight into its blocked layout on every call: a second pass over the weight
@@ -33,29 +41,29 @@ bit at every row count (tests). The packed copy replaces the weight (a tied LM h
 copy sits beside the embedding, which the lookup still reads).
 
 Measured on this 2-core box, SmolLM2-135M's 30 layers of projections (docs/performance.md):
-fp32 26 ms split row-major against 38 ms plain at 1 row, 31 against 54 ms at 8 rows; bf16
-11.5 ms packed against 19 ms plain at 1 row, 12 against 23 ms at 8. The tests check greedy
+bf16 11.5 ms packed against 19 ms plain at 1 row, 12 against 23 ms at 8. The tests check greedy
 tokens against Hugging Face for every supported family in both dtypes.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.fused_projections import linear_from
 from engine.linear_swap import swap_linears
 
-MAX_COLUMN_ROWS = 3  # up to this many rows, W @ xᵀ per block (faster to 3 rows: measured)
-MAX_SPLIT_ROWS = 256  # above this many rows the plain F.linear is as fast (measured at 512)
+MAX_COLUMN_ROWS = 3  # up to this many rows, W @ xᵀ per block; more: oneDNN (measured)
+PACKED_ROWS_HINT = 8  # the row count oneDNN lays the fp32 copy out for (best of 1, 8, 64)
 
 
 class CoreSplitLinear(nn.Module):
-    """``y = x @ weight.T + bias`` for ``x [..., in_features]``, split over ``blocks`` cores.
+    """``y = x @ weight.T + bias`` for ``x [..., in_features]`` in fp32: up to
+    ``MAX_COLUMN_ROWS`` rows split over ``blocks`` cores, more rows through oneDNN.
 
     Holds the original ``weight [out, in]`` and ``bias [out]`` Parameters themselves (a tied LM
-    head stays tied); ``out_features`` must be a multiple of ``blocks``.
+    head stays tied) and an opaque packed copy of the weight; ``out_features`` must be a
+    multiple of ``blocks``.
     """
 
     def __init__(self, linear: nn.Linear, blocks: int):
@@ -70,32 +78,24 @@ class CoreSplitLinear(nn.Module):
         self.bias = linear.bias
         per_block = self.out_features // blocks
         # Views of the Parameters themselves, taken once (plain attributes, so state_dict and
-        # the tie see only the Parameters): [blocks, N/blocks, K] and its transpose, and the
-        # bias as [blocks, N/blocks, 1] and [blocks, 1, N/blocks].
+        # the tie see only the Parameters): [blocks, N/blocks, K], the bias [blocks, N/blocks, 1].
         self._blocks = self.weight.detach().view(blocks, per_block, self.in_features)
-        self._blocks_t = self._blocks.mT
-        bias = None if self.bias is None else self.bias.detach().view(blocks, per_block, 1)
-        self._bias_columns = bias
-        self._bias_rows = None if bias is None else bias.mT
+        self._bias_blocks = None if self.bias is None else self.bias.detach().view(blocks, -1, 1)
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(
+            self.weight.detach(), PACKED_ROWS_HINT
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        count = rows.shape[0]
-        if count > MAX_SPLIT_ROWS:
-            return F.linear(x, self.weight, self.bias)
-        batched = rows.expand(self.blocks, *rows.shape)  # [blocks, M, K], no copy
-        if count <= MAX_COLUMN_ROWS:  # [blocks, N/blocks, M]
-            columns = batched.mT
-            if self._bias_columns is None:
-                y = torch.bmm(self._blocks, columns)
-            else:
-                y = torch.baddbmm(self._bias_columns, self._blocks, columns)
-            y = y.permute(2, 0, 1)
-        elif self._bias_rows is None:  # [blocks, M, N/blocks]
-            y = torch.bmm(batched, self._blocks_t).transpose(0, 1)
+        if rows.shape[0] > MAX_COLUMN_ROWS:
+            y = torch.ops.mkldnn._linear_pointwise(rows, self._packed, self.bias, "none", [], "")
+            return y.view(*x.shape[:-1], self.out_features)
+        columns = rows.expand(self.blocks, *rows.shape).mT  # [blocks, K, M], no copy
+        if self._bias_blocks is None:
+            y = torch.bmm(self._blocks, columns)
         else:
-            y = torch.baddbmm(self._bias_rows, batched, self._blocks_t).transpose(0, 1)
-        return y.reshape(*x.shape[:-1], self.out_features)
+            y = torch.baddbmm(self._bias_blocks, self._blocks, columns)
+        return y.permute(2, 0, 1).reshape(*x.shape[:-1], self.out_features)  # a strided view
 
 
 class PackedLinear(nn.Module):
@@ -118,9 +118,11 @@ def _swap_for(linear: nn.Linear, blocks: int) -> nn.Module | None:
     if linear.weight.device.type != "cpu":
         return None
     dtype = linear.weight.dtype
+    if not torch.backends.mkldnn.is_available():
+        return None
     if dtype == torch.float32 and blocks > 1 and linear.out_features % blocks == 0:
         return CoreSplitLinear(linear, blocks) if linear.weight.is_contiguous() else None
-    if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+    if dtype == torch.bfloat16:
         return PackedLinear(linear)
     return None
 
