@@ -69,6 +69,7 @@ class PlannedTorchAttention:
                 cu_seqlens_q=cu_seqlens_q,
                 seq_lens=seq_lens,
                 block_tables=block_tables,
+                block_size=k_cache.shape[1],
                 num_tokens=q.shape[0],
                 sliding_window=sliding_window,
             )

@@ -38,19 +38,43 @@ import torch
 import torch.nn.functional as F
 
 
-def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Gather each sequence's first ``max_len`` cached tokens into a dense tensor.
+def context_blocks(block_tables: torch.Tensor, max_len: int, block_size: int) -> torch.Tensor:
+    """The blocks holding each sequence's first ``max_len`` tokens, ``[S, ceil(max_len /
+    block_size)]`` int64 (the index ``gather_blocks`` takes)."""
+    return block_tables[:, : (max_len + block_size - 1) // block_size].long()
 
-    cache: ``[num_blocks, block_size, H, D]``; block_tables: ``[S, max_blocks]`` int.
-    Returns ``[S, max_len, H, D]`` (positions past a sequence's length hold whatever the
-    cache holds there, possibly NaN: callers mask them). ``index_select`` over whole blocks is
-    several times faster on a CPU than advanced indexing.
+
+def gather_blocks(caches: torch.Tensor, blocks: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Each sequence's first ``max_len`` cached tokens, dense, from ``C`` caches laid out alike
+    at once (K and V: one ``index_select`` where there would be two).
+
+    caches: ``[C, num_blocks, block_size, H, D]`` (any stride between the caches); blocks:
+    ``[S, per_seq]`` from ``context_blocks``. Returns ``[C, S, max_len, H, D]`` (positions past a
+    sequence's length hold whatever the cache holds there, possibly NaN: callers mask them).
+    ``index_select`` over whole blocks is several times faster on a CPU than advanced indexing.
     """
-    num_blocks, block_size, num_heads, head_dim = cache.shape
-    per_seq = (max_len + block_size - 1) // block_size
-    blocks = block_tables[:, :per_seq].reshape(-1).long()
-    dense = cache.view(num_blocks, -1).index_select(0, blocks)
-    return dense.view(-1, per_seq * block_size, num_heads, head_dim)[:, :max_len]
+    count, num_blocks, block_size, num_heads, head_dim = caches.shape
+    num_seqs, per_seq = blocks.shape
+    dense = caches.reshape(count, num_blocks, -1).index_select(1, blocks.reshape(-1))
+    dense = dense.view(count, num_seqs, per_seq * block_size, num_heads, head_dim)
+    return dense[:, :, :max_len]
+
+
+def kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
+    """``[2, num_blocks, block_size, H, D]``: one view over a layer's K and V caches when they
+    are alike views of one storage at a fixed distance (the engine's single KV allocation),
+    else None."""
+    if (
+        k_cache.shape != v_cache.shape
+        or k_cache.stride() != v_cache.stride()
+        or k_cache.dtype != v_cache.dtype
+        or k_cache.untyped_storage().data_ptr() != v_cache.untyped_storage().data_ptr()
+    ):
+        return None
+    distance = v_cache.storage_offset() - k_cache.storage_offset()
+    return k_cache.as_strided(
+        (2, *k_cache.shape), (distance, *k_cache.stride()), k_cache.storage_offset()
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +82,8 @@ class UniformGroup:
     """Sequences attended together because they bring the same number ``q_len`` of new tokens.
 
     rows: the flat query rows ``[S * q_len]`` (None: all of q, in order);
-    block_tables: ``[S, *]``; max_len: the longest context;
+    blocks: the blocks holding each context, ``[S, *]`` int64 (``context_blocks``); max_len: the
+    longest context;
     tail: the (sequence, position) index pairs past each sequence's end (None when all are
     equally long); mask: ``[S, 1, q_len, max_len]`` bool, or None when nothing is cut off (one
     fresh prompt runs causal; equally long decode rows see everything).
@@ -73,7 +98,7 @@ class UniformGroup:
     rows: torch.Tensor | None
     num_seqs: int
     q_len: int
-    block_tables: torch.Tensor
+    blocks: torch.Tensor
     max_len: int
     tail: tuple[torch.Tensor, torch.Tensor] | None
     mask: torch.Tensor | None
@@ -84,6 +109,7 @@ class UniformGroup:
         *,
         rows: torch.Tensor | None,
         block_tables: torch.Tensor,
+        block_size: int,
         seq_lens: list[int],
         q_len: int,
         sliding_window: int | None,
@@ -106,7 +132,8 @@ class UniformGroup:
             if sliding_window is not None:
                 allowed &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
             mask = allowed[:, None]  # [S, 1, Lq, Lk]
-        return cls(rows, num_seqs, q_len, block_tables, max_len, tail, mask)
+        blocks = context_blocks(block_tables, max_len, block_size)
+        return cls(rows, num_seqs, q_len, blocks, max_len, tail, mask)
 
     def attend(
         self,
@@ -119,8 +146,13 @@ class UniformGroup:
         """``q [S, Lq, Hq, D]`` over the group's contexts; ``[S, Lq, Hq, D]`` in ``dtype``, the
         precision q, k and v are taken to for the math."""
         q_len = q.shape[1]
-        k = gather_context(k_cache, self.block_tables, self.max_len).to(dtype).transpose(1, 2)
-        v = gather_context(v_cache, self.block_tables, self.max_len).to(dtype).transpose(1, 2)
+        pair = kv_pair(k_cache, v_cache)
+        if pair is not None:  # the engine's cache: K and V in one gather
+            k, v = gather_blocks(pair, self.blocks, self.max_len).to(dtype)
+        else:
+            k = gather_blocks(k_cache[None], self.blocks, self.max_len)[0].to(dtype)
+            v = gather_blocks(v_cache[None], self.blocks, self.max_len)[0].to(dtype)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
         if self.tail is not None:
             # Slots past a sequence's end may hold NaN, which masking alone does not cancel.
             # (Indexing only the tail beats masked_fill over all of k and v.)
@@ -160,13 +192,14 @@ class AttentionPlan:
         cu_seqlens_q: torch.Tensor,
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
+        block_size: int,
         num_tokens: int,
         sliding_window: int | None,
     ) -> AttentionPlan:
         cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
         device = cu_seqlens_q.device
         decode = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]
-        common = {"sliding_window": sliding_window}
+        common = {"sliding_window": sliding_window, "block_size": block_size}
         pure_decode = len(decode) == len(lens) == num_tokens
         groups: list[UniformGroup] = []
         if decode:
@@ -240,6 +273,7 @@ def paged_attention_ref(
         cu_seqlens_q=cu_seqlens_q,
         seq_lens=seq_lens,
         block_tables=block_tables,
+        block_size=k_cache.shape[1],
         num_tokens=q.shape[0],
         sliding_window=sliding_window,
     )

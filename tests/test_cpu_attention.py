@@ -12,7 +12,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from engine.cpu_attention import PlannedTorchAttention
-from kernels.reference import paged_attention_ref, write_kv_ref
+from kernels.reference import kv_pair, paged_attention_ref, write_kv_ref
 from tests.kernels.conftest import build_paged_batch
 from tests.kernels.test_paged_attention import CASES, _seqs
 
@@ -51,6 +51,29 @@ def test_equals_the_reference_bit_for_bit(spec, heads, head_dim, block_size, dty
         if dtype != torch.float32:  # the model's precision stays close to the fp32 reference
             fp32 = paged_attention_ref(batch.q, k_cache, v_cache, **kwargs)
             torch.testing.assert_close(out, fp32, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "spec,heads,head_dim,block_size,dtype,window",
+    [(c[1], c[2], c[3], c[4], c[5], c[7]) for c in CASES[:6]],
+    ids=[c[0] for c in CASES[:6]],
+)
+def test_k_and_v_in_one_allocation_gather_together_to_the_same_result(
+    spec, heads, head_dim, block_size, dtype, window
+):
+    """The engine's K and V caches are views of one tensor: ``kv_pair`` sees that and one
+    gather serves both; separate tensors take one gather each. Same numbers either way."""
+    batch = _batch(spec, heads, head_dim, block_size, dtype)
+    kwargs = dict(batch.kwargs(), scale=head_dim**-0.5, sliding_window=window)
+    layers = torch.stack((batch.k_cache, batch.v_cache))[None].repeat(2, 1, 1, 1, 1, 1)
+    k_view, v_view = layers[1, 0], layers[1, 1]  # like KVCache.layer(1)
+    assert kv_pair(batch.k_cache, batch.v_cache) is None
+    pair = kv_pair(k_view, v_view)
+    assert pair is not None and pair.shape == (2, *k_view.shape)
+    assert (pair[0].data_ptr(), pair[1].data_ptr()) == (k_view.data_ptr(), v_view.data_ptr())
+    together = paged_attention_ref(batch.q, k_view, v_view, math_dtype=dtype, **kwargs)
+    apart = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, math_dtype=dtype, **kwargs)
+    assert torch.equal(together, apart)
 
 
 def test_a_new_step_gets_a_new_plan():
