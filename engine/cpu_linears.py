@@ -24,8 +24,8 @@ memory order (an all-reduce) makes it contiguous.
 More rows (decode batches, prefill chunks) go to oneDNN on a copy of the weight packed once at
 load into its blocked layout, which beats MKL from 4 rows (30 layers at 8 rows: 21.6 against
 35.6 ms; the LM head at 8 rows: 5.2 against 12.2 ms; a 128-token chunk: 157 against 283 ms for
-``F.linear``, 512 tokens: 550 against 727 ms; about even at 2048). The cost is memory: fp32 projections are held twice (the
-plain weight for the columns, the packed copy for the rest).
+``F.linear``, 512 tokens: 550 against 727 ms; about even at 2048). The cost is memory: fp32
+projections are held twice (the plain weight for the columns, the packed copy for the rest).
 
 Every output element is still an fp32 dot product over the same ``K`` inputs; only the order of
 its partial sums differs from ``F.linear``'s, as it already differs in ``F.linear`` between row
