@@ -18,8 +18,8 @@ thread of torch's CPU ``bmm``, and each block multiplies the inputs as columns::
 the weight rows at about twice the rate of the row-major ``bmm(x, Wᵀ)`` (30 layers of
 SmolLM2-135M at 1 row: 12.5-17.6 ms against 19.5-26.6 ms, 34 against 19 GB/s; an engine decode
 step at 1, 2 and 3 streams: 29.7, 48.9 and 54.2 ms against 37.1, 58.2 and 68.6), but loses from
-4 rows. Its result is a strided view (``[M, N]`` laid out as ``[N, M]``); whoever needs the
-memory order (an all-reduce) makes it contiguous.
+4 rows. Its ``[blocks, N/blocks, M]`` result is laid out densely as ``[M, N]`` (a copy of the
+output: the Triton kernels and the row-parallel all-reduce read rows in memory order).
 
 More rows (decode batches, prefill chunks) go to oneDNN on a copy of the weight packed once at
 load into its blocked layout, which beats MKL from 4 rows (30 layers at 8 rows: 21.6 against
@@ -52,6 +52,7 @@ from torch import nn
 
 from engine.fused_projections import linear_from
 from engine.linear_swap import swap_linears
+from engine.packed_weights import PackedWeights, pack
 
 MAX_COLUMN_ROWS = 3  # up to this many rows, W @ xᵀ per block; more: oneDNN (measured)
 PACKED_ROWS_HINT = 8  # the row count oneDNN lays the fp32 copy out for (best of 1, 8, 64)
@@ -66,6 +67,8 @@ class CoreSplitLinear(nn.Module):
     multiple of ``blocks``.
     """
 
+    DERIVED = ("_blocks", "_bias_blocks", "_packed")  # from the Parameters: not copied
+
     def __init__(self, linear: nn.Linear, blocks: int):
         super().__init__()
         if blocks < 2 or linear.out_features % blocks:
@@ -76,14 +79,25 @@ class CoreSplitLinear(nn.Module):
         self.blocks = blocks
         self.weight = linear.weight
         self.bias = linear.bias
-        per_block = self.out_features // blocks
-        # Views of the Parameters themselves, taken once (plain attributes, so state_dict and
-        # the tie see only the Parameters): [blocks, N/blocks, K], the bias [blocks, N/blocks, 1].
-        self._blocks = self.weight.detach().view(blocks, per_block, self.in_features)
-        self._bias_blocks = None if self.bias is None else self.bias.detach().view(blocks, -1, 1)
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(
-            self.weight.detach(), PACKED_ROWS_HINT
-        )
+        self._derive()
+
+    def _derive(self) -> None:
+        """Views of the Parameters themselves (plain attributes, so state_dict and the tie see
+        only the Parameters): [blocks, N/blocks, K], the bias [blocks, N/blocks, 1]; and the
+        packed copy."""
+        self._blocks = self.weight.detach().view(self.blocks, -1, self.in_features)
+        bias = self.bias
+        self._bias_blocks = None if bias is None else bias.detach().view(self.blocks, -1, 1)
+        self._packed = pack(self.weight, PACKED_ROWS_HINT)
+
+    def __getstate__(self) -> dict[str, object]:
+        """Deep copies and pickles carry the Parameters only (the packed copy is opaque to
+        both, and a copied view would no longer view the copied weight)."""
+        return {k: v for k, v in self.__dict__.items() if k not in self.DERIVED}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        super().__setstate__(state)
+        self._derive()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -95,18 +109,23 @@ class CoreSplitLinear(nn.Module):
             y = torch.bmm(self._blocks, columns)
         else:
             y = torch.baddbmm(self._bias_blocks, self._blocks, columns)
-        return y.permute(2, 0, 1).reshape(*x.shape[:-1], self.out_features)  # a strided view
+        # [blocks, N/blocks, M] -> [M, N], laid out densely: consumers (the Triton kernels, an
+        # all-reduce) read rows in memory order.
+        return y.permute(2, 0, 1).reshape(*x.shape[:-1], self.out_features).contiguous()
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(PackedWeights, nn.Module):
     """``y = x @ weight.T + bias`` for ``x [..., in_features]`` through oneDNN, with the weight
     packed once (bf16 on the CPU). Equal to ``F.linear`` bit for bit."""
+
+    PACKED = ("packed",)
+    PACKED_ROWS = 1
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # An opaque oneDNN tensor, not a Parameter: nothing but this module can read it.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        self.packed = pack(linear.weight, self.PACKED_ROWS)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

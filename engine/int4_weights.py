@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from engine.linear_swap import swap_linears
+from engine.packed_weights import PackedWeights, pack
 
 GROUP_SIZE = 32  # inputs per scale and offset, as llama.cpp's Q4_1
 MAX_KERNEL_ROWS = 8  # more rows go to the bf16 GEMM (faster from about 10 rows: measured)
@@ -69,7 +70,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -
     return (groups * scale.float()[..., None] + offset.float()[..., None]).view(n, k)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(PackedWeights, nn.Module):
     """``y = bf16(x) @ W.T + bias`` for ``x [..., in_features]``, in x's dtype, where ``W`` is
     ``dequantize(*quantize_groups(linear.weight))``.
 
@@ -77,6 +78,9 @@ class Int4Linear(nn.Module):
     ``OUT_MULTIPLE`` (``fits`` says whether a module does). Holds only the kernels' layouts
     (opaque): the codes two to a byte with the scales and offsets, and the bf16 copy.
     """
+
+    PACKED = ("_dense",)
+    PACKED_ROWS = 1
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -91,7 +95,7 @@ class Int4Linear(nn.Module):
         self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         self._scale_offset = torch.stack([scale, offset], dim=-1).transpose(0, 1).contiguous()
         dense = dequantize(codes, scale, offset).to(torch.bfloat16)
-        self._dense = torch.ops.mkldnn._reorder_linear_weight(dense, 1)
+        self._dense = pack(dense, self.PACKED_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()

@@ -80,9 +80,7 @@ class RowParallelLinear(nn.Module):
         self.group = group  # None: the default process group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # all_reduce sums the ranks' buffers element by element in memory order, so a product
-        # returned as a strided view (the CPU column split's) must be laid out densely first.
-        y = self.proj(x).contiguous()
+        y = self.proj(x).contiguous()  # all_reduce sums the ranks' buffers in memory order
         dist.all_reduce(y, group=self.group)
         return y if self.bias is None else y + self.bias
 

@@ -6,6 +6,7 @@ The engine's greedy tokens still equal Hugging Face for every family."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -83,6 +84,24 @@ def test_split_swaps_fp32_projections_and_keeps_the_head_tied(two_threads: None)
     with torch.inference_mode():
         for rows in (ids, ids[:, :1]):
             torch.testing.assert_close(split(rows).logits, model(rows).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prepared_model_deep_copies_and_pickles(dtype: torch.dtype, two_threads: None) -> None:
+    """Packed weights are opaque to copy and pickle: the copies carry them dense (or rebuild
+    them from the Parameters) and compute the same logits; a copied split views its own
+    weight."""
+    model = tiny_model("llama").to(dtype)
+    assert speed_up_cpu_linears(model) > 0
+    ids = torch.tensor([[3, 17, 92, 5, 44, 8]])
+    with torch.inference_mode():
+        want = [model(rows).logits for rows in (ids, ids[:, :2])]
+        for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            for rows, expected in zip((ids, ids[:, :2]), want):
+                assert torch.equal(twin(rows).logits, expected)
+            if dtype == torch.float32:
+                split = twin.model.layers[0].mlp.down_proj
+                assert split._blocks.data_ptr() == split.weight.data_ptr()
 
 
 def test_split_leaves_other_dtypes_and_one_thread_alone(two_threads: None) -> None:

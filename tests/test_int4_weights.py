@@ -6,6 +6,7 @@ and the scheduler add nothing to the quantization's own approximation)."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -79,6 +80,13 @@ def test_the_int4_kernel_gives_a_row_the_same_bits_in_any_batch() -> None:
     x = torch.randn(MAX_KERNEL_ROWS, 128, dtype=torch.bfloat16)
     alone = torch.cat([q(x[i : i + 1]) for i in range(MAX_KERNEL_ROWS)])
     assert torch.equal(q(x), alone)
+
+
+def test_int4_linear_deep_copies_and_pickles() -> None:
+    q = Int4Linear(_linear(64, 128, bias=True))
+    x = torch.randn(MAX_KERNEL_ROWS + 3, 128)
+    for twin in (copy.deepcopy(q), pickle.loads(pickle.dumps(q))):
+        assert torch.equal(twin(x), q(x)) and torch.equal(twin(x[:1]), q(x[:1]))
 
 
 def test_int4_refuses_shapes_its_kernel_cannot_take_and_quantize_skips_them() -> None:
