@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -29,6 +29,7 @@ from transformers import (  # noqa: E402
 )
 
 from engine.block_manager import BlockManager  # noqa: E402
+from engine.fused_projections import fuse_projections  # noqa: E402
 from engine.model_loader import LoadedModel  # noqa: E402
 
 TINY_VOCAB = 512
@@ -61,6 +62,18 @@ def tiny_model(family: str, seed: int = 0, vocab_size: int = TINY_VOCAB) -> PreT
     )
     torch.manual_seed(seed)
     return model_cls(config).eval()
+
+
+def quantized_twin(
+    model: PreTrainedModel, quantize: Callable[[torch.nn.Module, torch.device], int]
+) -> PreTrainedModel:
+    """A copy of ``model`` with the engine's fused projections quantized by ``quantize(model,
+    device)`` (``quantize_int8`` or ``quantize_int4``), under HF's own attention: the reference
+    that isolates the quantization's own approximation."""
+    twin = copy.deepcopy(model)
+    fuse_projections(twin)
+    quantize(twin, torch.device("cpu"))
+    return twin
 
 
 def loaded(model: PreTrainedModel, name: str = "tiny") -> LoadedModel:

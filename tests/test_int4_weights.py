@@ -14,7 +14,6 @@ from torch import nn
 
 from engine.config import EngineConfig
 from engine.cpu_linears import PackedLinear
-from engine.fused_projections import fuse_projections
 from engine.int4_weights import (
     GROUP_SIZE,
     MAX_KERNEL_ROWS,
@@ -25,7 +24,14 @@ from engine.int4_weights import (
 )
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.conftest import TINY_FAMILIES, assert_pool_clean, hf_greedy, loaded, tiny_model
+from tests.conftest import (
+    TINY_FAMILIES,
+    assert_pool_clean,
+    hf_greedy,
+    loaded,
+    quantized_twin,
+    tiny_model,
+)
 
 CPU = torch.device("cpu")
 
@@ -104,14 +110,6 @@ def test_int4_refuses_shapes_its_kernel_cannot_take_and_quantize_skips_them() ->
     assert isinstance(model.model.layers[1].mlp.down_proj, Int4Linear)
 
 
-def _quantized_twin(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` with the engine's fused int4 projections, under HF's own attention."""
-    twin = copy.deepcopy(model)
-    fuse_projections(twin)
-    quantize_int4(twin, CPU)
-    return twin
-
-
 @pytest.mark.parametrize("family", list(TINY_FAMILIES))
 def test_engine_int4_equals_hf_with_the_same_int4_modules(family: str) -> None:
     """Each prompt alone, as HF runs it: a short one whose prefill runs the int4 kernel and a
@@ -126,7 +124,7 @@ def test_engine_int4_equals_hf_with_the_same_int4_modules(family: str) -> None:
     assert isinstance(layer.mlp.gate_up_proj.proj, Int4Linear)
     assert isinstance(layer.mlp.down_proj, Int4Linear)
     assert not isinstance(runner_model.lm_head, Int4Linear)
-    reference = _quantized_twin(model)
+    reference = quantized_twin(model, quantize_int4)
     prompts = [[5, 9, 33, 70, 2], list(range(10, 41))]
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     for prompt in prompts:

@@ -5,18 +5,15 @@ scheduler add nothing to the quantization's own approximation)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
 
 from engine.config import EngineConfig
-from engine.fused_projections import fuse_projections
 from engine.int8_weights import Int8Linear, quantize_int8
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.conftest import TINY_FAMILIES, hf_greedy, loaded, tiny_model
+from tests.conftest import TINY_FAMILIES, hf_greedy, loaded, quantized_twin, tiny_model
 
 CPU = torch.device("cpu")
 
@@ -51,14 +48,6 @@ def test_int8_linear_takes_bf16_activations() -> None:
     torch.testing.assert_close(y.float(), expected, atol=0.05, rtol=0.02)
 
 
-def _quantized_twin(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` with the engine's fused int8 projections, under HF's own attention."""
-    twin = copy.deepcopy(model)
-    fuse_projections(twin)
-    quantize_int8(twin, CPU)
-    return twin
-
-
 @pytest.mark.parametrize("family", list(TINY_FAMILIES))
 def test_engine_int8_equals_hf_with_the_same_int8_modules(family: str) -> None:
     model = tiny_model(family)
@@ -67,7 +56,7 @@ def test_engine_int8_equals_hf_with_the_same_int8_modules(family: str) -> None:
     assert isinstance(layer.self_attn.qkv_proj.proj, Int8Linear)
     assert isinstance(layer.mlp.down_proj, Int8Linear)
     assert isinstance(llm.engine.runner.model.lm_head, Int8Linear)
-    reference = _quantized_twin(model)
+    reference = quantized_twin(model, quantize_int8)
     prompts = [[5, 9, 33, 70, 2], list(range(10, 41))]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
