@@ -41,16 +41,34 @@ def paged_attention_forward(
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: returns ``([1, T, Hq, D], None)``."""
-    ctx = current_attention_context()
     if query.shape[0] != 1:
         raise ValueError(f"paged attention takes one flat batch, got batch size {query.shape[0]}")
-    q = query[0].transpose(0, 1)  # [T, Hq, D]
-    k = key[0].transpose(0, 1)  # [T, Hkv, D]
-    v = value[0].transpose(0, 1)
-    k_cache, v_cache = ctx.kv_cache.layer(module.layer_idx)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = paged_attention_flat(
+        module.layer_idx,
+        query[0].transpose(0, 1),  # [T, Hq, D]
+        key[0].transpose(0, 1),  # [T, Hkv, D]
+        value[0].transpose(0, 1),
+        scale,
+        sliding_window,
+    )
+    return out.unsqueeze(0), None
+
+
+def paged_attention_flat(
+    layer_idx: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Layer ``layer_idx`` of the current step: write ``k, v [T, Hkv, D]`` at the step's slots,
+    then attend ``q [T, Hq, D]`` over each sequence's blocks; ``[T, Hq, D]``."""
+    ctx = current_attention_context()
+    k_cache, v_cache = ctx.kv_cache.layer(layer_idx)
     ctx.backend.write_kv(k, v, k_cache, v_cache, slot_mapping=ctx.slot_mapping)
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = ctx.backend.paged_attention(
+    return ctx.backend.paged_attention(
         q,
         k_cache,
         v_cache,
@@ -62,7 +80,6 @@ def paged_attention_forward(
         max_seqlen_k=ctx.max_seqlen_k,
         sliding_window=sliding_window,
     )
-    return out.unsqueeze(0), None
 
 
 AttentionInterface.register(ATTN_NAME, paged_attention_forward)

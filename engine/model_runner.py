@@ -24,6 +24,7 @@ from engine.forks import sampling_rows
 from engine.host_tensors import cpu_to_device, to_device
 from engine.kv_cache import KVCache, kv_budget_bytes
 from engine.logit_adjustments import adjust_logits
+from engine.model_body import ModelBody
 from engine.outputs import TokenLogprob
 from engine.prompt_logprobs import PromptScores, PromptScoring, plan_prompt_scoring, score_prompt
 from engine.request import Request
@@ -107,7 +108,11 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids  # blocked while a row is short of its min_tokens
         self.device = device
         self.backend_name = resolve_backend_name(config.attention_backend, device)
-        self.backend = make_backend(self.backend_name)
+        dtype = next(model.parameters()).dtype
+        # Quantized weights are not HF's: in bf16, HF's slow layout for a row alone would buy
+        # nothing (in fp32 both layouts take the same time, and HF's keeps the tests exact).
+        exact_alone = config.quantization is None or dtype == torch.float32
+        self.backend = make_backend(self.backend_name, exact_alone=exact_alone)
         self.sampler = Sampler(self.backend_name)
         budget = kv_budget_bytes(config, device)
         if tp is not None:  # equal blocks on every rank: the smallest budget decides
@@ -116,12 +121,15 @@ class ModelRunner:
             model.config,
             budget_bytes=budget,
             block_size=config.block_size,
-            dtype=next(model.parameters()).dtype,
+            dtype=dtype,
             device=device,
             tensor_parallel_size=1 if tp is None else tp.world_size,
         )
         self.block_size = config.block_size
         self.vocab_size = int(model.config.vocab_size)
+        # The decoder body without HF's per-layer Python (engine/model_body.py); None runs HF's
+        # own forward, which equals it bit for bit (the tests' and benchmarks' reference).
+        self.body: ModelBody | None = ModelBody(model)
         self.graphs: DecodeGraphs | None = None
         if not config.enforce_eager and device.type == "cuda":
             self._capture_decode_graphs(config.max_num_seqs, max_model_len)
@@ -170,7 +178,7 @@ class ModelRunner:
         self.graphs = graphs
 
     def build_context(self, inputs: StepInputs) -> tuple:
-        """Device tensors of a flat step: (input_ids, position_ids, AttentionContext)."""
+        """Device tensors of a flat step: (input_ids [T], position_ids [T], AttentionContext)."""
         width = max(len(t) for t in inputs.block_tables)
         padded = [t + [0] * (width - len(t)) for t in inputs.block_tables]
         ctx = AttentionContext(
@@ -184,10 +192,21 @@ class ModelRunner:
             backend=self.backend,
         )
         return (
-            self._tensor(inputs.input_ids, torch.long)[None],
-            self._tensor(inputs.positions, torch.long)[None],
+            self._tensor(inputs.input_ids, torch.long),
+            self._tensor(inputs.positions, torch.long),
             ctx,
         )
+
+    def hidden_states(self, inputs: StepInputs) -> torch.Tensor:
+        """The eager forward of the model body: final-norm hidden states ``[T, hidden]``."""
+        input_ids, position_ids, ctx = self.build_context(inputs)
+        with attention_context(ctx):
+            if self.body is not None:
+                return self.body(input_ids, position_ids)
+            out = self.model.model(
+                input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False
+            )
+            return out.last_hidden_state[0]
 
     def forward(
         self, inputs: StepInputs, scoring: PromptScoring | None = None
@@ -206,10 +225,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor | None, PromptScores]:
         """The eager forward to hidden states, then the LM head on the sampled rows and, chunk
         by chunk, on the prompt rows being scored."""
-        input_ids, position_ids, ctx = self.build_context(inputs)
-        with attention_context(ctx):
-            out = self.model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        hidden = out.last_hidden_state[0]  # [T, H]
+        hidden = self.hidden_states(inputs)  # [T, H]
         lm_head = self.model.get_output_embeddings()
         logits = None
         if inputs.logit_rows:
@@ -222,19 +238,11 @@ class ModelRunner:
             if not inputs.logit_rows:
                 return None
             return logits.index_select(0, self._tensor(inputs.logit_rows, torch.long))
-        input_ids, position_ids, ctx = self.build_context(inputs)
+        hidden = self.hidden_states(inputs)
         if not inputs.logit_rows:
-            with attention_context(ctx):
-                self.model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
             return None
-        with attention_context(ctx):
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                use_cache=False,
-                logits_to_keep=self._tensor(inputs.logit_rows, torch.long),
-            )
-        return out.logits[0]
+        rows = self._tensor(inputs.logit_rows, torch.long)
+        return self.model.get_output_embeddings()(hidden.index_select(0, rows))
 
     def sampling_batch(self, rows: list[Request]) -> SamplingBatch:
         params = [r.params for r in rows]
@@ -292,9 +300,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.holds(inputs):
             self.graphs.run(inputs)
             return
-        input_ids, position_ids, ctx = self.build_context(inputs)
-        with attention_context(ctx):
-            self.model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        self.hidden_states(inputs)
 
     def execute(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> StepResult:
         """Run the step and read its sampled tokens back (the step's one host sync)."""

@@ -5,11 +5,14 @@ alone (``LLMEngine.step`` in a loop, no server) on the default model with ``stre
 decoding together, and reports per decode step (p50 over the steps, in ms): the whole step, the
 forward (``ModelRunner.forward``: the model body and the LM head) and the rest (scheduling,
 sampling, detokenizing, stop checks). A mode is a dtype, optionally ``+int8`` or ``+int4``
-(weight-only), ``+unfused`` (q/k/v and gate/up as separate GEMMs, the layout before fusion) or
-``+plain`` (projections as plain ``F.linear``, without engine/cpu_linears.py), e.g.
-``float32+plain``.
+(weight-only), ``+unfused`` (q/k/v and gate/up as separate GEMMs, the layout before fusion),
+``+plain`` (projections as plain ``F.linear``, without engine/cpu_linears.py), ``+hf`` (Hugging
+Face's own forward instead of engine/model_body.py) or ``+hflayout`` (a quantized model's lone
+decode row in HF's attention layout, as unquantized ones), e.g. ``float32+plain``.
 Each mode runs in its own process, so one mode's allocations and threads do not shape
-another's. Timing belongs here, never in tests.
+another's; ``--rounds N`` runs the modes N times, interleaved, and reports each mode's median
+round (by step time) with every round's step time, since this box's noise moves one run by tens
+of percent. Timing belongs here, never in tests.
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ def measure(mode: str, streams: int, threads: int | None) -> dict:
     quantization = next((flag for flag in flags if flag in ("int8", "int4")), None)
     llm = LLM(loaded=loaded, quantization=quantization)
     runner = llm.engine.runner
+    if "hf" in flags:
+        runner.body = None  # HF's own forward, for the A/B
+    if "hflayout" in flags:
+        runner.backend.paged_attention.__self__.group_alone = False  # for the A/B
     forward_s: list[float] = []
     forward = runner.forward
 
@@ -87,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES))
     p.add_argument("--streams", nargs="+", type=int, default=[1, 8])
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the modes this many times, interleaved, and report each mode's median round"
+        " (a noisy machine moves one run by tens of percent)",
+    )
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one "mode:streams"
     args = p.parse_args(argv)
     if args.one:
@@ -94,18 +108,23 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(mode, int(streams), args.threads)))
         return 0
     print(f"load average at start: {os.getloadavg()}")
-    print("| mode | streams | threads | step ms | forward ms | rest ms | tok/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| mode | streams | threads | step ms | forward ms | rest ms | tok/s | rounds' step ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for streams in args.streams:
-        for mode in args.modes:
-            cmd = [sys.executable, "-m", "perf.bench_cpu_step", "--one", f"{mode}:{streams}"]
-            if args.threads is not None:
-                cmd += ["--threads", str(args.threads)]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            r = json.loads(out.strip().splitlines()[-1])
+        runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+        for _ in range(args.rounds):
+            for mode in args.modes:
+                cmd = [sys.executable, "-m", "perf.bench_cpu_step", "--one", f"{mode}:{streams}"]
+                if args.threads is not None:
+                    cmd += ["--threads", str(args.threads)]
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+                runs[mode].append(json.loads(out.strip().splitlines()[-1]))
+        for rounds in runs.values():
+            r = sorted(rounds, key=lambda x: x["step_ms"])[(len(rounds) - 1) // 2]
+            spread = ", ".join(f"{x['step_ms']:.1f}" for x in rounds)
             print(
                 f"| {r['mode']} | {r['streams']} | {r['threads']} | {r['step_ms']:.1f} | "
-                f"{r['forward_ms']:.1f} | {r['rest_ms']:.2f} | {r['tok_s']:.1f} |",
+                f"{r['forward_ms']:.1f} | {r['rest_ms']:.2f} | {r['tok_s']:.1f} | {spread} |",
                 flush=True,
             )
     print(f"load average at end: {os.getloadavg()}")

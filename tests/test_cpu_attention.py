@@ -154,3 +154,32 @@ def test_each_sequence_gets_what_hf_computes_for_it_alone(dtype: torch.dtype) ->
     tail = 20  # the last 20 tokens as a chunk over the 50 cached before them
     got = ours(prompt_q[0, :, -tail:].transpose(0, 1), [tail], slice(0, 1))
     assert torch.equal(got, want[-tail:])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_group_alone_lays_a_decode_row_alone_out_grouped(dtype: torch.dtype) -> None:
+    """``group_alone`` (quantized models) attends a decode row alone as ``[1, Hkv, G, D]``, the
+    layout of batched decode rows, bit for bit; HF's layout (the default) gets the same values
+    up to rounding."""
+    torch.manual_seed(0)
+    kv_heads, group, head_dim, length, scale = 3, 3, 64, 37, 0.125
+    k_cache = torch.randn(4, 16, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(4, 16, kv_heads, head_dim, dtype=dtype)
+    q = torch.randn(1, kv_heads * group, head_dim, dtype=dtype)
+    tables = torch.tensor([[2, 0, 3]], dtype=torch.int32)
+    kwargs = dict(
+        block_tables=tables,
+        seq_lens=torch.tensor([length], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+        scale=scale,
+    )
+    got = PlannedTorchAttention(group_alone=True).paged_attention(q, k_cache, v_cache, **kwargs)
+    slots = (tables[0].long()[:, None] * 16 + torch.arange(16)).flatten()[:length]
+    keys = k_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1)[None]  # [1, Hkv, L, D]
+    values = v_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1)[None]
+    grouped = torch.nn.functional.scaled_dot_product_attention(
+        q.view(1, kv_heads, group, head_dim), keys, values, scale=scale
+    )
+    assert torch.equal(got, grouped.view(1, kv_heads * group, head_dim))
+    hf_layout = PlannedTorchAttention().paged_attention(q, k_cache, v_cache, **kwargs)
+    torch.testing.assert_close(got, hf_layout, rtol=1e-2, atol=1e-2)

@@ -138,6 +138,22 @@ def test_a_bf16_model_keeps_its_lm_head_packed_in_bf16() -> None:
     assert isinstance(llm.engine.runner.model.lm_head, PackedLinear)
 
 
+@pytest.mark.parametrize(
+    "dtype,quantization,grouped",
+    [
+        (torch.bfloat16, "int4", True),  # not HF's weights: the fast layout
+        (torch.bfloat16, None, False),  # HF's own bf16 tokens alone
+        (torch.float32, "int4", False),  # both layouts cost the same: keep HF's rounding
+    ],
+)
+def test_a_lone_decode_row_is_grouped_only_for_quantized_bf16(
+    dtype: torch.dtype, quantization: str | None, grouped: bool
+) -> None:
+    model = tiny_model("llama").to(dtype)
+    llm = LLM(loaded=loaded(model), kv_cache_memory=2 << 20, quantization=quantization)
+    assert llm.engine.runner.backend.paged_attention.__self__.group_alone is grouped
+
+
 def test_int4_is_refused_off_the_cpu_and_accepted_by_the_config() -> None:
     with pytest.raises(ValueError, match="runs on the CPU"):
         quantize_int4(tiny_model("llama"), torch.device("cuda"))
