@@ -86,13 +86,14 @@ class UniformGroup:
     longest context;
     tail: the (sequence, position) index pairs past each sequence's end (None when all are
     equally long); mask: ``[S, 1, q_len, max_len]`` bool, or None when nothing is cut off (one
-    fresh prompt runs causal; equally long decode rows see everything).
+    fresh prompt runs causal; equally long decode rows see everything); alone: the step's only
+    sequence of its kind (a decode row split into a group of its own by length is not alone).
 
     Layout: q is laid out as Hugging Face's sdpa attention lays it out, ``[S, Hq, Lq, D]`` with
     GQA in the kernel, so a sequence alone gets HF's blocking and rounding in every dtype. Two
-    or more decode rows are grouped instead, ``[S, Hkv, G, D]`` (the G query heads of one KV
-    head as G query rows): torch's bf16 CPU kernel takes 5x longer on the HF layout at 8 rows
-    and more (docs/performance.md), and batching changes bf16 rounding anyway. ``group_alone``
+    or more decode rows in a step are grouped instead, ``[S, Hkv, G, D]`` (the G query heads of
+    one KV head as G query rows): torch's bf16 CPU kernel takes 5x longer on the HF layout at 8
+    rows and more (docs/performance.md), and batching changes bf16 rounding anyway. ``group_alone``
     groups a decode row alone too (3x faster in bf16 at a 128-token context, 4.5x at 512), for
     callers whose weights are not HF's anyway (weight-only quantization).
     """
@@ -104,6 +105,7 @@ class UniformGroup:
     max_len: int
     tail: tuple[torch.Tensor, torch.Tensor] | None
     mask: torch.Tensor | None
+    alone: bool
 
     @classmethod
     def build(
@@ -115,6 +117,7 @@ class UniformGroup:
         seq_lens: list[int],
         q_len: int,
         sliding_window: int | None,
+        alone: bool | None = None,
     ) -> UniformGroup:
         device = block_tables.device
         num_seqs, max_len = len(seq_lens), max(seq_lens)
@@ -135,7 +138,8 @@ class UniformGroup:
                 allowed &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
             mask = allowed[:, None]  # [S, 1, Lq, Lk]
         blocks = context_blocks(block_tables, max_len, block_size)
-        return cls(rows, num_seqs, q_len, blocks, max_len, tail, mask)
+        alone = num_seqs == 1 if alone is None else alone
+        return cls(rows, num_seqs, q_len, blocks, max_len, tail, mask, alone)
 
     def attend(
         self,
@@ -162,7 +166,7 @@ class UniformGroup:
             seq_idx, pos_idx = self.tail
             k[seq_idx, :, pos_idx] = 0.0
             v[seq_idx, :, pos_idx] = 0.0
-        if q_len == 1 and (self.num_seqs > 1 or group_alone):  # grouped decode rows (see above)
+        if q_len == 1 and (not self.alone or group_alone):  # grouped decode rows (see above)
             num_seqs, _, num_q_heads, head_dim = q.shape
             qg = q.to(dtype).reshape(num_seqs, k.shape[1], num_q_heads // k.shape[1], head_dim)
             out = F.scaled_dot_product_attention(qg, k, v, attn_mask=self.mask, scale=scale)
@@ -179,11 +183,36 @@ class UniformGroup:
         return out.transpose(1, 2)
 
 
+# Decode rows are attended in groups padded to each group's longest context. A shorter row
+# starts a new group once it is at most half as long as the group's longest and the padding it
+# and the rows after it would add is at least this many tokens: a group costs a gather and an
+# attention call per layer (about 60 us on the CPU), a padded token about 0.3 us
+# (docs/performance.md).
+MIN_PADDING_SAVED = 256  # tokens
+
+
+def length_groups(lens: list[int]) -> list[list[int]]:
+    """Indices into ``lens`` (context lengths), split into groups of similar length, longest
+    first; one group when the lengths are close (see ``MIN_PADDING_SAVED``)."""
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    groups: list[list[int]] = []
+    for rank, i in enumerate(order):
+        longest = lens[groups[-1][0]] if groups else 0
+        remaining = len(order) - rank
+        padding = remaining * (longest - lens[i])
+        if not groups or (2 * lens[i] <= longest and padding >= MIN_PADDING_SAVED):
+            groups.append([i])
+        else:
+            groups[-1].append(i)
+    return groups
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionPlan:
     """A step's attention work, derived from its metadata alone: the decode sequences (one query
-    token) as one group, each prefill chunk on its own, so no sequence is padded to another's
-    query length. It holds no cache data, so one plan serves every layer of a step."""
+    token) in groups of similar context length (``length_groups``), each prefill chunk on its
+    own, so no sequence is padded far past its own length. It holds no cache data, so one plan
+    serves every layer of a step. ``pure_decode``: one group holds every row, in order."""
 
     groups: tuple[UniformGroup, ...]
     pure_decode: bool
@@ -203,14 +232,26 @@ class AttentionPlan:
         device = cu_seqlens_q.device
         decode = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]
         common = {"sliding_window": sliding_window, "block_size": block_size}
-        pure_decode = len(decode) == len(lens) == num_tokens
+        split = [[decode[j] for j in g] for g in length_groups([lens[i] for i in decode])]
+        pure_decode = len(decode) == len(lens) == num_tokens and len(split) == 1
         groups: list[UniformGroup] = []
-        if decode:
-            rows = None if pure_decode else torch.tensor([cu[i] for i in decode], device=device)
-            tables = block_tables if pure_decode else block_tables[decode]
-            seqs = [lens[i] for i in decode]
+        for members in split:
+            members.sort()  # in step order, as the rows and block tables are
+            if pure_decode:
+                rows, tables = None, block_tables
+            else:
+                rows = torch.tensor([cu[i] for i in members], device=device)
+                tables = block_tables[members]
+            seqs = [lens[i] for i in members]
             groups.append(
-                UniformGroup.build(rows=rows, block_tables=tables, seq_lens=seqs, q_len=1, **common)
+                UniformGroup.build(
+                    rows=rows,
+                    block_tables=tables,
+                    seq_lens=seqs,
+                    q_len=1,
+                    alone=len(decode) == 1,
+                    **common,
+                )
             )
         for i in range(len(lens)):
             q_len = cu[i + 1] - cu[i]
