@@ -12,6 +12,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from engine.cpu_attention import PlannedTorchAttention
+from kernels import reference
 from kernels.reference import kv_pair, paged_attention_ref, write_kv_ref
 from tests.kernels.conftest import build_paged_batch
 from tests.kernels.test_paged_attention import CASES, _seqs
@@ -183,3 +184,23 @@ def test_group_alone_lays_a_decode_row_alone_out_grouped(dtype: torch.dtype) -> 
     assert torch.equal(got, grouped.view(1, kv_heads * group, head_dim))
     hf_layout = PlannedTorchAttention().paged_attention(q, k_cache, v_cache, **kwargs)
     torch.testing.assert_close(got, hf_layout, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_gathers_split_per_cache_to_the_same_values(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From SPLIT_GATHER_BYTES a cache, K and V are gathered one call each: the same tensor as
+    one call over both, from the engine's K/V views of one allocation."""
+    torch.manual_seed(0)
+    layers = torch.randn(3, 2, 40, 16, 2, 32).to(dtype)  # [layers, K/V, blocks, slots, H, D]
+    pair = kv_pair(layers[1, 0], layers[1, 1])
+    blocks = torch.randint(0, 40, (5, 4))
+    monkeypatch.setattr(reference, "SPLIT_GATHER_BYTES", 1 << 40)
+    together = reference.gather_blocks(pair, blocks, 50)
+    monkeypatch.setattr(reference, "SPLIT_GATHER_BYTES", 0)
+    apart = reference.gather_blocks(pair, blocks, 50)
+    assert together.shape == apart.shape == (2, 5, 50, 2, 32)
+    assert torch.equal(together, apart)
+    want_k = layers[1, 0][blocks].reshape(5, 64, 2, 32)[:, :50]
+    assert torch.equal(apart[0], want_k)
