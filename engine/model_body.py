@@ -2,8 +2,8 @@
 
 Hugging Face's ``LlamaModel.forward`` wraps the arithmetic of each layer in Python: decorators,
 keyword plumbing, a module call per norm and projection, the attention interface lookup, views
-and transposes between layouts. On the CPU that costs about 55 us a layer, 1.7 ms of a 20 ms
-decode step at one stream (docs/performance.md). ``ModelBody`` runs the same arithmetic::
+and transposes between layouts. On the 2-core CPU that cost 1.7-4.4 ms of a 20-60 ms decode
+step, about 60-150 us a layer (docs/performance.md). ``ModelBody`` runs the same arithmetic::
 
     h = embed(ids);  cos, sin = rotary(h, positions)
     per layer:  q, k, v = split(qkv_proj(norm_1(h)))      (Qwen3: q_norm, k_norm per head)
