@@ -226,11 +226,9 @@ class ModelRunner:
         """The eager forward to hidden states, then the LM head on the sampled rows and, chunk
         by chunk, on the prompt rows being scored."""
         hidden = self.hidden_states(inputs)  # [T, H]
-        lm_head = self.model.get_output_embeddings()
-        logits = None
-        if inputs.logit_rows:
-            logits = lm_head(hidden.index_select(0, self._tensor(inputs.logit_rows, torch.long)))
-        return logits, score_prompt(hidden, lm_head, scoring)
+        return self._sampled_logits(hidden, inputs), score_prompt(
+            hidden, self.model.get_output_embeddings(), scoring
+        )
 
     def _forward_logits(self, inputs: StepInputs) -> torch.Tensor | None:
         if self.graphs is not None and self.graphs.holds(inputs):
@@ -238,7 +236,11 @@ class ModelRunner:
             if not inputs.logit_rows:
                 return None
             return logits.index_select(0, self._tensor(inputs.logit_rows, torch.long))
-        hidden = self.hidden_states(inputs)
+        return self._sampled_logits(self.hidden_states(inputs), inputs)
+
+    def _sampled_logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
+        """The LM head on the step's sampling rows of ``hidden [T, H]`` only; None when no
+        request samples."""
         if not inputs.logit_rows:
             return None
         rows = self._tensor(inputs.logit_rows, torch.long)

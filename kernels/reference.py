@@ -49,7 +49,7 @@ SPLIT_GATHER_BYTES = 1 << 19  # 512 KiB a cache: where one gather per cache star
 
 def gather_blocks(caches: torch.Tensor, blocks: torch.Tensor, max_len: int) -> torch.Tensor:
     """Each sequence's first ``max_len`` cached tokens, dense, from ``C`` caches laid out alike
-    at once (K and V: one ``index_select`` where there would be two).
+    (K and V of one layer).
 
     caches: ``[C, num_blocks, block_size, H, D]`` (any stride between the caches); blocks:
     ``[S, per_seq]`` from ``context_blocks``. Returns ``[C, S, max_len, H, D]`` (positions past a
@@ -167,7 +167,7 @@ class UniformGroup:
         precision q, k and v are taken to for the math (``group_alone``: see the class)."""
         q_len = q.shape[1]
         pair = kv_pair(k_cache, v_cache)
-        if pair is not None:  # the engine's cache: K and V in one gather
+        if pair is not None:  # the engine's cache: K and V gathered together
             k, v = gather_blocks(pair, self.blocks, self.max_len).to(dtype)
         else:
             k = gather_blocks(k_cache[None], self.blocks, self.max_len)[0].to(dtype)
@@ -198,9 +198,9 @@ class UniformGroup:
 
 # Decode rows are attended in groups padded to each group's longest context. A shorter row
 # starts a new group once it is at most half as long as the group's longest and the padding it
-# and the rows after it would add is at least this many tokens: a group costs a gather and an
-# attention call per layer (about 60 us on the CPU), a padded token about 0.3 us
-# (docs/performance.md).
+# and the rows after it would add is at least this many tokens. The trade, estimated from a
+# 24-stream fp32 profile on the 2-core CPU: a padded token costs about 0.3 us a layer (gather
+# and attention), a group's extra calls tens of us. Measured: docs/performance.md.
 MIN_PADDING_SAVED = 256  # tokens
 
 
