@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from kernels.reference import (
+    ARGMAX_CHUNK,
     MIN_PADDING_SAVED,
     AttentionPlan,
     copy_blocks_ref,
+    first_argmax,
     length_groups,
     paged_attention_ref,
     sample_ref,
@@ -234,6 +236,24 @@ def test_sampling_keep_mask_tie_rules(logits, top_k, top_p, min_p, expected):
         min_p=torch.tensor([min_p]),
     )
     assert keep[0].tolist() == [bool(x) for x in expected]
+
+
+@pytest.mark.parametrize("vocab", [7, 2 * ARGMAX_CHUNK, 3 * ARGMAX_CHUNK + 5, 49_152, 32_000 + 3])
+def test_first_argmax_is_the_lowest_index_of_the_row_maximum(vocab: int):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=gen)
+    logits[1] = logits[1].round()  # many ties, the maximum among them
+    logits[2, :] = -float("inf")
+    logits[2, vocab // 2] = 1.0  # one finite value among -inf
+    logits[3, 0] = logits[3, -1] = 1e4  # first and last tie: the first wins
+    logits[4, -1] = 1e4  # the maximum alone at the very end (the tail past whole chunks)
+    if vocab > ARGMAX_CHUNK:
+        logits[5, ARGMAX_CHUNK - 1] = logits[5, ARGMAX_CHUNK] = 1e4  # tie across two chunks
+        logits[6, ARGMAX_CHUNK + 1] = logits[6, -1] = 1e4  # tie between a chunk and the tail
+    expected = [row.index(max(row)) for row in logits.tolist()]
+    assert first_argmax(logits).tolist() == expected
+    assert torch.equal(first_argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(first_argmax(logits[4:5]), logits[4:5].argmax(dim=-1))
 
 
 def test_sample_ref_matches_naive_race():
