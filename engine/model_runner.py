@@ -21,6 +21,7 @@ from engine.attention_context import AttentionContext, attention_context
 from engine.config import EngineConfig
 from engine.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
 from engine.forks import sampling_rows
+from engine.host_malloc import keep_freed_memory
 from engine.host_tensors import cpu_to_device, to_device
 from engine.kv_cache import KVCache, kv_budget_bytes
 from engine.logit_adjustments import adjust_logits
@@ -131,6 +132,8 @@ class ModelRunner:
         # own forward, which equals it bit for bit (the tests' and benchmarks' reference).
         self.body: ModelBody | None = ModelBody(model)
         self.graphs: DecodeGraphs | None = None
+        if device.type == "cpu":
+            keep_freed_memory()  # steps reuse their temporaries' pages (engine/host_malloc.py)
         if not config.enforce_eager and device.type == "cuda":
             self._capture_decode_graphs(config.max_num_seqs, max_model_len)
 
