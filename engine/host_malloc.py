@@ -5,17 +5,19 @@ Every CPU step allocates its activations anew (torch's CPU allocator caches noth
 gate/up output, two 9.6 MB halves and more. glibc's malloc serves blocks above its mmap
 threshold with fresh ``mmap`` pages and gives them back on free, and returns free memory at the
 top of a heap above its trim threshold; either way the next step faults the pages in again, one
-4 KiB page at a time, each zeroed by the kernel. That prefill step took 315,000 minor page faults
-(1.2 GB of fresh pages) and 2.33-2.62 s; with the settings below, 6,800-25,000 faults and
-2.10-2.33 s (docs/performance.md). Decode steps, whose temporaries are small, fault about as
-rarely either way.
+4 KiB page at a time, each zeroed by the kernel. That prefill step took 236,000-315,000 minor
+page faults and 2.31-2.70 s (median 2.55); with the settings below, 6,800-25,500 faults and
+2.11-2.46 s (median 2.16). Through the server, whose engine thread allocates from its own malloc
+arena, the decode-heavy mix ran at 122-139 output tok/s against 92-114 (docs/performance.md).
+Decode steps, whose temporaries are small, fault about as rarely either way once warm.
 
 ``keep_freed_memory`` raises the mmap threshold to glibc's largest (32 MiB on 64-bit: bigger
 blocks, like the KV cache, are still mapped apart) and the trim threshold to the largest value
 ``mallopt`` takes, so freed blocks stay in malloc's heaps for the next step. The cost: the
 process keeps the peak of its small-block use resident, as a caching allocator does (torch's own
-on CUDA, jemalloc or tcmalloc, which vLLM's and SGLang's CPU guides preload for the same reason).
-It changes malloc for the whole process, once; a no-op (False) where the C library is not glibc.
+on CUDA, or TCMalloc, which vLLM's CPU guide recommends preloading).
+It changes malloc for the whole process (calling it again changes nothing more); a no-op (False)
+where the C library is not glibc.
 """
 
 from __future__ import annotations
