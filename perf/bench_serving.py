@@ -11,7 +11,7 @@ Systems (``perf.serving_systems``): ``paged-serve[:DTYPE]`` started from this ch
 carry flags of its own (``--system "paged-serve:float32 --quantization int8"``). Workloads:
 ``perf.serving_workloads``. The same token-id prompts go to every system.
 
-For each system, in turn:
+First each system's correctness check, then the timed runs:
 
 1. the correctness check (``perf.serving_check``) on one server: every request of every
    workload sent greedy and non-streamed; each must return exactly ``max_tokens`` tokens, and a
@@ -19,14 +19,16 @@ For each system, in turn:
    so it never competes with one for the CPU). paged-serve in float32 must equal HF fp32 token
    for token; other systems get an agreement rate. A system that fails is not timed;
 2. each timed run on a freshly started server (so every run starts with a cold prefix cache),
+   the systems taking turns (repeat by repeat, workload by workload: ``timing_order``),
    after two short untimed warm-up requests: streaming requests, all sent at once (or at Poisson
    arrivals with ``--request-rate``; the ``concurrency-N`` workloads are a closed loop of N
    streams), measured per SSE chunk at the client (``perf.serving_report``).
 
 It prints the commit, the load average at the start and the end, a markdown table (output
 tok/s, request/s, TTFT, ITL, TPOT and E2E p50/p99), and writes the table and a JSON report to
-``--out-dir``. It exits 1 if a check failed. Timing on a shared machine is noisy: look at the
-load averages.
+``--out-dir``; with ``--repeats N`` also each system and workload's medians over the repeats.
+It exits 1 if a check failed. Timing on a shared machine is noisy: look at the load averages,
+and compare systems by their medians over interleaved repeats.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -61,7 +63,7 @@ from perf.serving_client import (
     run_open_loop,
     served_model,
 )
-from perf.serving_report import markdown_table, summarize
+from perf.serving_report import markdown_table, median_table, summarize
 from perf.serving_systems import REPO_ROOT, Server, System, parse_system
 from perf.serving_workloads import WORKLOADS, ServingWorkload, arrival_offsets
 
@@ -71,18 +73,25 @@ WARMUP_PROMPT_TOKENS, WARMUP_MAX_TOKENS = 8, 4
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--system", action="append", default=None,
+        "--system",
+        action="append",
+        default=None,
         help="paged-serve[:DTYPE] (default paged-serve:float32), llama-cpp-f32, llama-cpp-q4_1 "
         "or external, optionally with flags of its own, e.g. 'paged-serve:float32 "
         "--quantization int8'; repeat to compare several in one run",
     )
     p.add_argument(
-        "--workload", action="append", default=None, choices=[*WORKLOADS, "all"],
+        "--workload",
+        action="append",
+        default=None,
+        choices=[*WORKLOADS, "all"],
         help="repeatable (default decode-heavy)",
     )
     p.add_argument("--num-requests", type=int, default=None, help="override the mix's count")
     p.add_argument(
-        "--request-rate", type=float, default=math.inf,
+        "--request-rate",
+        type=float,
+        default=math.inf,
         help="requests/s, Poisson arrivals (default inf: all at once); open-loop mixes only",
     )
     p.add_argument("--seed", type=int, default=0)
@@ -93,16 +102,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-check", action="store_true", help="skip the correctness check")
     p.add_argument("--base-url", default=None, help="the server of --system external")
     p.add_argument(
-        "--server-arg", action="append", default=[],
+        "--server-arg",
+        action="append",
+        default=[],
         help="an extra paged-serve flag, e.g. --server-arg=--max-num-seqs=32 (repeatable)",
     )
     p.add_argument(
-        "--llama-arg", action="append", default=[],
+        "--llama-arg",
+        action="append",
+        default=[],
         help="an extra llama-server flag, e.g. --llama-arg=--no-cache-prompt (repeatable)",
     )
     p.add_argument("--llama-slots", type=int, default=32, help="llama-server --parallel")
     p.add_argument(
-        "--threads", type=int, default=None,
+        "--threads",
+        type=int,
+        default=None,
         help="llama-server --threads (default: torch's CPU thread count, what paged-serve uses)",
     )
     p.add_argument("--label", default="", help="a tag for the report, e.g. smoke")
@@ -134,6 +149,7 @@ def load_average() -> list[float]:
 
 def source_revision() -> dict[str, Any]:
     """The commit measured and how many files differ from it."""
+
     def git(*cmd: str) -> str:
         out = subprocess.run(["git", *cmd], cwd=REPO_ROOT, capture_output=True, text=True)
         return out.stdout.strip()
@@ -252,6 +268,18 @@ def timed_run(
     return summarize(records, wall), records
 
 
+T = TypeVar("T")
+
+
+def timing_order(
+    systems: Sequence[T], workloads: Sequence[ServingWorkload], repeats: int
+) -> list[tuple[int, ServingWorkload, T]]:
+    """The timed runs as (repeat, workload, system), the systems taking turns within each
+    repeat and workload: a noisy spell on a shared machine then falls on one run of each
+    system rather than on every run of one, and the per-run ratios stay comparable."""
+    return [(r, w, s) for r in range(repeats) for w in workloads for s in systems]
+
+
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     """Check and time every system on every workload; the report and whether all checks
     passed."""
@@ -265,8 +293,11 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
         "machine": machine(),
         "command": " ".join(["python -m perf.bench_serving", *sys.argv[1:]]),
     }
-    print(f"commit {report['source']['commit']} ({report['source']['uncommitted_files']} "
-          f"uncommitted files), load average {report['load_average_start']}", flush=True)
+    print(
+        f"commit {report['source']['commit']} ({report['source']['uncommitted_files']} "
+        f"uncommitted files), load average {report['load_average_start']}",
+        flush=True,
+    )
     threads = args.threads or torch.get_num_threads()
     tokenizer = load_tokenizer()
     workloads = [WORKLOADS[name](tokenizer, args.num_requests, args.seed) for name in args.workload]
@@ -281,11 +312,13 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
 
     def server(system: System) -> Server:
         return Server(
-            system, log_path=log_dir / (re.sub(r"[^\w.-]+", "_", system.name) + ".log"),
+            system,
+            log_path=log_dir / (re.sub(r"[^\w.-]+", "_", system.name) + ".log"),
             llama_slots=args.llama_slots,
             threads=threads,
         )
 
+    timed: list[tuple[System, dict[str, CheckResult]]] = []  # the systems that passed
     for system in args.systems:
         report["servers"][system.name] = " ".join(server(system).command) or system.base_url
         checks: dict[str, CheckResult] = {}
@@ -300,27 +333,27 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
                 all_passed = False
                 print(f"  {system.name}: check FAILED, not timed", flush=True)
                 continue
-        for w in workloads:
-            for repeat in range(args.repeats):
-                before = load_average()
-                with server(system) as srv:
-                    metrics, _ = timed_run(srv.base_url, w, args.request_rate, args.seed)
-                row = {
-                    "system": system.name,
-                    "workload": w.name,
-                    "repeat": repeat,
-                    "server_start_s": srv.startup_s,
-                    "load_average": {"before": before, "after": load_average()},
-                    "metrics": metrics,
-                    "check_summary": checks[w.name].summary() if w.name in checks else "",
-                }
-                report["runs"].append(row)
-                print(
-                    f"  {system.name} {w.name} #{repeat}: {metrics['output_tok_s']} out tok/s, "
-                    f"ITL p50 {metrics['itl_ms']['p50']} ms, TTFT p50 {metrics['ttft_ms']['p50']}"
-                    f" ms, load {row['load_average']}",
-                    flush=True,
-                )
+        timed.append((system, checks))
+    for repeat, w, (system, checks) in timing_order(timed, workloads, args.repeats):
+        before = load_average()
+        with server(system) as srv:
+            metrics, _ = timed_run(srv.base_url, w, args.request_rate, args.seed)
+        row = {
+            "system": system.name,
+            "workload": w.name,
+            "repeat": repeat,
+            "server_start_s": srv.startup_s,
+            "load_average": {"before": before, "after": load_average()},
+            "metrics": metrics,
+            "check_summary": checks[w.name].summary() if w.name in checks else "",
+        }
+        report["runs"].append(row)
+        print(
+            f"  {system.name} {w.name} #{repeat}: {metrics['output_tok_s']} out tok/s, "
+            f"ITL p50 {metrics['itl_ms']['p50']} ms, TTFT p50 {metrics['ttft_ms']['p50']}"
+            f" ms, load {row['load_average']}",
+            flush=True,
+        )
     report["load_average_end"] = load_average()
     report["elapsed_s"] = round(time.perf_counter() - clock, 1)
     return report, all_passed
@@ -330,6 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     report, passed = run(args)
     table = markdown_table(report["runs"])
+    if args.repeats > 1:
+        table += f"\n\nMedians over the {args.repeats} repeats:\n\n" + median_table(report["runs"])
     label = f" ({args.label})" if args.label else ""
     head = (
         f"perf.bench_serving{label}, commit {report['source']['commit']}, load average "

@@ -12,12 +12,14 @@ From the client's records of one timed run (``perf.serving_client.RequestRecord`
 * E2E latency: from sending a request to the end of its stream, ms.
 
 Each is given as mean, p50 and p99 (linear interpolation between order statistics, numpy's
-default). ``markdown_table`` renders several runs side by side.
+default). ``markdown_table`` renders several runs side by side; ``median_table`` gives each
+system and workload's median over repeated runs.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -129,4 +131,35 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     ]
     for row in rows:
         lines.append("| " + " | ".join(_cell(get(row)) for _, get in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+MEDIAN_COLUMNS = (
+    ("out tok/s", lambda r: r["metrics"]["output_tok_s"]),
+    ("TTFT p50 ms", lambda r: r["metrics"]["ttft_ms"]["p50"]),
+    ("ITL p50 ms", lambda r: r["metrics"]["itl_ms"]["p50"]),
+    ("E2E p50 ms", lambda r: r["metrics"]["e2e_ms"]["p50"]),
+)
+
+
+def median_table(rows: Sequence[dict[str, Any]]) -> str:
+    """One line per system and workload (in the order first seen): the median of each metric
+    over its runs, and the runs' output tok/s. A metric missing from a run (no completed
+    request) is left out of its median."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["system"], row["workload"]), []).append(row)
+    names = [f"median {name}" for name, _ in MEDIAN_COLUMNS]
+    lines = [
+        "| system | workload | runs | " + " | ".join(names) + " | runs' out tok/s |",
+        "|" + "|".join("---" for _ in range(len(names) + 4)) + "|",
+    ]
+    for (system, workload), runs in groups.items():
+        medians = []
+        for _, get in MEDIAN_COLUMNS:
+            values = [v for v in map(get, runs) if v is not None]
+            medians.append(statistics.median(values) if values else None)
+        each = ", ".join(_cell(r["metrics"]["output_tok_s"]) for r in runs)
+        cells = [system, workload, str(len(runs)), *map(_cell, medians), each]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -19,6 +19,7 @@ from aiohttp import web
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.model_loader import LoadedModel
+from perf.bench_serving import timing_order
 from perf.serving_check import check_replies, hf_references, matched_tokens, sample_indices
 from perf.serving_client import (
     Reply,
@@ -29,7 +30,14 @@ from perf.serving_client import (
     run_open_loop,
     served_model,
 )
-from perf.serving_report import inter_token_gaps, percentile, summarize, tpot, ttft
+from perf.serving_report import (
+    inter_token_gaps,
+    median_table,
+    percentile,
+    summarize,
+    tpot,
+    ttft,
+)
 from perf.serving_systems import parse_system
 from perf.serving_workloads import (
     SYSTEM_PROMPT,
@@ -75,8 +83,14 @@ def test_decode_heavy_is_bench_e2e_generator(default_tokenizer):
 
     w = decode_heavy(default_tokenizer)
     ref = make_workload(
-        default_tokenizer, 49152, num_requests=24, min_prompt=10, max_prompt=120,
-        min_tokens=8, max_tokens=96, seed=0,
+        default_tokenizer,
+        49152,
+        num_requests=24,
+        min_prompt=10,
+        max_prompt=120,
+        min_tokens=8,
+        max_tokens=96,
+        seed=0,
     )
     assert (w.prompts, w.max_tokens) == (ref.prompts, ref.max_tokens)
 
@@ -111,8 +125,14 @@ def test_percentile_interpolates_like_numpy(q):
 
 def _record(start, chunks, end, tokens, max_tokens=None, error=None) -> RequestRecord:
     return RequestRecord(
-        0, max_tokens if max_tokens is not None else tokens, start=start, chunk_times=chunks,
-        end=end, completion_tokens=tokens, prompt_tokens=10, error=error,
+        0,
+        max_tokens if max_tokens is not None else tokens,
+        start=start,
+        chunk_times=chunks,
+        end=end,
+        completion_tokens=tokens,
+        prompt_tokens=10,
+        error=error,
     )
 
 
@@ -138,6 +158,50 @@ def test_summarize_counts_usage_tokens_over_wall_time():
     assert m["ttft_ms"]["p50"] == pytest.approx(500.0)
     assert m["itl_ms"]["p50"] == pytest.approx(float(np.percentile([200, 300, 1000], 50)))
     assert m["e2e_ms"]["p99"] == pytest.approx(float(np.percentile([1000, 2000, 600], 99)))
+
+
+def test_systems_take_turns_in_each_repeat_and_workload():
+    a, b = ServingWorkload("a", [[1]], [1]), ServingWorkload("b", [[2]], [1])
+    order = timing_order(["x", "y"], [a, b], repeats=2)
+    assert [(r, w.name, s) for r, w, s in order] == [
+        (0, "a", "x"),
+        (0, "a", "y"),
+        (0, "b", "x"),
+        (0, "b", "y"),
+        (1, "a", "x"),
+        (1, "a", "y"),
+        (1, "b", "x"),
+        (1, "b", "y"),
+    ]
+    assert timing_order([], [a], repeats=3) == []
+
+
+def _run_row(system: str, workload: str, tok_s: float, ttft_ms: float | None) -> dict:
+    dist = {"p50": ttft_ms}
+    metrics = {
+        "output_tok_s": tok_s,
+        "ttft_ms": dist,
+        "itl_ms": {"p50": 2 * tok_s},
+        "e2e_ms": dist,
+    }
+    return {"system": system, "workload": workload, "metrics": metrics}
+
+
+def test_median_table_takes_each_system_and_workloads_median_over_its_runs():
+    rows = [
+        _run_row("x", "w", 100.0, 10.0),
+        _run_row("y", "w", 50.0, None),  # no request completed: no TTFT
+        _run_row("x", "w", 130.0, 30.0),
+        _run_row("y", "w", 70.0, 40.0),
+        _run_row("x", "w", 90.0, 20.0),
+    ]
+    lines = median_table(rows).splitlines()
+    assert lines[0].startswith("| system | workload | runs | median out tok/s |")
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert cells == [
+        ["x", "w", "3", "100.0", "20.0", "200.0", "20.0", "100.0, 130.0, 90.0"],
+        ["y", "w", "2", "60.0", "40.0", "120.0", "40.0", "50.0, 70.0"],
+    ]
 
 
 # ------------------------------------------------------------------------------ a scripted server
@@ -225,7 +289,11 @@ def _check(script, require_hf_equality=True):
         scripted_server(script), lambda url: complete_all(url, "scripted", WORKLOAD)
     )
     return check_replies(
-        WORKLOAD, replies, tokenizer=FakeTokenizer(), references=REFERENCES, hf_dtype="float32",
+        WORKLOAD,
+        replies,
+        tokenizer=FakeTokenizer(),
+        references=REFERENCES,
+        hf_dtype="float32",
         require_hf_equality=require_hf_equality,
     )
 
@@ -254,8 +322,12 @@ def test_check_fails_on_a_wrong_length():
 def test_check_counts_failed_requests():
     replies = [Reply("bc", 3), Reply("", None, "HTTP 500: boom"), Reply("fg", 2)]
     result = check_replies(
-        WORKLOAD, replies, tokenizer=FakeTokenizer(), references=REFERENCES,
-        hf_dtype="float32", require_hf_equality=False,
+        WORKLOAD,
+        replies,
+        tokenizer=FakeTokenizer(),
+        references=REFERENCES,
+        hf_dtype="float32",
+        require_hf_equality=False,
     )
     assert not result.passed and result.failed_requests == 1
 
@@ -311,15 +383,23 @@ def test_check_passes_on_paged_serve_fp32(default_model: LoadedModel, hf_default
         engine.shutdown()
     references = hf_references(hf_default_model, workload, [0, 2])
     result = check_replies(
-        workload, replies, tokenizer=default_model.tokenizer, references=references,
-        hf_dtype="float32", require_hf_equality=True,
+        workload,
+        replies,
+        tokenizer=default_model.tokenizer,
+        references=references,
+        hf_dtype="float32",
+        require_hf_equality=True,
     )
     assert result.passed, result
     assert (result.hf_checked, result.hf_exact) == (2, 2)
     # the same replies against a reference that differs in one token fail
     wrong = {i: ref[:-1] + [(ref[-1] + 1) % 49152] for i, ref in references.items()}
     bad = check_replies(
-        workload, replies, tokenizer=default_model.tokenizer, references=wrong,
-        hf_dtype="float32", require_hf_equality=True,
+        workload,
+        replies,
+        tokenizer=default_model.tokenizer,
+        references=wrong,
+        hf_dtype="float32",
+        require_hf_equality=True,
     )
     assert not bad.passed and bad.hf_exact == 0
