@@ -88,6 +88,22 @@ def test_the_int4_kernel_gives_a_row_the_same_bits_in_any_batch() -> None:
     assert torch.equal(q(x), alone)
 
 
+@pytest.mark.parametrize("rows", [1, MAX_KERNEL_ROWS])
+def test_a_decode_rows_shortcut_gives_what_every_input_form_gets(rows: int) -> None:
+    """Contiguous bf16 rows go straight to the kernel; fp32, strided and 3-D inputs of the same
+    values take the general path, and all give the same bits."""
+    q = Int4Linear(_linear(64, 96))
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    direct = q(x)
+    assert direct.dtype == torch.bfloat16 and direct.shape == (rows, 64)
+    strided = torch.randn(rows, 192, dtype=torch.bfloat16)[:, ::2]
+    strided.copy_(x)
+    assert not strided.is_contiguous()
+    assert torch.equal(q(strided), direct)
+    assert torch.equal(q(x[None])[0], direct)
+    assert torch.equal(q(x.float()), direct.float())
+
+
 def test_int4_linear_deep_copies_and_pickles() -> None:
     q = Int4Linear(_linear(64, 128, bias=True))
     x = torch.randn(MAX_KERNEL_ROWS + 3, 128)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import engine.model_prep as model_prep
 from engine.llm import LLM
+from engine.model_body import RMSNorm
 from engine.sampling_params import SamplingParams
 from tests.conftest import (
     TINY_FAMILIES,
@@ -102,3 +104,19 @@ def test_sliding_window(family: str) -> None:
 def test_llama_has_no_window() -> None:
     llm = LLM(loaded=loaded(tiny_model("llama")))
     assert {layer.sliding_window for layer in llm.engine.runner.body.layers} == {None}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 576), (7, 64), (300, 896), (24, 3, 128)])
+def test_rms_norm_gives_hf_norms_bits(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """``RMSNorm`` computes with fewer ops than HF's ``LlamaRMSNorm`` (the class every family's
+    norm copies) and must give the same bits, on rows and on per-head ``[T, H, D]`` (Qwen3)."""
+    width = shape[-1]
+    hf = LlamaRMSNorm(width, eps=1e-6).to(dtype)
+    generator = torch.Generator().manual_seed(width)
+    with torch.no_grad():
+        hf.weight.copy_(1 + 0.3 * torch.randn(width, generator=generator))
+    for scale in (1e-3, 1.0, 50.0):
+        x = (scale * torch.randn(shape, generator=generator)).to(dtype)
+        with torch.no_grad():
+            assert torch.equal(RMSNorm.of(hf)(x), hf(x))
