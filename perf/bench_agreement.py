@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
+from engine.forks import sampling_rows
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.model_runner import sampling_rows
 from engine.sampling_params import SamplingParams
 
 
