@@ -134,32 +134,29 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-MEDIAN_COLUMNS = (
-    ("out tok/s", lambda r: r["metrics"]["output_tok_s"]),
-    ("TTFT p50 ms", lambda r: r["metrics"]["ttft_ms"]["p50"]),
-    ("ITL p50 ms", lambda r: r["metrics"]["itl_ms"]["p50"]),
-    ("E2E p50 ms", lambda r: r["metrics"]["e2e_ms"]["p50"]),
-)
+# The columns of ``COLUMNS`` that ``median_table`` takes medians of.
+MEDIAN_COLUMNS = ("out tok/s", "TTFT p50 ms", "ITL p50 ms", "E2E p50 ms")
 
 
 def median_table(rows: Sequence[dict[str, Any]]) -> str:
     """One line per system and workload (in the order first seen): the median of each metric
     over its runs, and the runs' output tok/s. A metric missing from a run (no completed
     request) is left out of its median."""
+    column = dict(COLUMNS)
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["system"], row["workload"]), []).append(row)
-    names = [f"median {name}" for name, _ in MEDIAN_COLUMNS]
+    names = [f"median {name}" for name in MEDIAN_COLUMNS]
     lines = [
         "| system | workload | runs | " + " | ".join(names) + " | runs' out tok/s |",
         "|" + "|".join("---" for _ in range(len(names) + 4)) + "|",
     ]
     for (system, workload), runs in groups.items():
         medians = []
-        for _, get in MEDIAN_COLUMNS:
-            values = [v for v in map(get, runs) if v is not None]
+        for name in MEDIAN_COLUMNS:
+            values = [v for v in map(column[name], runs) if v is not None]
             medians.append(statistics.median(values) if values else None)
-        each = ", ".join(_cell(r["metrics"]["output_tok_s"]) for r in runs)
+        each = ", ".join(_cell(column["out tok/s"](r)) for r in runs)
         cells = [system, workload, str(len(runs)), *map(_cell, medians), each]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
