@@ -183,7 +183,8 @@ class UniformGroup:
             num_seqs, _, num_q_heads, head_dim = q.shape
             qg = q.to(dtype).reshape(num_seqs, k.shape[1], num_q_heads // k.shape[1], head_dim)
             out = F.scaled_dot_product_attention(qg, k, v, attn_mask=self.mask, scale=scale)
-            return out.view(num_seqs, 1, num_q_heads, head_dim)
+            # reshape, not view: CUDA's SDPA returns its output in a transposed layout.
+            return out.reshape(num_seqs, 1, num_q_heads, head_dim)
         out = F.scaled_dot_product_attention(
             q.to(dtype).transpose(1, 2),
             k,

@@ -96,6 +96,20 @@ def _mass_of_higher_bins(mass):
 
 
 @triton.jit
+def _div(a, b):
+    """``a / b`` rounded to nearest, as torch divides (the reference), for ``z`` and ``p``.
+
+    Triton's ``/`` is PTX ``div.full.f32``, an approximation built on a multiply, and ptxas may
+    fuse a multiply with the subtraction that follows it. Then ``z - z_max`` is not 0 at the
+    max but the product's rounding error, ~1e22 for a logit of 1e30 at T = 0.9, and ``exp``
+    goes to 0 or inf in some passes only. On an H200 such a row kept no token and drew token 0
+    (the hazard test's row 11); this is our reading of why. ``div_rn`` gives one correctly
+    rounded value in every pass; the interpreter divides with numpy either way.
+    """
+    return tl.math.div_rn(a, b)
+
+
+@triton.jit
 def _load_chunk(row_ptr, mask_row_ptr, rows_ok, v0, cols, vocab_size, HAS_MASK: tl.constexpr):
     """One ``[BLOCK_B, BLOCK_V]`` chunk of logits from column ``v0``: ``(x, in_vocab)``.
 
@@ -155,12 +169,12 @@ def _digit_histogram(
     for v0 in range(0, vocab_size, BLOCK_V):
         x, mask = _load_chunk(row_ptr, mask_row_ptr, rows_ok, v0, cols, vocab_size, HAS_MASK)
         if OF_P:
-            z = x / temp[:, None]
+            z = _div(x, temp[:, None])
             mask = mask & (_ordered_key(z) >= k_key[:, None])  # nucleus of the top-k set
-            p = tl.exp(z - z_max[:, None]) / sum_z[:, None]
+            p = _div(tl.exp(z - z_max[:, None]), sum_z[:, None])
             key = _ordered_key(p)
         else:
-            key = _ordered_key(x / temp[:, None])
+            key = _ordered_key(_div(x, temp[:, None]))
         if r > 0:
             mask = mask & ((key >> (32 - 4 * r)) == (prefix >> (32 - 4 * r))[:, None])
         digit = ((key >> (28 - 4 * r)) & 15).to(tl.int32)
@@ -250,7 +264,7 @@ def _sample_kernel(
         x_max, greedy = _running_argmax(x_max, greedy, x, v0)
     invalid = (num_bad > 0) | (x_max == float("-inf"))  # NaN, +inf or nothing finite
     x_ref = tl.where(x_max == float("-inf"), 0.0, x_max)
-    z_max = x_ref / temp
+    z_max = _div(x_ref, temp)
 
     # -- pass 2: softmax denominators of the raw logits and of z = logits / temperature
     sum_x = tl.zeros([BLOCK_B], dtype=tl.float32)
@@ -258,7 +272,7 @@ def _sample_kernel(
     for v0 in range(0, vocab_size, BLOCK_V):
         x, mask = _load_chunk(row_ptr, mask_row_ptr, row_mask, v0, cols, vocab_size, HAS_MASK)
         sum_x += tl.sum(tl.exp(x - x_ref[:, None]), 1)
-        sum_z += tl.sum(tl.exp(x / temp[:, None] - z_max[:, None]), 1)
+        sum_z += tl.sum(tl.exp(_div(x, temp[:, None]) - z_max[:, None]), 1)
     sum_z = tl.where(sum_z > 0.0, sum_z, 1.0)
 
     # -- passes 3..10: top-k threshold = exact key of the k-th largest z (radix select)
@@ -302,8 +316,8 @@ def _sample_kernel(
     drawn = tl.zeros([BLOCK_B], dtype=tl.int32)
     for v0 in range(0, vocab_size, BLOCK_V):
         x, mask = _load_chunk(row_ptr, mask_row_ptr, row_mask, v0, cols, vocab_size, HAS_MASK)
-        z = x / temp[:, None]
-        p = tl.exp(z - z_max[:, None]) / sum_z[:, None]
+        z = _div(x, temp[:, None])
+        p = _div(tl.exp(z - z_max[:, None]), sum_z[:, None])
         keep = (_ordered_key(z) >= k_key[:, None]) & (_ordered_key(p) >= p_key[:, None])
         keep = keep & (p >= min_p_rel[:, None]) & ~p_empty[:, None]
         idx = v0 + cols

@@ -122,8 +122,11 @@ def hf_cb_per_request(
     done: dict[str, Any] = {}
     # No inference_mode() here: the manager's worker thread updates tensors this thread creates
     # in add_request, which transformers 5.17 then refuses as inference tensors.
+    # timeout=None: leaving waits for the worker thread. With a join timeout (generate_batch's
+    # is 5 s) the warm-up's thread outlived it on an H200, the manager restored the model's
+    # attention under it, and the next run's thread crashed while the caller waited forever.
     with model.continuous_batching_context_manager(
-        generation_config=config, continuous_batching_config=cb_config, block=True, timeout=5
+        generation_config=config, continuous_batching_config=cb_config, block=True, timeout=None
     ) as manager:
         ids = [
             manager.add_request(
