@@ -1,4 +1,4 @@
-"""Turn last-token logits into tokens: the fused Triton sampler or the eager reference.
+"""Turn last-token logits into tokens: the fused Triton sampler or the eager one.
 
 Every row carries a seed (the request's, or one the engine drew for it) and a step (how many
 tokens the request has produced), so a row's draw depends only on (seed, step) and its logits,
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.eager_sampling import sample_eager
 from kernels import reference
 
 _SEED_MASK = (1 << 63) - 1
@@ -83,7 +84,7 @@ class Sampler:
                 for s, t in zip(batch.seeds.tolist(), batch.steps.tolist())
             ]
         )
-        return reference.sample_ref(
+        return sample_eager(
             logits,
             temperature=batch.temperature,
             top_k=batch.top_k,

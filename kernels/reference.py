@@ -406,8 +406,9 @@ def sampling_keep_mask(
     """The set of drawable tokens per row, and the temperature-scaled probabilities.
 
     logits: ``[B, V]`` fp32; temperature, top_p, min_p: ``[B]`` fp32; top_k: ``[B]`` int
-    (``<= 0`` or ``>= V`` disables it). Rows with temperature 0 are treated as temperature 1 here
-    (the caller takes argmax for them). Returns ``(keep [B, V] bool, probs [B, V] fp32)``.
+    (``<= 0`` or ``>= V`` disables it; ``top_p >= 1`` disables the nucleus, as in the kernel).
+    Rows with temperature 0 are treated as temperature 1 here (the caller takes argmax for
+    them). Returns ``(keep [B, V] bool, probs [B, V] fp32)``.
     """
     vocab = logits.shape[1]
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
@@ -420,22 +421,31 @@ def sampling_keep_mask(
     kth = sorted_z.gather(1, (k - 1)[:, None])
     keep = z >= kth
 
-    # Nucleus on the top-k set: mass strictly above each token, compared with top_p * mass(K).
     p_k = torch.where(keep, probs, torch.zeros_like(probs))
+    total_k = p_k.sum(dim=-1, keepdim=True)
+    keep &= nucleus_keep(p_k, total_k, top_p) | (top_p >= 1.0)[:, None]
+
+    keep &= probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return keep, probs
+
+
+def nucleus_keep(p_k: torch.Tensor, total_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p on the top-k set: ``bool [B, V]``, a token kept when the mass of the tokens with a
+    strictly larger probability is below ``top_p * total_k`` (ties kept together).
+
+    p_k: ``[B, V]`` probabilities, 0 outside the top-k set; total_k: ``[B, 1]`` their sum;
+    top_p: ``[B]``.
+    """
     sorted_p, _ = torch.sort(p_k, dim=-1, descending=True)
-    # For each token: mass of tokens with strictly larger probability.
     csum = torch.cumsum(sorted_p, dim=-1)
+    # For each token: mass of tokens with strictly larger probability.
     first_ge = torch.searchsorted(-sorted_p.contiguous(), -p_k.contiguous(), side="left")
     above = torch.where(
         first_ge > 0,
         csum.gather(1, (first_ge - 1).clamp(min=0)),
         torch.zeros_like(p_k),
     )
-    total_k = p_k.sum(dim=-1, keepdim=True)
-    keep &= above < top_p[:, None] * total_k
-
-    keep &= probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-    return keep, probs
+    return above < top_p[:, None] * total_k
 
 
 def sample_ref(
@@ -462,7 +472,7 @@ def sample_ref(
     race = torch.where(keep, probs / exp, torch.full_like(probs, -1.0))
     drawn = race.argmax(dim=-1)
     greedy = first_argmax(logits)
-    return _with_logprobs(logits, torch.where(temperature > 0, drawn, greedy))
+    return with_logprobs(logits, torch.where(temperature > 0, drawn, greedy))
 
 
 def greedy_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -472,7 +482,7 @@ def greedy_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``sample_ref`` with every temperature 0.
     """
     logits = logits.float()
-    return _with_logprobs(logits, first_argmax(logits))
+    return with_logprobs(logits, first_argmax(logits))
 
 
 # torch's CPU argmax over a row is not vectorized (about 1 ms for 24 rows of a 49,152-token
@@ -512,7 +522,7 @@ def invalid_rows(logits: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(logits.amax(dim=-1))
 
 
-def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def with_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Set invalid rows' tokens to -1 and gather the (unscaled) logprob of each token."""
     invalid = invalid_rows(logits)
     tokens = tokens.masked_fill(invalid, -1)
