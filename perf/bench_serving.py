@@ -1,8 +1,9 @@
-"""Serving benchmark: streaming greedy completions through each system's own OpenAI server.
+"""Serving benchmark: streaming completions through each system's own OpenAI server.
 
     python -m perf.bench_serving [--system paged-serve:float32] [--system llama-cpp-f32] ...
         [--workload decode-heavy|long-prompt|shared-prefix|concurrency-1|concurrency-8|all]
         [--num-requests N] [--request-rate R] [--repeats N] [--check-requests 4] [--no-check]
+        [--temperature T [--top-p P]]
     python -m perf.bench_serving --system external --base-url http://127.0.0.1:8000 ...
 
 Systems (``perf.serving_systems``): ``paged-serve[:DTYPE]`` started from this checkout,
@@ -22,7 +23,9 @@ First each system's correctness check, then the timed runs:
    the systems taking turns (repeat by repeat, workload by workload: ``timing_order``),
    after two short untimed warm-up requests: streaming requests, all sent at once (or at Poisson
    arrivals with ``--request-rate``; the ``concurrency-N`` workloads are a closed loop of N
-   streams), measured per SSE chunk at the client (``perf.serving_report``).
+   streams), measured per SSE chunk at the client (``perf.serving_report``). Greedy, or with
+   ``--temperature`` sampled: the request's index is its seed, and top_k 0, min_p 0 and
+   ``--top-p`` go with it, since llama-server otherwise applies its own default filters.
 
 It prints the commit, the load average at the start and the end, a markdown table (output
 tok/s, request/s, TTFT, ITL, TPOT and E2E p50/p99), and writes the table and a JSON report to
@@ -95,6 +98,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="requests/s, Poisson arrivals (default inf: all at once); open-loop mixes only",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="time sampled requests at this temperature (a seed per request; top_k 0, min_p 0"
+        " and --top-p, so every system filters alike); default greedy. The check stays greedy",
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature (default 1)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per system and workload")
     p.add_argument(
         "--check-requests", type=int, default=4, help="requests per workload compared with HF"
@@ -140,6 +151,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--repeats and --num-requests must be >= 1")
     if args.request_rate <= 0:
         p.error("--request-rate must be > 0")
+    args.sampling = None
+    if args.temperature is not None:
+        if args.temperature <= 0 or not 0 < args.top_p <= 1:
+            p.error("--temperature must be > 0 and --top-p in (0, 1]")
+        args.sampling = {
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": 0,
+            "min_p": 0.0,
+        }
     return args
 
 
@@ -250,9 +271,14 @@ async def _model_id(base_url: str) -> str:
 
 # ----------------------------------------------------------------------------- timing
 def timed_run(
-    base_url: str, workload: ServingWorkload, rate: float, seed: int
+    base_url: str,
+    workload: ServingWorkload,
+    rate: float,
+    seed: int,
+    sampling: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], list]:
-    """Warm up, then one timed run of ``workload``; its metrics and records."""
+    """Warm up, then one timed run of ``workload`` (greedy, or with ``sampling``'s fields);
+    its metrics and records."""
     model = asyncio.run(_model_id(base_url))
     warmup = ServingWorkload(
         "warm-up",
@@ -261,10 +287,12 @@ def timed_run(
     )
     asyncio.run(complete_all(base_url, model, warmup))
     if workload.streams is not None:
-        records, wall = asyncio.run(run_closed_loop(base_url, model, workload, workload.streams))
+        records, wall = asyncio.run(
+            run_closed_loop(base_url, model, workload, workload.streams, sampling)
+        )
     else:
         offsets = arrival_offsets(workload.num_requests, rate, seed)
-        records, wall = asyncio.run(run_open_loop(base_url, model, workload, offsets))
+        records, wall = asyncio.run(run_open_loop(base_url, model, workload, offsets, sampling))
     return summarize(records, wall), records
 
 
@@ -295,7 +323,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     }
     print(
         f"commit {report['source']['commit']} ({report['source']['uncommitted_files']} "
-        f"uncommitted files), load average {report['load_average_start']}",
+        f"uncommitted files), load average {report['load_average_start']}, timed requests "
+        f"{args.sampling or 'greedy'}",
         flush=True,
     )
     threads = args.threads or torch.get_num_threads()
@@ -303,6 +332,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     workloads = [WORKLOADS[name](tokenizer, args.num_requests, args.seed) for name in args.workload]
     report["workloads"] = {w.name: w.summary() for w in workloads}
     report["request_rate"] = None if math.isinf(args.request_rate) else args.request_rate
+    report["sampling"] = args.sampling  # None: greedy timed runs
     references = {}
     if not args.no_check:
         references = compute_references(args.systems, workloads, tokenizer, args.check_requests)
@@ -337,7 +367,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     for repeat, w, (system, checks) in timing_order(timed, workloads, args.repeats):
         before = load_average()
         with server(system) as srv:
-            metrics, _ = timed_run(srv.base_url, w, args.request_rate, args.seed)
+            metrics, _ = timed_run(srv.base_url, w, args.request_rate, args.seed, args.sampling)
         row = {
             "system": system.name,
             "workload": w.name,

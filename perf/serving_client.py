@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,8 +47,17 @@ class RequestRecord:
         return self.error is None and self.end is not None
 
 
-def completion_body(model: str, prompt: list[int], max_tokens: int, *, stream: bool) -> dict:
-    """A greedy request that runs to ``max_tokens`` (EOS ignored)."""
+def completion_body(
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    stream: bool,
+    sampling: Mapping[str, Any] | None = None,
+    index: int = 0,
+) -> dict:
+    """A request that runs to ``max_tokens`` (EOS ignored): greedy, or with ``sampling``'s
+    fields (``temperature``, ``top_p``, ...) and seed ``index``, so each draw repeats."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
@@ -57,6 +66,8 @@ def completion_body(model: str, prompt: list[int], max_tokens: int, *, stream: b
         "ignore_eos": True,
         "stream": stream,
     }
+    if sampling:
+        body.update(sampling, seed=index)
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
@@ -124,10 +135,14 @@ async def stream_request(
 
 
 async def run_open_loop(
-    base_url: str, model: str, workload: ServingWorkload, offsets: Sequence[float]
+    base_url: str,
+    model: str,
+    workload: ServingWorkload,
+    offsets: Sequence[float],
+    sampling: Mapping[str, Any] | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Each request sent ``offsets[i]`` seconds after the start; the records and the wall
-    seconds from the start to the last request's end."""
+    seconds from the start to the last request's end. ``sampling``: see completion_body."""
 
     async with new_session() as session:
         start = time.perf_counter()
@@ -136,7 +151,14 @@ async def run_open_loop(
             delay = start + offsets[i] - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            body = completion_body(model, workload.prompts[i], workload.max_tokens[i], stream=True)
+            body = completion_body(
+                model,
+                workload.prompts[i],
+                workload.max_tokens[i],
+                stream=True,
+                sampling=sampling,
+                index=i,
+            )
             return await stream_request(session, base_url, body, i)
 
         records = await asyncio.gather(*(send(i) for i in range(workload.num_requests)))
@@ -144,9 +166,14 @@ async def run_open_loop(
 
 
 async def run_closed_loop(
-    base_url: str, model: str, workload: ServingWorkload, streams: int
+    base_url: str,
+    model: str,
+    workload: ServingWorkload,
+    streams: int,
+    sampling: Mapping[str, Any] | None = None,
 ) -> tuple[list[RequestRecord], float]:
-    """``streams`` concurrent streams take the requests in order, one at a time each."""
+    """``streams`` concurrent streams take the requests in order, one at a time each.
+    ``sampling``: see completion_body."""
     next_index = 0
     records: list[RequestRecord] = []
 
@@ -159,7 +186,12 @@ async def run_closed_loop(
                 i = next_index
                 next_index += 1  # no await in between: the event loop makes this atomic
                 body = completion_body(
-                    model, workload.prompts[i], workload.max_tokens[i], stream=True
+                    model,
+                    workload.prompts[i],
+                    workload.max_tokens[i],
+                    stream=True,
+                    sampling=sampling,
+                    index=i,
                 )
                 records.append(await stream_request(session, base_url, body, i))
 

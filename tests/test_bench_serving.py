@@ -19,12 +19,14 @@ from aiohttp import web
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.model_loader import LoadedModel
+from perf import bench_serving
 from perf.bench_serving import timing_order
 from perf.serving_check import check_replies, hf_references, matched_tokens, sample_indices
 from perf.serving_client import (
     Reply,
     RequestRecord,
     complete_all,
+    completion_body,
     new_session,
     run_closed_loop,
     run_open_loop,
@@ -224,14 +226,19 @@ def run_against(
     return asyncio.run(go())
 
 
-def scripted_server(replies: dict[tuple[int, ...], tuple[list[str], int]]) -> web.Application:
-    """A /v1/completions that answers each prompt with its scripted text pieces and usage."""
+def scripted_server(
+    replies: dict[tuple[int, ...], tuple[list[str], int]], bodies: list[dict] | None = None
+) -> web.Application:
+    """A /v1/completions that answers each prompt with its scripted text pieces and usage
+    (and appends each request body to ``bodies``)."""
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "scripted"}]})
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if bodies is not None:
+            bodies.append(body)
         pieces, tokens = replies[tuple(body["prompt"])]
         usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": tokens}
         if not body.get("stream"):
@@ -272,6 +279,35 @@ def test_client_records_chunks_and_usage(streams):
     assert [r.completion_tokens for r in records] == [3, 2, 2]
     assert all(r.ok and r.finish_reason == "length" for r in records)
     assert summarize(records, wall)["short_requests"] == 0
+
+
+@pytest.mark.parametrize("streams", [None, 2])
+def test_sampled_runs_send_the_fields_and_a_seed_per_request(streams):
+    args = bench_serving.parse_args(["--temperature", "0.7", "--top-p", "0.9"])
+    assert args.sampling == {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0}
+    assert bench_serving.parse_args([]).sampling is None
+    bodies: list[dict] = []
+
+    async def client(url: str):
+        if streams is None:
+            return await run_open_loop(url, "scripted", WORKLOAD, [0.0] * 3, args.sampling)
+        return await run_closed_loop(url, "scripted", WORKLOAD, streams, args.sampling)
+
+    records, _ = run_against(scripted_server(SCRIPT, bodies), client)
+    assert all(r.ok for r in records)
+    by_prompt = {tuple(b["prompt"]): b for b in bodies}
+    for i, prompt in enumerate(WORKLOAD.prompts):
+        body = by_prompt[tuple(prompt)]
+        assert body["seed"] == i and body["stream"] and body["max_tokens"] == WORKLOAD.max_tokens[i]
+        assert {k: body[k] for k in args.sampling} == args.sampling
+    greedy = completion_body("m", [1], 2, stream=False)
+    assert greedy["temperature"] == 0.0 and "seed" not in greedy
+
+
+@pytest.mark.parametrize("flags", [["--temperature", "0"], ["--temperature", "1", "--top-p", "0"]])
+def test_sampling_flags_are_checked(flags):
+    with pytest.raises(SystemExit):
+        bench_serving.parse_args(flags)
 
 
 class FakeTokenizer:
