@@ -20,7 +20,6 @@ import torch
 
 from kernels import reference
 
-_TINY = torch.finfo(torch.float32).tiny
 # Tokens a top-p row looks at before it falls back to sorting the whole row: a nucleus of a
 # real model at temperature <= 1 usually ends well inside them.
 NUCLEUS_HEAD = 256
@@ -138,10 +137,4 @@ def sample_eager(
     """
     logits = logits.float()
     keep, probs = _filtered(logits, temperature, top_k, top_p, min_p)
-    race = probs / -torch.log(uniforms.clamp(min=_TINY))
-    if keep is not None:
-        race = torch.where(keep, race, torch.full_like(race, -1.0))
-    # first_argmax: argmax's lowest index on ties, vectorized (race holds no NaN on valid rows).
-    drawn = reference.first_argmax(race)
-    greedy = reference.first_argmax(logits)
-    return reference.with_logprobs(logits, torch.where(temperature > 0, drawn, greedy))
+    return reference.race_draw(logits, keep, probs, temperature=temperature, uniforms=uniforms)

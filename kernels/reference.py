@@ -468,11 +468,27 @@ def sample_ref(
     keep, probs = sampling_keep_mask(
         logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
     )
-    exp = -torch.log(uniforms.clamp(min=torch.finfo(torch.float32).tiny))
-    race = torch.where(keep, probs / exp, torch.full_like(probs, -1.0))
-    drawn = race.argmax(dim=-1)
-    greedy = first_argmax(logits)
-    return with_logprobs(logits, torch.where(temperature > 0, drawn, greedy))
+    return race_draw(logits, keep, probs, temperature=temperature, uniforms=uniforms)
+
+
+def race_draw(
+    logits: torch.Tensor,
+    keep: torch.Tensor | None,
+    probs: torch.Tensor,
+    *,
+    temperature: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draw once the keep set is known: the exponential race ``argmax p / -log(u)`` over
+    kept tokens (every token when ``keep`` is None) for rows with temperature > 0, the argmax of
+    the raw logits for the others; ``(token_ids [B] int64, logprobs [B] fp32)`` as
+    :func:`sample_ref`. (first_argmax is argmax, lowest index on ties; race holds no NaN on a
+    valid row.)"""
+    race = probs / -torch.log(uniforms.clamp(min=torch.finfo(torch.float32).tiny))
+    if keep is not None:
+        race = torch.where(keep, race, torch.full_like(race, -1.0))
+    drawn = first_argmax(race)
+    return with_logprobs(logits, torch.where(temperature > 0, drawn, first_argmax(logits)))
 
 
 def greedy_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -134,6 +134,20 @@ async def stream_request(
     return record
 
 
+def _streamed_body(
+    model: str, workload: ServingWorkload, i: int, sampling: Mapping[str, Any] | None
+) -> dict:
+    """Request ``i`` of ``workload``, streamed (seed ``i`` when sampled)."""
+    return completion_body(
+        model,
+        workload.prompts[i],
+        workload.max_tokens[i],
+        stream=True,
+        sampling=sampling,
+        index=i,
+    )
+
+
 async def run_open_loop(
     base_url: str,
     model: str,
@@ -151,14 +165,7 @@ async def run_open_loop(
             delay = start + offsets[i] - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            body = completion_body(
-                model,
-                workload.prompts[i],
-                workload.max_tokens[i],
-                stream=True,
-                sampling=sampling,
-                index=i,
-            )
+            body = _streamed_body(model, workload, i, sampling)
             return await stream_request(session, base_url, body, i)
 
         records = await asyncio.gather(*(send(i) for i in range(workload.num_requests)))
@@ -185,14 +192,7 @@ async def run_closed_loop(
             while next_index < workload.num_requests:
                 i = next_index
                 next_index += 1  # no await in between: the event loop makes this atomic
-                body = completion_body(
-                    model,
-                    workload.prompts[i],
-                    workload.max_tokens[i],
-                    stream=True,
-                    sampling=sampling,
-                    index=i,
-                )
+                body = _streamed_body(model, workload, i, sampling)
                 records.append(await stream_request(session, base_url, body, i))
 
         await asyncio.gather(*(stream_loop() for _ in range(streams)))
