@@ -53,9 +53,7 @@ def _filtered(
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """``(keep, probs)`` as :func:`keep_mask_eager`, with ``keep`` None when no row filters."""
     vocab = logits.shape[1]
-    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    z = logits.float() / temp[:, None]
-    probs = torch.softmax(z, dim=-1)
+    z, probs = reference.scaled_logits(logits, temperature)
     keep: torch.Tensor | None = None
 
     k = top_k.long()
@@ -95,8 +93,10 @@ def nucleus_keep_eager(
     """
     keep, undecided = _cut_at_threshold(p_k, total_k, top_p, min(NUCLEUS_HEAD, p_k.shape[1]))
     if undecided.numel():
-        rows = undecided
-        keep[rows], _ = _cut_at_threshold(p_k[rows], total_k[rows], top_p[rows], p_k.shape[1])
+        whole = p_k.shape[1]  # these rows cut over their whole sorted row
+        keep[undecided], _ = _cut_at_threshold(
+            p_k[undecided], total_k[undecided], top_p[undecided], whole
+        )
     return keep
 
 

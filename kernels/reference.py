@@ -411,9 +411,7 @@ def sampling_keep_mask(
     them). Returns ``(keep [B, V] bool, probs [B, V] fp32)``.
     """
     vocab = logits.shape[1]
-    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    z = logits.float() / temp[:, None]
-    probs = torch.softmax(z, dim=-1)
+    z, probs = scaled_logits(logits, temperature)
 
     k = top_k.long().clamp(min=0)
     k = torch.where((k <= 0) | (k >= vocab), torch.full_like(k, vocab), k)
@@ -427,6 +425,16 @@ def sampling_keep_mask(
 
     keep &= probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
     return keep, probs
+
+
+def scaled_logits(
+    logits: torch.Tensor, temperature: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(z, probs)``, both ``[B, V]`` fp32: ``z = logits / temperature`` (temperature 0 read
+    as 1, for greedy rows' keep sets) and ``probs = softmax(z)``; temperature ``[B]``."""
+    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    z = logits.float() / temp[:, None]
+    return z, torch.softmax(z, dim=-1)
 
 
 def nucleus_keep(p_k: torch.Tensor, total_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
