@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -23,6 +21,7 @@ import torch
 from engine.eager_sampling import sample_eager
 from engine.host_malloc import keep_freed_memory
 from kernels.reference import sample_ref
+from perf.wall_timing import median_wall_s
 
 MIXES: dict[str, tuple[float, int, float, float]] = {  # temperature, top_k, top_p, min_p
     "default (T=1)": (1.0, 0, 1.0, 0.0),
@@ -36,12 +35,7 @@ MIXES: dict[str, tuple[float, int, float, float]] = {  # temperature, top_k, top
 def median_ms(fn: Callable[[], object], rounds: int) -> float:
     """Median wall time of ``fn`` over ``rounds`` calls after one warm-up, in ms."""
     fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_wall_s(fn, rounds) * 1e3
 
 
 def main(argv: list[str] | None = None) -> None:

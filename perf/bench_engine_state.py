@@ -39,6 +39,7 @@ from engine.engine_state import MAX_BUSY_FRACTION, MIN_INTERVAL_S, StateWatch, t
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from perf.wall_timing import median_wall_s
 
 BLOCK_SIZE = 16
 
@@ -60,15 +61,6 @@ POOLS = (
     Pool("cpu-default-1GiB", num_blocks=1456, running=24, tokens=256, cached=200, waiting=8),
     Pool("h200-bf16", num_blocks=330_000, running=256, tokens=2048, cached=100_000, waiting=64),
 )
-
-
-def _median_s(fn: Any, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def build_engine(pool: Pool) -> SimpleNamespace:
@@ -106,10 +98,10 @@ def measure_pool(pool: Pool) -> dict[str, Any]:
     engine = build_engine(pool)
     bm = engine.block_manager
     repeats = 30 if pool.num_blocks < 10_000 else 7
-    take_s = _median_s(lambda: take_state(engine, None), repeats)
-    usage_s = _median_s(bm.usage, repeats)
+    take_s = median_wall_s(lambda: take_state(engine, None), repeats)
+    usage_s = median_wall_s(bm.usage, repeats)
     state = take_state(engine, None)
-    encode_s = _median_s(lambda: msgspec.json.encode(state), repeats)
+    encode_s = median_wall_s(lambda: msgspec.json.encode(state), repeats)
     usage = bm.usage()
     interval_s = max(MIN_INTERVAL_S, take_s / MAX_BUSY_FRACTION)  # StateWatch's rule
     return {
