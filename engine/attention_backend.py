@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.cpu_attention import PlannedTorchAttention
-from kernels import reference
+from engine.model_loader import cache_root
+from kernels import cpu_decode_attention, reference
 from kernels.runtime import can_run_on
 
 
@@ -40,13 +41,17 @@ def resolve_backend_name(requested: str, device: torch.device) -> str:
     return requested
 
 
-def make_backend(name: str, *, group_alone: bool = False) -> AttentionBackend:
+def make_backend(
+    name: str, *, group_alone: bool = False, decode_kernel: bool = True
+) -> AttentionBackend:
     """``group_alone``: the torch backend attends a decode row alone in the grouped layout
     (``UniformGroup``), 3-4.5x faster in bf16, instead of Hugging Face's, which gives HF's own
-    bf16 tokens."""
+    bf16 tokens. ``decode_kernel``: the torch backend runs decode-only steps with the CPU C
+    kernel (``kernels/cpu_decode_attention.py``), built at first use, where it builds."""
     if name == "torch":
         # One per runner: it remembers the current step.
-        planned = PlannedTorchAttention(group_alone=group_alone)
+        kernel = cpu_decode_attention.load(cache_root()) if decode_kernel else None
+        planned = PlannedTorchAttention(group_alone=group_alone, decode_kernel=kernel)
         return AttentionBackend(
             name, planned.write_kv, planned.paged_attention, reference.copy_blocks_ref
         )

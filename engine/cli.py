@@ -54,6 +54,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="run every step eagerly: no CUDA graphs for decode steps (they need CUDA + triton)",
     )
     parser.add_argument(
+        "--no-cpu-decode-kernel",
+        action="store_true",
+        help="on the CPU, attend decode steps with torch's gather and SDPA (the bits of Hugging "
+        "Face's sdpa attention) instead of the C kernel that reads the paged cache in place",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -78,6 +84,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,
+        cpu_decode_kernel=not args.no_cpu_decode_kernel,
     )
 
 

@@ -29,6 +29,10 @@ class EngineConfig:
     reproducible from run to run.
     tensor_parallel_size: processes the model is sharded over (``engine/tensor_parallel.py``):
     this engine process is rank 0 and starts the others (``engine/tp_workers.py``).
+    cpu_decode_kernel: on the CPU (the torch attention backend), decode-only steps attend with
+    the C kernel that reads the paged cache in place (``kernels/cpu_decode_attention.py``, built
+    at first use); False keeps torch's gather and SDPA, whose bits equal Hugging Face's sdpa
+    attention (the kernel's differ by fp32 rounding; fp32 greedy tokens still equal HF's).
     """
 
     model: str | None = None
@@ -46,6 +50,7 @@ class EngineConfig:
     quantization: str | None = None
     seed: int | None = None
     tensor_parallel_size: int = 1
+    cpu_decode_kernel: bool = True
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -113,7 +113,9 @@ class ModelRunner:
         # Quantized weights are not HF's: in bf16, HF's slow layout for a row alone would buy
         # nothing (in fp32 both layouts take the same time, and HF's keeps the tests exact).
         group_alone = config.quantization is not None and dtype != torch.float32
-        self.backend = make_backend(self.backend_name, group_alone=group_alone)
+        self.backend = make_backend(
+            self.backend_name, group_alone=group_alone, decode_kernel=config.cpu_decode_kernel
+        )
         self.sampler = Sampler(self.backend_name)
         budget = kv_budget_bytes(config, device)
         if tp is not None:  # equal blocks on every rank: the smallest budget decides

@@ -7,8 +7,10 @@ forward (``ModelRunner.forward``: the model body and the LM head) and the rest (
 sampling, detokenizing, stop checks). A mode is a dtype, optionally ``+int8`` or ``+int4``
 (weight-only), ``+unfused`` (q/k/v and gate/up as separate GEMMs, the layout before fusion),
 ``+plain`` (projections as plain ``F.linear``, without engine/cpu_linears.py), ``+hf`` (Hugging
-Face's own forward instead of engine/model_body.py) or ``+hflayout`` (a quantized model's lone
-decode row in HF's attention layout, as unquantized ones), e.g. ``float32+plain``.
+Face's own forward instead of engine/model_body.py), ``+hflayout`` (a quantized model's lone
+decode row in HF's attention layout, as unquantized ones) or ``+gather`` (decode rows attended
+by torch's gather and SDPA, without the C kernel of kernels/cpu_decode_attention.py; the K/V
+write stays in C), e.g. ``float32+plain``.
 Each mode runs in its own process, so one mode's allocations and threads do not shape
 another's; ``--rounds N`` runs the modes N times, interleaved, and reports each mode's median
 round (by step time) with every round's step time, since this box's noise moves one run by tens
@@ -54,6 +56,8 @@ def measure(mode: str, streams: int, threads: int | None) -> dict:
         runner.body = None  # HF's own forward, for the A/B
     if "hflayout" in flags:
         runner.backend.paged_attention.__self__.group_alone = False  # for the A/B
+    if "gather" in flags:
+        runner.backend.paged_attention.__self__.decode_kernel = None  # for the A/B
     forward_s: list[float] = []
     forward = runner.forward
 

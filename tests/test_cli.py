@@ -59,12 +59,15 @@ def test_engine_flags_reach_the_config():
     add_engine_args(parser)
     defaults = EngineConfig(**engine_kwargs(parser.parse_args([])))
     assert defaults.enforce_eager is False and defaults.enable_prefix_caching is True
-    assert defaults.kv_cache_memory is None
-    flags = parser.parse_args(["--enforce-eager", "--no-prefix-caching", "--max-num-seqs", "7"])
+    assert defaults.kv_cache_memory is None and defaults.cpu_decode_kernel is True
+    flags = parser.parse_args(
+        ["--enforce-eager", "--no-prefix-caching", "--max-num-seqs", "7", "--no-cpu-decode-kernel"]
+    )
     config = EngineConfig(**engine_kwargs(flags))
     assert config.enforce_eager is True
     assert config.enable_prefix_caching is False
     assert config.max_num_seqs == 7
+    assert config.cpu_decode_kernel is False
 
 
 def test_kv_cache_memory_default_and_validation():

@@ -50,8 +50,10 @@ def test_int8_linear_takes_bf16_activations() -> None:
 
 @pytest.mark.parametrize("family", list(TINY_FAMILIES))
 def test_engine_int8_equals_hf_with_the_same_int8_modules(family: str) -> None:
+    """Attention runs torch's SDPA, as HF's does (see the int4 twin of this test)."""
     model = tiny_model(family)
-    llm = LLM(loaded=loaded(model), kv_cache_memory=2 << 20, quantization="int8")
+    llm = LLM(loaded=loaded(model), kv_cache_memory=2 << 20, quantization="int8",
+              cpu_decode_kernel=False)  # fmt: skip
     layer = llm.engine.runner.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj.proj, Int8Linear)
     assert isinstance(layer.mlp.down_proj, Int8Linear)

@@ -62,12 +62,13 @@ def test_tp2_quantizes_every_rank_shard_and_equals_hf_on_those_weights(scheme: s
     """Each rank quantizes its own shards after sharding, the row-parallel ones included (an
     int8 row gets one scale per rank's half, at least as fine as TP=1's one per row): the tokens
     of each prompt alone equal HF generate on a twin that computes exactly that. (Alone: int4
-    picks its kernel by the step's row count, as HF's prefill of one prompt does.)"""
+    picks its kernel by the step's row count, as HF's prefill of one prompt does.) Attention
+    runs torch's SDPA, as HF's does (see test_int4_weights.py)."""
     quantized, _ = SCHEMES[scheme]
     model = tiny_model("llama")
     prompts = random_prompts([5, 17, 40], seed=3)
     tp2 = LLM(loaded=loaded(model), tensor_parallel_size=2, kv_cache_memory=2 << 20,
-              quantization=scheme)  # fmt: skip
+              quantization=scheme, cpu_decode_kernel=False)  # fmt: skip
     try:
         layer = tp2.engine.runner.model.model.layers[0]
         assert isinstance(layer.mlp.down_proj.proj, quantized)
