@@ -2,6 +2,7 @@
 
     python -m perf.bench_agreement [--dtype bfloat16] [--quantization int4]
         [--workload decode-heavy] [--num-requests 24] [--hf-batch 24 --hf-batch 8]
+        [--no-cpu-decode-kernel]
 
 The reference is HF ``generate`` on each request alone (greedy, EOS ignored), as in the serving
 check. Batching changes rounding (torch's CPU kernels round a row differently with other rows
@@ -123,6 +124,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         help="HF static batch sizes to compare (repeatable; default: all requests in one batch)",
     )
+    parser.add_argument(
+        "--no-cpu-decode-kernel",
+        action="store_true",
+        help="attend decode steps with torch's gather and SDPA, not the C kernel (an A/B)",
+    )
     parser.add_argument("--out-dir", default="/tmp/bench_agreement")
     return parser.parse_args(argv)
 
@@ -155,7 +161,12 @@ def main(argv: list[str] | None = None) -> int:
             tokens += [row[:limit] for row, limit in zip(batch, limits)]
         free[f"hf static, batches of {size}"] = agreement(alone, tokens)
     system = f"paged-serve {args.dtype}" + (f" {args.quantization}" if args.quantization else "")
-    llm = LLM(loaded=load_model(None, dtype=dtype, device=cpu), quantization=args.quantization)
+    system += ", torch's decode attention" if args.no_cpu_decode_kernel else ""
+    llm = LLM(
+        loaded=load_model(None, dtype=dtype, device=cpu),
+        quantization=args.quantization,
+        cpu_decode_kernel=not args.no_cpu_decode_kernel,
+    )
     params = [
         SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in workload.max_tokens
     ]
