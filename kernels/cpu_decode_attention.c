@@ -75,8 +75,21 @@ typedef struct {
     void *out;
 } decode_args;
 
+enum { V_TILE = 8 };          /* tokens a V accumulation pass reads together */
+enum { PREFETCH_TOKENS = 4 }; /* how far ahead the K pass asks for K and V rows */
+
+/* Ask for a token's K or V row (every KV head) ahead of its use: the rows of a sequence lie in
+ * blocks scattered over the cache, which the hardware prefetcher does not foresee. */
+__attribute__((always_inline)) static inline void prefetch_row(
+    const void *cache, int64_t at, int64_t count, int bf16) {
+    const char *first = (const char *)cache + at * (bf16 ? 2 : 4);
+    const int64_t bytes = count * (bf16 ? 2 : 4);
+    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(first + offset);
+}
+
 /* Scratch memory of one thread: the query row widened to fp32, the output accumulators, the
- * softmax sums, the scores (grown to the longest context it meets) and one widened K or V row. */
+ * softmax sums, the scores (grown to the longest context it meets) and V_TILE widened K or V
+ * rows. */
 typedef struct {
     float *qf, *acc, *sums, *scores, *kv_row;
     int64_t capacity;
@@ -129,6 +142,13 @@ __attribute__((always_inline)) static inline void attend_sequence(
     for (int p = start; p < len; p++) {
         const int64_t token = (int64_t)table[p / a->block_size] * a->block_stride +
                               (int64_t)(p % a->block_size) * a->token_stride;
+        if (p + PREFETCH_TOKENS < len) {
+            const int ahead = p + PREFETCH_TOKENS;
+            const int64_t at = (int64_t)table[ahead / a->block_size] * a->block_stride +
+                               (int64_t)(ahead % a->block_size) * a->token_stride;
+            prefetch_row(a->k_cache, at, kv_width, bf16);
+            prefetch_row(a->v_cache, at, kv_width, bf16);
+        }
         const float *restrict k = row_f32(a->k_cache, token, kv_width, t->kv_row, bf16);
         for (int head = 0; head < q_heads; head++) {
             const float *kh = k + (int64_t)(head / group) * head_dim;
@@ -152,16 +172,45 @@ __attribute__((always_inline)) static inline void attend_sequence(
         }
         t->sums[head] = sum;
     }
-    for (int p = start; p < len; p++) {
-        const int64_t token = (int64_t)table[p / a->block_size] * a->block_stride +
-                              (int64_t)(p % a->block_size) * a->token_stride;
-        const float *restrict v = row_f32(a->v_cache, token, kv_width, t->kv_row, bf16);
+    /* V in tiles of V_TILE tokens: each accumulator element is loaded and stored once a tile
+     * (summing the tile's tokens in order in a register), not once a token. */
+    for (int p0 = start; p0 < len; p0 += V_TILE) {
+        const int count = len - p0 < V_TILE ? len - p0 : V_TILE;
+        const float *rows[V_TILE];
+        for (int j = 0; j < count; j++) {
+            const int p = p0 + j;
+            const int64_t token = (int64_t)table[p / a->block_size] * a->block_stride +
+                                  (int64_t)(p % a->block_size) * a->token_stride;
+            rows[j] = row_f32(a->v_cache, token, kv_width, t->kv_row + j * kv_width, bf16);
+        }
         for (int head = 0; head < q_heads; head++) {
-            const float *vh = v + (int64_t)(head / group) * head_dim;
-            const float w = scores[(int64_t)head * n + (p - start)];
+            const int64_t offset = (int64_t)(head / group) * head_dim;
+            const float *w = scores + (int64_t)head * n + (p0 - start);
             float *ah = acc + (int64_t)head * head_dim;
+            if (count == V_TILE) {
+                const float *r0 = rows[0] + offset, *r1 = rows[1] + offset, *r2 = rows[2] + offset,
+                            *r3 = rows[3] + offset, *r4 = rows[4] + offset, *r5 = rows[5] + offset,
+                            *r6 = rows[6] + offset, *r7 = rows[7] + offset;
 #pragma omp simd
-            for (int d = 0; d < head_dim; d++) ah[d] += w * vh[d];
+                for (int d = 0; d < head_dim; d++) {
+                    float sum = ah[d];
+                    sum += w[0] * r0[d];
+                    sum += w[1] * r1[d];
+                    sum += w[2] * r2[d];
+                    sum += w[3] * r3[d];
+                    sum += w[4] * r4[d];
+                    sum += w[5] * r5[d];
+                    sum += w[6] * r6[d];
+                    sum += w[7] * r7[d];
+                    ah[d] = sum;
+                }
+            } else {
+                for (int j = 0; j < count; j++) {
+                    const float *r = rows[j] + offset;
+#pragma omp simd
+                    for (int d = 0; d < head_dim; d++) ah[d] += w[j] * r[d];
+                }
+            }
         }
     }
     for (int head = 0; head < q_heads; head++) {
@@ -199,7 +248,7 @@ __attribute__((always_inline)) static inline void attend_sequence(
         _Pragma("omp parallel num_threads(num_threads)") {                                     \
             scratch t = {malloc(sizeof(float) * width), malloc(sizeof(float) * width),         \
                          malloc(sizeof(float) * num_kv_heads * group), NULL,                   \
-                         malloc(sizeof(float) * num_kv_heads * head_dim), 0};                  \
+                         malloc(sizeof(float) * V_TILE * num_kv_heads * head_dim), 0};         \
             _Pragma("omp for schedule(dynamic, 1)") for (int s = 0; s < num_seqs; s++) {       \
                 if (head_dim == 64)                                                            \
                     attend_sequence(&a, s, &t, 64, BF16);                                      \
