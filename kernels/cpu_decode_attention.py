@@ -15,11 +15,11 @@ straight from its cache blocks, sequences spread over torch's OpenMP threads::
 and ``write_kv_rows`` copies token rows to their slots (what ``write_kv_ref``'s two indexed
 assignments do, without their dispatch), for every step.
 
-Measured on the 2-core CPU (docs/performance.md), one layer of SmolLM2-135M's shape (9 query
-heads, 3 KV heads of 64, blocks of 16), 2 threads, against the torch path (gather and SDPA):
-fp32 1 row at a 128-token context 35 against 73 us, 24 rows 219 against 563 us; bf16 24 rows
-215 against 389 us. The engine's decode step, alternating the two paths in one process: see
-docs/performance.md.
+Measured on the 2-core CPU (``python -m perf.bench_cpu_attention``: one layer of SmolLM2-135M's
+shape, 9 query heads over 3 KV heads of 64, blocks of 16, 30 layers' caches read in turn, 2
+threads), against the torch path (gather and SDPA), at a 128-token context: fp32 1 row 47
+against 148 us, 24 rows 377 against 763 us; bf16 24 rows 321 against 759 us. The engine's
+decode step and the servers: docs/performance.md.
 
 It computes in fp32 with its own order of sums and its own exponential (Cephes' polynomial:
 within 1.02 ulp of e^x over [-87.2, 0], checked at every 7th float), so its outputs equal the

@@ -16,9 +16,8 @@ from engine.cpu_attention import PlannedTorchAttention
 from kernels import cpu_decode_attention
 from kernels.cpu_decode_attention import CpuDecodeAttention
 from kernels.reference import paged_attention_ref, write_kv_ref
-from tests.kernels.conftest import build_paged_batch
+from tests.test_cpu_attention import _batch
 
-CPU = torch.device("cpu")
 BF16_ULP = 2.0**-7  # bf16 keeps 8 significant bits: one rounding moves a value by < 2^-8 of it
 
 
@@ -30,16 +29,8 @@ def kernel(tmp_path_factory: pytest.TempPathFactory) -> CpuDecodeAttention:
 
 
 def _decode_batch(contexts, heads, head_dim, block_size, dtype, seed=0):
-    return build_paged_batch(
-        [(1, c) for c in contexts],
-        num_q_heads=heads[0],
-        num_kv_heads=heads[1],
-        head_dim=head_dim,
-        block_size=block_size,
-        dtype=dtype,
-        device=CPU,
-        seed=seed,
-    )
+    """One decode row per context (a context of ``c`` tokens: ``(0, c)`` in ``_batch``'s spec)."""
+    return _batch([(1, (0, c)) for c in contexts], heads, head_dim, block_size, dtype, seed)
 
 
 def _reference(batch, scale, window):
@@ -187,15 +178,7 @@ def test_the_torch_backend_takes_it_for_decode_only_steps(kernel, monkeypatch):
     assert calls == [2]
     _assert_close_to_reference(out, _reference(batch, 0.125, None), torch.float32)
 
-    mixed = build_paged_batch(
-        [(1, 20), (5, 30)],
-        num_q_heads=8,
-        num_kv_heads=2,
-        head_dim=64,
-        block_size=16,
-        dtype=torch.float32,
-        device=CPU,
-    )
+    mixed = _batch([(1, (0, 20)), (5, (0, 30))], (8, 2), 64, 16, torch.float32)
     planned.paged_attention(mixed.q, mixed.k_cache, mixed.v_cache, **mixed.kwargs(), scale=0.125)
     assert calls == [2]  # a step with a prefill chunk runs the plan
 
