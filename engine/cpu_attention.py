@@ -23,7 +23,8 @@ runner hands in ``decode_kernel``: the C kernel of ``kernels/cpu_decode_attentio
 cache blocks in place, with no gather, in fp32 (equal to the reference up to fp32 rounding,
 so fp32 greedy tokens still equal HF's: tests/test_greedy_equality.py). An unquantized bf16
 row alone stays on the plan, so that it keeps HF's own bf16 tokens. Steps with a prefill chunk
-run the plan for every row.
+run the plan for every row. Every step's K/V write goes through the kernel's ``write_kv`` (a
+``memcpy`` a row, bit-exact) when the tensors suit it.
 """
 
 from __future__ import annotations
