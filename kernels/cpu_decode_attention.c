@@ -87,6 +87,13 @@ __attribute__((always_inline)) static inline void prefetch_row(
     for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(first + offset);
 }
 
+/* Where token p of a sequence (block table `table`) starts in a cache, in elements. */
+__attribute__((always_inline)) static inline int64_t token_at(
+    const decode_args *a, const int32_t *table, int p) {
+    return (int64_t)table[p / a->block_size] * a->block_stride +
+           (int64_t)(p % a->block_size) * a->token_stride;
+}
+
 /* Scratch memory of one thread: the query row widened to fp32, the output accumulators, the
  * softmax sums, the scores (grown to the longest context it meets) and V_TILE widened K or V
  * rows. */
@@ -140,12 +147,9 @@ __attribute__((always_inline)) static inline void attend_sequence(
     const int32_t *table = a->block_tables + (int64_t)s * a->table_stride;
     /* Token by token, every head: a block's K (then V) rows are read in memory order. */
     for (int p = start; p < len; p++) {
-        const int64_t token = (int64_t)table[p / a->block_size] * a->block_stride +
-                              (int64_t)(p % a->block_size) * a->token_stride;
+        const int64_t token = token_at(a, table, p);
         if (p + PREFETCH_TOKENS < len) {
-            const int ahead = p + PREFETCH_TOKENS;
-            const int64_t at = (int64_t)table[ahead / a->block_size] * a->block_stride +
-                               (int64_t)(ahead % a->block_size) * a->token_stride;
+            const int64_t at = token_at(a, table, p + PREFETCH_TOKENS);
             prefetch_row(a->k_cache, at, kv_width, bf16);
             prefetch_row(a->v_cache, at, kv_width, bf16);
         }
@@ -178,9 +182,7 @@ __attribute__((always_inline)) static inline void attend_sequence(
         const int count = len - p0 < V_TILE ? len - p0 : V_TILE;
         const float *rows[V_TILE];
         for (int j = 0; j < count; j++) {
-            const int p = p0 + j;
-            const int64_t token = (int64_t)table[p / a->block_size] * a->block_stride +
-                                  (int64_t)(p % a->block_size) * a->token_stride;
+            const int64_t token = token_at(a, table, p0 + j);
             rows[j] = row_f32(a->v_cache, token, kv_width, t->kv_row + j * kv_width, bf16);
         }
         for (int head = 0; head < q_heads; head++) {

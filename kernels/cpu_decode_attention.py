@@ -236,7 +236,7 @@ class CpuDecodeAttention:
         are left as they were. The caller checks ``supports`` first.
         """
         num_seqs = seq_lens.shape[0]
-        num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+        _, block_size, kv_heads, head_dim = k_cache.shape
         block_tables = block_tables.to(torch.int32).contiguous()
         seq_lens = seq_lens.to(torch.int32).contiguous()
         if q_rows is not None:
