@@ -52,6 +52,8 @@ UNSUPPORTED_SCHEMA_KEYWORDS = frozenset(
         "dependencies",
         "unevaluatedProperties",
         "unevaluatedItems",
+        "$dynamicRef",
+        "$recursiveRef",
     }
 )
 # Keywords whose values are schemas (or maps / lists of schemas) that the check descends into.
@@ -98,14 +100,16 @@ class StructuredOutput:
             except ValueError as exc:
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
         check_json_schema(schema)
-        return cls("json_schema", json.dumps(schema, sort_keys=True, ensure_ascii=False))
+        # Keys keep the caller's order: xgrammar writes an object's properties in the order the
+        # schema lists them, which is the order a pydantic model declares its fields.
+        return cls("json_schema", json.dumps(schema, ensure_ascii=False))
 
 
 def check_json_schema(schema: Any) -> None:
     """Raise ValueError naming the first keyword xgrammar would ignore, with its path."""
     if not isinstance(schema, dict | bool):
         raise ValueError("a JSON schema must be an object (or true/false)")
-    for path, node in _subschemas(schema, "schema", 0):
+    for path, node in subschemas(schema):
         for keyword in node:
             if keyword in UNSUPPORTED_SCHEMA_KEYWORDS:
                 raise ValueError(
@@ -120,25 +124,26 @@ def check_json_schema(schema: Any) -> None:
             )
 
 
-def _subschemas(node: Any, path: str, depth: int) -> Iterator[tuple[str, dict]]:
-    """Every schema object in ``node`` with its path (``schema.properties.a.items``)."""
+def subschemas(node: Any, path: str = "schema", depth: int = 0) -> Iterator[tuple[str, dict]]:
+    """Every schema object in ``node`` with its path (``schema.properties.a.items``), the
+    objects themselves (not copies), outermost first."""
     if not isinstance(node, dict):
         return
     if depth > MAX_SCHEMA_DEPTH:
         raise ValueError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
     yield path, node
     for key in _SUBSCHEMA_KEYWORDS:
-        yield from _subschemas(node.get(key), f"{path}.{key}", depth + 1)
+        yield from subschemas(node.get(key), f"{path}.{key}", depth + 1)
     for key in _SUBSCHEMA_MAPS:
         children = node.get(key)
         if isinstance(children, dict):
             for name, child in children.items():
-                yield from _subschemas(child, f"{path}.{key}.{name}", depth + 1)
+                yield from subschemas(child, f"{path}.{key}.{name}", depth + 1)
     for key in (*_SUBSCHEMA_LISTS, "allOf"):
         children = node.get(key)
         if isinstance(children, list):
             for i, child in enumerate(children):
-                yield from _subschemas(child, f"{path}.{key}[{i}]", depth + 1)
+                yield from subschemas(child, f"{path}.{key}[{i}]", depth + 1)
 
 
 def _ebnf_literal(text: str) -> str:

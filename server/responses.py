@@ -360,7 +360,7 @@ class ResponseReply:
                         )
                     )
                     next_index += 1
-                elif d.function.arguments:
+                if d.function.arguments:  # a call comes whole: its arguments follow at once
                     index, item = calls[d.index]
                     item.arguments += str(d.function.arguments)
                     yield self._send(

@@ -1,12 +1,14 @@
 """Tool calls out of generated text: one parser per model family, whole or while streaming.
 
 A parser reads the text generated so far and returns ``Parsed``: the ``content`` (text for the
-user) and the tool ``calls``. It is called with ``final=False`` on every prefix of a stream and
-with ``final=True`` on the whole text, and keeps one promise that makes a stream agree with the
-whole reply: what a non-final parse returns is a prefix of what the final parse returns (the
-content, each call's name once given, each call's arguments text). So it holds back text that
-could still turn into a call (a partial ``<tool_call>`` tag, trailing whitespace) and gives
-arguments as the stable prefix of their final JSON text.
+user), the tool ``calls`` whose JSON is complete, and the ``rest``: text that is not a call,
+or not yet one (a call still being written; at the end, one that ``max_tokens`` cut off or that
+the model left malformed). A call is only ever a call once its JSON has closed, so its
+``arguments`` are the JSON text of a whole object by construction. The parser is called with
+``final=False`` on every prefix of a stream and with ``final=True`` on the whole text, and keeps
+one promise that makes a stream agree with the whole reply: the content and calls of a
+non-final parse are prefixes of the final ones. At the end, ``rest`` joins the content, so a cut
+off or malformed call reaches the client as text, never as a call with broken arguments.
 
 Families (``PARSERS``; ``parser_for_template`` picks one from the chat template):
 
@@ -22,14 +24,15 @@ Families (``PARSERS``; ``parser_for_template`` picks one from the chat template)
 * ``named`` / ``required``: the grammar-forced replies of ``tool_choice`` (the arguments object
   of one named tool; a JSON list of ``{"name", "arguments"}``).
 
-Incomplete JSON is read with ``partial-json-parser`` (what vLLM's tool parsers use) rather than
-by hand; complete JSON with the standard library.
+Whole JSON values are read with the standard library's ``raw_decode``, which tells where a
+value ends; the growing ``{"response": "..."}`` text of the generic envelope with
+``partial-json-parser`` (what vLLM's tool parsers use).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,62 +40,42 @@ from typing import Any
 from partial_json_parser import Allow
 from partial_json_parser import loads as partial_loads
 
-# Incomplete strings, numbers and literals are left out of a partial parse: only values that
-# can no longer change are kept, so their JSON text is a prefix of the final one.
-_STABLE = Allow.OBJ | Allow.ARR
+_DECODER = json.JSONDecoder()
+_SPACE = " \t\r\n"
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ParsedCall:
-    """One tool call: ``name`` None until it is whole; ``arguments`` JSON text (a prefix of
-    the final text until the call is complete)."""
+    """One whole tool call: ``arguments`` is the JSON text of an object."""
 
-    name: str | None = None
-    arguments: str = ""
+    name: str
+    arguments: str
 
 
 @dataclass(slots=True)
 class Parsed:
+    """content: text for the user; calls: the whole calls; rest: the text that is not (yet) a
+    call, which joins the content at the end."""
+
     content: str = ""
     calls: list[ParsedCall] = field(default_factory=list)
+    rest: str = ""
 
 
-def partial_json(text: str, allow: Allow = _STABLE) -> Any:
-    """The complete part of a JSON prefix; None when nothing is complete yet."""
-    if not text.strip():
+def call_from(obj: Any, args_key: str = "arguments") -> ParsedCall | None:
+    """A call from a whole ``{"name", args_key}`` object (``parameters`` is accepted too);
+    None unless the name is a string and the arguments an object (or its JSON text)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
-    try:
-        return partial_loads(text, allow)
-    except Exception:  # the library raises several kinds for text that is not a JSON prefix
-        return None
-
-
-def arguments_text(value: Any, *, final: bool) -> str:
-    """The JSON text of a call's arguments; while not final, only the part that cannot change
-    (the closing brackets of a partial value are cut)."""
-    if value is None:
-        return "{}" if final else ""
-    if isinstance(value, str):  # some models send the arguments as a JSON string
-        if not final:
-            return ""
+    args = obj.get(args_key, obj.get("parameters", {}))
+    if isinstance(args, str):  # some models send the arguments as a JSON string
         try:
-            value = json.loads(value)
+            args = json.loads(args)
         except ValueError:
-            return value
-    text = json.dumps(value, ensure_ascii=False)
-    return text if final else text.rstrip("}]")
-
-
-def call_from(obj: Any, *, final: bool, args_key: str = "arguments") -> ParsedCall | None:
-    """A call from a ``{"name", args_key}`` object (``parameters`` is accepted too)."""
-    if not isinstance(obj, dict):
+            return None
+    if not isinstance(args, dict):
         return None
-    name = obj.get("name")
-    name = name if isinstance(name, str) else None
-    args = obj.get(args_key, obj.get("parameters"))
-    if name is None:
-        return ParsedCall()
-    return ParsedCall(name, arguments_text(args, final=final))
+    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
 def hold_back(text: str, tag: str) -> str:
@@ -104,12 +87,69 @@ def hold_back(text: str, tag: str) -> str:
     return text.rstrip()
 
 
-def complete_calls(objs: list[Any], args_key: str = "arguments") -> list[ParsedCall] | None:
-    """Calls from whole objects; None if any is not a well-formed call."""
-    calls = [call_from(o, final=True, args_key=args_key) for o in objs]
-    if any(c is None or c.name is None for c in calls):
-        return None
-    return calls  # type: ignore[return-value]
+def _skip(text: str, pos: int, chars: str = _SPACE) -> int:
+    while pos < len(text) and text[pos] in chars:
+        pos += 1
+    return pos
+
+
+def json_values(text: str, separators: str = _SPACE + ";") -> tuple[list[tuple[Any, str]], str]:
+    """The whole JSON values at the start of ``text``, separated by ``separators``, each with
+    its own text; and the text from the first value that is not whole yet."""
+    values, pos = [], _skip(text, 0, separators)
+    while pos < len(text):
+        try:
+            value, end = _DECODER.raw_decode(text, pos)
+        except ValueError:
+            return values, text[pos:]
+        values.append((value, text[pos:end]))
+        pos = _skip(text, end, separators)
+    return values, ""
+
+
+def json_array_items(text: str) -> tuple[list[tuple[Any, str]], str]:
+    """The whole elements of a JSON array that ``text`` starts (and may not yet finish), each
+    with its own text; and the text from the first element that is not whole yet ("" once
+    the array has closed or while nothing is pending). Text that is no array is all rest."""
+    pos = _skip(text, 0)
+    if pos == len(text):
+        return [], ""
+    if text[pos] != "[":
+        return [], text[pos:]
+    items: list[tuple[Any, str]] = []
+    pos = _skip(text, pos + 1)
+    while pos < len(text) and text[pos] != "]":
+        if items:
+            if text[pos] != ",":
+                return items, text[pos:]
+            pos = _skip(text, pos + 1)
+            if pos == len(text):
+                break
+        try:
+            value, end = _DECODER.raw_decode(text, pos)
+        except ValueError:
+            return items, text[pos:]
+        items.append((value, text[pos:end]))
+        pos = _skip(text, end)
+    return items, ""
+
+
+def calls_of(values: list[tuple[Any, str]], args_key: str = "arguments") -> Parsed:
+    """Whole JSON values as calls; a value that is no call goes to the rest as its text."""
+    parsed = Parsed()
+    bad = []
+    for value, text in values:
+        call = call_from(value, args_key)
+        if call is None:
+            bad.append(text)
+        else:
+            parsed.calls.append(call)
+    parsed.rest = "\n".join(bad)
+    return parsed
+
+
+def _joined(*parts: str) -> str:
+    return "\n".join(p for p in parts if p)
 
 
 class ToolParser(ABC):
@@ -122,21 +162,16 @@ class ToolParser(ABC):
     call_format: str | None = None
 
     def parse(self, text: str, *, final: bool) -> Parsed:
-        """The content and calls of ``text``; ``final``: it is the whole reply.
-
-        A whole reply whose calls are malformed or cut off (``max_tokens``) keeps what its last
-        partial parse had, so the calls a stream already sent stay; with none, the whole text
-        is the content."""
+        """The content and whole calls of ``text``; ``final``: it is the whole reply, and the
+        rest then joins the content (``rest`` is left empty)."""
         parsed = self._parse(text, final=final)
-        if parsed is not None:
-            return parsed
-        partial = self._parse(text, final=False) or Parsed()
-        calls = list(itertools.takewhile(lambda c: c.name is not None, partial.calls))
-        return Parsed(partial.content, calls) if calls else Parsed(text)
+        if final and parsed.rest:
+            return Parsed(_joined(parsed.content, parsed.rest.strip()), parsed.calls)
+        return parsed
 
     @abstractmethod
-    def _parse(self, text: str, *, final: bool) -> Parsed | None:
-        """None for a final text whose calls are malformed."""
+    def _parse(self, text: str, *, final: bool) -> Parsed:
+        """The content, the whole calls and the rest of ``text``."""
 
 
 class HermesParser(ToolParser):
@@ -144,44 +179,26 @@ class HermesParser(ToolParser):
     START, END = "<tool_call>", "</tool_call>"
     call_format = 'To call a tool, write <tool_call>{"name": ..., "arguments": {...}}</tool_call>.'
 
-    def _parse(self, text: str, *, final: bool) -> Parsed | None:
+    def _parse(self, text: str, *, final: bool) -> Parsed:
         first = text.find(self.START)
         if first < 0:
             return Parsed(text if final else hold_back(text, self.START))
-        calls, bodies, pos = [], [], first
+        parsed, rest, pos = Parsed(text[:first].rstrip()), [], first
         while pos >= 0:
             start = pos + len(self.START)
             end = text.find(self.END, start)
-            bodies.append((text[start : end if end >= 0 else len(text)], end >= 0))
-            pos = text.find(self.START, end + len(self.END)) if end >= 0 else -1
-        content = text[:first].rstrip()
-        if final:
-            try:
-                objs = [json.loads(body) for body, _ in bodies]
-            except ValueError:
-                return None
-            calls = complete_calls(objs)
-            return None if calls is None else Parsed(content, calls)
-        for body, closed in bodies:
-            body = body if closed else hold_back(body, self.END)
-            call = call_from(partial_json(body), final=False)
-            calls.append(call or ParsedCall())
-        return Parsed(content, calls)
-
-
-def json_sequence(text: str) -> tuple[list[Any], str]:
-    """Whole JSON values separated by whitespace or ``;``, and the rest of the text."""
-    decoder, objs, pos = json.JSONDecoder(), [], 0
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n;":
-            pos += 1
-        if pos == len(text):
-            return objs, ""
-        try:
-            obj, pos = decoder.raw_decode(text, pos)
-        except ValueError:
-            return objs, text[pos:]
-        objs.append(obj)
+            if end < 0:  # still being written (or cut off)
+                rest.append(text[pos:])
+                break
+            values, tail = json_values(text[start:end])
+            call = call_from(values[0][0]) if len(values) == 1 and not tail else None
+            if call is None:
+                rest.append(text[pos : end + len(self.END)])
+            else:
+                parsed.calls.append(call)
+            pos = text.find(self.START, end + len(self.END))
+        parsed.rest = _joined(*rest)
+        return parsed
 
 
 class Llama3JsonParser(ToolParser):
@@ -190,20 +207,16 @@ class Llama3JsonParser(ToolParser):
     call_format = 'To call a tool, reply with only {"name": ..., "parameters": {...}}.'
     TAG = "<|python_tag|>"
 
-    def _parse(self, text: str, *, final: bool) -> Parsed | None:
+    def _parse(self, text: str, *, final: bool) -> Parsed:
         body = text.removeprefix(self.TAG).lstrip()
         if not body:
             return Parsed(text if final else "")
         if not body.startswith("{"):
             return Parsed(text if final else hold_back(text, self.TAG))
-        objs, rest = json_sequence(body)
-        if final:
-            calls = complete_calls(objs, "parameters")
-            return None if calls is None or rest.strip() else Parsed("", calls)
-        calls = [call_from(o, final=True, args_key="parameters") or ParsedCall() for o in objs]
-        if rest:
-            calls.append(call_from(partial_json(rest), final=False) or ParsedCall())
-        return Parsed("", calls)
+        values, rest = json_values(body)
+        parsed = calls_of(values, "parameters")
+        parsed.rest = _joined(parsed.rest, rest)
+        return parsed
 
 
 class MistralParser(ToolParser):
@@ -212,69 +225,63 @@ class MistralParser(ToolParser):
     call_format = 'To call tools, write [TOOL_CALLS][{"name": ..., "arguments": {...}}].'
     TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
 
-    def _parse(self, text: str, *, final: bool) -> Parsed | None:
+    def _parse(self, text: str, *, final: bool) -> Parsed:
         first = text.find(self.TAG)
         if first < 0:
             return Parsed(text if final else hold_back(text, self.TAG))
         content, body = text[:first].rstrip(), text[first + len(self.TAG) :]
         if body.lstrip().startswith("["):  # [TOOL_CALLS] [{"name", "arguments"}, ...]
-            if final:
-                try:
-                    objs = json.loads(body)
-                except ValueError:
-                    return None
-                calls = complete_calls(objs if isinstance(objs, list) else [objs])
-                return None if calls is None else Parsed(content, calls)
-            objs = partial_json(body) or []
-            return Parsed(content, [call_from(o, final=False) or ParsedCall() for o in objs])
-        calls = []  # name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
-        for part in body.split(self.TAG):
+            items, rest = json_array_items(body)
+            parsed = calls_of(items)
+            return Parsed(content, parsed.calls, _joined(parsed.rest, rest))
+        parsed, rest = Parsed(content), []  # name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
+        parts = body.split(self.TAG)
+        for i, part in enumerate(parts):
             name, sep, args = part.partition(self.ARGS)
-            if not sep:
-                if final:
-                    return None
-                calls.append(ParsedCall())
-                continue
-            if final:
-                try:
-                    value = json.loads(args)
-                except ValueError:
-                    return None
+            if not final and i == len(parts) - 1:  # the next call's tag may be on its way
+                args = hold_back(args, self.TAG)
+            values, tail = json_values(args) if sep else ([], "")
+            call = None
+            if len(values) == 1 and not tail:
+                call = call_from({"name": name.strip(), "arguments": values[0][0]})
+            if call is None:
+                rest.append(self.TAG + part)
             else:
-                value = partial_json(args)
-            calls.append(ParsedCall(name.strip(), arguments_text(value, final=final)))
-        return Parsed(content, calls)
+                parsed.calls.append(call)
+        parsed.rest = _joined(*rest)
+        return parsed
 
 
 class GenericParser(ToolParser):
     """The envelope the server's grammar imposes on a model whose template has no tools."""
 
     name = "generic"
+    _KEY = re.compile(r'\s*\{\s*"(tool_calls|tool_call|response)"\s*:\s*')
 
-    def _parse(self, text: str, *, final: bool) -> Parsed | None:
-        if final:
-            try:
-                obj = json.loads(text)
-            except ValueError:
-                return None
-        else:
-            obj = partial_json(text, Allow.ALL)
-        if not isinstance(obj, dict):
+    def _parse(self, text: str, *, final: bool) -> Parsed:
+        match = self._KEY.match(text)
+        if match is None:  # not the envelope (yet): held until the end, then text
             return Parsed(text if final else "")
-        if "response" in obj:
-            response = obj["response"]
-            return Parsed(response if isinstance(response, str) else json.dumps(response))
-        stable = obj if final else partial_json(text)
-        if not isinstance(stable, dict):
-            return Parsed()
-        if "tool_call" in stable:
-            items = [stable["tool_call"]]
+        key, body = match.group(1), text[match.end() :]
+        if key == "tool_calls":
+            items, rest = json_array_items(body)
         else:
-            items = stable.get("tool_calls") or []
-        if final:
-            calls = complete_calls(items if isinstance(items, list) else [items])
-            return None if calls is None else Parsed("", calls)
-        return Parsed("", [call_from(o, final=False) or ParsedCall() for o in items])
+            items, rest = json_values(body, _SPACE)
+            items, rest = items[:1], ""
+            if not items:
+                rest = body
+        if key != "response":
+            parsed = calls_of(items)
+            parsed.rest = _joined(parsed.rest, rest)
+            return parsed
+        try:  # the reply's text grows inside the JSON string: sent as far as it is decoded
+            envelope = partial_loads(text, Allow.ALL)
+        except Exception:  # the library raises several kinds for text that is not JSON
+            envelope = None
+        response = envelope.get("response") if isinstance(envelope, dict) else None
+        if isinstance(response, str):
+            return Parsed(response)
+        return Parsed(json.dumps(response) if response is not None else "")
 
 
 class NamedParser(ToolParser):
@@ -285,15 +292,13 @@ class NamedParser(ToolParser):
     def __init__(self, function: str):
         self.function = function
 
-    def _parse(self, text: str, *, final: bool) -> Parsed | None:
-        if final:
-            try:
-                args = json.loads(text)
-            except ValueError:  # cut off by max_tokens
-                return None
-            return Parsed("", [ParsedCall(self.function, arguments_text(args, final=True))])
-        args = partial_json(text)
-        return Parsed("", [ParsedCall(self.function, arguments_text(args, final=False))])
+    def _parse(self, text: str, *, final: bool) -> Parsed:
+        values, rest = json_values(text, _SPACE)
+        if not values:
+            return Parsed(rest=rest)
+        parsed = calls_of([({"name": self.function, "arguments": values[0][0]}, values[0][1])])
+        parsed.rest = _joined(parsed.rest, *(t for _, t in values[1:]), rest)
+        return parsed
 
 
 class RequiredParser(ToolParser):
@@ -301,21 +306,16 @@ class RequiredParser(ToolParser):
 
     name = "required"
 
-    def _parse(self, text: str, *, final: bool) -> Parsed | None:
-        if final:
-            try:
-                objs = json.loads(text)
-            except ValueError:
-                return None
-            calls = complete_calls(objs if isinstance(objs, list) else [objs])
-            return None if calls is None else Parsed("", calls)
-        objs = partial_json(text) or []
-        return Parsed("", [call_from(o, final=False) or ParsedCall() for o in objs])
+    def _parse(self, text: str, *, final: bool) -> Parsed:
+        items, rest = json_array_items(text)
+        parsed = calls_of(items)
+        parsed.rest = _joined(parsed.rest, rest)
+        return parsed
 
 
 class FirstCallOnly(ToolParser):
     """Another parser's result cut to its first call (``parallel_tool_calls: false`` with a
-    model's own format, which the grammar does not hold)."""
+    model's own format, which the grammar does not hold); what follows it is dropped."""
 
     def __init__(self, inner: ToolParser):
         self.inner = inner
@@ -323,12 +323,11 @@ class FirstCallOnly(ToolParser):
         self.skip_special_tokens = inner.skip_special_tokens
         self.call_format = inner.call_format
 
-    def parse(self, text: str, *, final: bool) -> Parsed:
-        parsed = self.inner.parse(text, final=final)
-        return Parsed(parsed.content, parsed.calls[:1])
-
-    def _parse(self, text: str, *, final: bool) -> Parsed | None:
-        return self.inner._parse(text, final=final)
+    def _parse(self, text: str, *, final: bool) -> Parsed:
+        parsed = self.inner._parse(text, final=final)
+        if parsed.calls:
+            return Parsed(parsed.content, parsed.calls[:1])
+        return parsed
 
 
 PARSERS: dict[str, type[ToolParser]] = {

@@ -16,6 +16,11 @@ system message, past calls and results as JSON, and the reply held to a JSON env
 * ``required`` and a named function: the grammar forces the reply to a JSON list of calls / the
   named function's arguments object, so the arguments match the tool's parameter schema by
   construction, whatever the model.
+
+Every choice's grammar comes from one ``server.tool_grammar.ToolGrammar``, so a schema with
+``$defs``/``$ref`` means the same under each. A call reaches the client only once its JSON is
+whole (``server.tool_parsers``): a reply that ``max_tokens`` cuts off mid-call ends with
+``finish_reason: "length"`` and the unfinished call as text in the content.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +39,7 @@ from engine.structured_output import StructuredOutput
 from server.completion_objects import FunctionCall, FunctionDelta, ToolCall, ToolCallDelta
 from server.errors import bad_request
 from server.prompts import ROLES, message_text
+from server.tool_grammar import ToolGrammar, ToolSchemaError, checked_parameters
 from server.tool_parsers import (
     PARSERS,
     FirstCallOnly,
@@ -100,36 +107,6 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _parameters(tool: ToolSpec, param: str) -> JsonObject:
-    """The tool's parameter schema (an empty object schema if absent), checked."""
-    schema = tool.function.parameters
-    if schema is None:
-        return {"type": "object", "properties": {}}
-    if schema.get("type", "object") != "object":
-        raise bad_request("a function's parameters must be an object schema", param)
-    try:
-        StructuredOutput.json_schema(schema)
-    except ValueError as exc:
-        raise bad_request(f"invalid {param}: {exc}", param) from None
-    return schema
-
-
-def _call_schema(name: str, parameters: JsonObject) -> JsonObject:
-    return {
-        "type": "object",
-        "properties": {"name": {"const": name}, "arguments": parameters},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
-
-
-def _constraint(schema: JsonObject) -> StructuredOutput:
-    try:
-        return StructuredOutput.json_schema(schema)
-    except ValueError as exc:
-        raise bad_request(f"invalid tools: {exc}", "tools") from None
-
-
 def plan_tools(
     tools: list[ToolSpec] | None,
     tool_choice: ToolChoice | None,
@@ -156,22 +133,25 @@ def plan_tools(
                 f"function names must be non-empty and unique, got {name!r}",
                 f"tools[{i}].function.name",
             )
-        params[name] = _parameters(tool, f"tools[{i}].function.parameters")
+        param = f"tools[{i}].function.parameters"
+        try:
+            params[name] = checked_parameters(tool.function.parameters)
+        except ToolSchemaError as exc:
+            raise bad_request(f"invalid {param} (function {name!r}): {exc}", param) from None
+    grammar = ToolGrammar(params)
     rendered = [msgspec.to_builtins(t) for t in tools]
     choice = "auto" if tool_choice is None else tool_choice
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if choice.type != "function" or name not in params:
             raise bad_request(f"tool_choice names an unknown function {name!r}", "tool_choice")
-        return ToolPlan(rendered, native, NamedParser(name), _constraint(params[name]), parallel)
+        constraint = _constraint(lambda: grammar.named(name))
+        return ToolPlan(rendered, native, NamedParser(name), constraint, parallel)
     if choice == "none":
         return ToolPlan(None, native, None, None, parallel)
-    calls = {"anyOf": [_call_schema(n, p) for n, p in params.items()]}
     if choice == "required":
-        schema = {"type": "array", "items": calls, "minItems": 1}
-        if not parallel:
-            schema["maxItems"] = 1
-        return ToolPlan(rendered, native, RequiredParser(), _constraint(schema), parallel)
+        constraint = _constraint(lambda: grammar.required(parallel))
+        return ToolPlan(rendered, native, RequiredParser(), constraint, parallel)
     if choice != "auto":
         raise bad_request(
             f"tool_choice must be none, auto, required or a named function, got {choice!r}",
@@ -184,26 +164,15 @@ def plan_tools(
     if not isinstance(parser, GenericParser):
         parser = parser if parallel else FirstCallOnly(parser)
         return ToolPlan(rendered, native, parser, None, parallel)
-    if parallel:
-        call_field = {"tool_calls": {"type": "array", "items": calls, "minItems": 1}}
-    else:
-        call_field = {"tool_call": calls}
-    envelope = {
-        "anyOf": [
-            _envelope(call_field),
-            _envelope({"response": {"type": "string"}}),
-        ]
-    }
-    return ToolPlan(rendered, native, parser, _constraint(envelope), parallel)
+    constraint = _constraint(lambda: grammar.envelope(parallel))
+    return ToolPlan(rendered, native, parser, constraint, parallel)
 
 
-def _envelope(properties: JsonObject) -> JsonObject:
-    return {
-        "type": "object",
-        "properties": properties,
-        "required": list(properties),
-        "additionalProperties": False,
-    }
+def _constraint(build: Callable[[], StructuredOutput]) -> StructuredOutput:
+    try:
+        return build()
+    except ToolSchemaError as exc:
+        raise bad_request(f"invalid tools: {exc}", "tools") from None
 
 
 def generic_system_prompt(
@@ -323,7 +292,7 @@ def reply_message(parser: ToolParser, text: str) -> tuple[str | None, list[ToolC
     """A whole reply's content (None when empty and there are calls) and tool calls."""
     parsed = parser.parse(text, final=True)
     calls = [
-        ToolCall(id=new_call_id(), function=FunctionCall(name=c.name or "", arguments=c.arguments))
+        ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
         for c in parsed.calls
     ]
     return (parsed.content or None) if calls else parsed.content, calls
@@ -331,15 +300,19 @@ def reply_message(parser: ToolParser, text: str) -> tuple[str | None, list[ToolC
 
 class ToolCallStream:
     """One choice's stream: the text so far, re-parsed on every token, sent as deltas of its
-    content and its calls (id and name first, then argument fragments). Only extensions of
-    what was sent go out, so the deltas add up to what ``reply_message`` returns."""
+    content and its calls. A call goes out once its JSON is whole, as one delta with its id,
+    name and arguments, so every call a client has seen is valid JSON and the deltas add up to
+    what ``reply_message`` returns, even for a reply that ``max_tokens`` cuts off."""
 
     def __init__(self, parser: ToolParser):
         self.parser = parser
         self.text = ""
         self.content = ""
-        self.calls: list[tuple[str, str]] = []  # (id, arguments sent) per call sent
-        self.has_calls = False
+        self.calls_sent = 0
+
+    @property
+    def has_calls(self) -> bool:
+        return self.calls_sent > 0
 
     def feed(self, new_text: str, *, final: bool) -> tuple[str, list[ToolCallDelta]]:
         """The content delta and call deltas that ``new_text`` (and, if final, the end) adds."""
@@ -347,28 +320,16 @@ class ToolCallStream:
         parsed = self.parser.parse(self.text, final=final)
         content = _extension(self.content, parsed.content)
         self.content += content
-        deltas: list[ToolCallDelta] = []
-        for index, call in enumerate(parsed.calls):
-            if index == len(self.calls):
-                if call.name is None:
-                    break
-                self.calls.append((new_call_id(), ""))
-                deltas.append(
-                    ToolCallDelta(
-                        index=index,
-                        id=self.calls[index][0],
-                        type="function",
-                        function=FunctionDelta(name=call.name, arguments=""),
-                    )
-                )
-            call_id, sent = self.calls[index]
-            fragment = _extension(sent, call.arguments)
-            if fragment:
-                self.calls[index] = (call_id, sent + fragment)
-                deltas.append(
-                    ToolCallDelta(index=index, function=FunctionDelta(arguments=fragment))
-                )
-        self.has_calls = self.has_calls or bool(self.calls)
+        deltas = [
+            ToolCallDelta(
+                index=index,
+                id=new_call_id(),
+                type="function",
+                function=FunctionDelta(name=call.name, arguments=call.arguments),
+            )
+            for index, call in enumerate(parsed.calls[self.calls_sent :], self.calls_sent)
+        ]
+        self.calls_sent = len(parsed.calls)
         return content, deltas
 
 

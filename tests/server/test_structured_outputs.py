@@ -144,7 +144,8 @@ def test_instructor_json_modes(base_url: str, model_name: str, mode: str):
     """JSON mode sends ``json_object`` (any object) with the schema in a system message, so the
     keys are the model's business: the 135M default model copies the schema back for a bare
     question, and finds the keys for an extraction prompt (greedy, so this is deterministic).
-    JSON_SCHEMA mode sends the schema as the constraint itself."""
+    JSON_SCHEMA mode sends the schema as the constraint itself, whose properties the grammar
+    writes in the order the model class declares them."""
     import instructor
 
     raw = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
@@ -162,7 +163,10 @@ def test_instructor_json_modes(base_url: str, model_name: str, mode: str):
         temperature=0,
         max_retries=0,
     )
-    assert (result.country, result.capital) == ("France", "Paris")
+    if mode == "JSON":
+        assert (result.country, result.capital) == ("France", "Paris")
+    else:  # country first, as Capital declares it; the 135M model then shouts the country
+        assert result.country.lower() == "france" and "Paris" in result.capital
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """The tool-call parsers against text fixtures of each family: the whole reply, and the same
 text streamed one character at a time (so every token boundary is a split point), which must
-add up to the whole reply and never leak part of a call marker into the content."""
+add up to the whole reply, never leak part of a call marker into the content, and never send a
+call whose arguments are not a whole JSON object (a cut-off call stays text)."""
 
 from __future__ import annotations
 
@@ -96,20 +97,21 @@ FIXTURES = [
 
 
 def stream(parser: ToolParser, text: str) -> tuple[str, dict[int, dict]]:
-    """Feed ``text`` one character at a time; the content and calls the deltas add up to."""
+    """Feed ``text`` one character at a time; the content and calls the deltas add up to.
+    Each call comes as one delta with its id, name and arguments, a whole JSON object."""
     state = ToolCallStream(parser)
     content, calls = "", {}
     for i, char in enumerate(text):
         piece, deltas = state.feed(char, final=i == len(text) - 1)
         content += piece
         for d in deltas:
-            if d.index not in calls:
-                assert d.id and d.function.name and d.function.arguments == ""  # id, name first
-                assert d.index == len(calls)
-                calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
-            else:
-                assert not d.id and not d.function.name
-                calls[d.index]["arguments"] += d.function.arguments
+            assert d.index == len(calls) and d.id and d.function.name
+            assert isinstance(json.loads(d.function.arguments), dict)
+            calls[d.index] = {
+                "id": d.id,
+                "name": d.function.name,
+                "arguments": d.function.arguments,
+            }
     return content, calls
 
 
@@ -139,16 +141,11 @@ def test_no_partial_tag_reaches_the_content():
         assert "<" not in piece
 
 
-def test_arguments_stream_in_fragments():
-    text = '<tool_call>{"name": "w", "arguments": {"a": 1, "b": [1, 2, 3], "c": "xyz"}}</tool_call>'
+def test_a_call_is_sent_the_moment_its_json_closes():
+    text = '<tool_call>{"name": "w", "arguments": {"a": [1, 2]}}</tool_call> trailing'
     state = ToolCallStream(HermesParser())
-    fragments = [
-        d.function.arguments
-        for i, ch in enumerate(text)
-        for d in state.feed(ch, final=i == len(text) - 1)[1]
-        if d.function.arguments
-    ]
-    assert len(fragments) > 3
+    sent_at = [i for i, ch in enumerate(text) if state.feed(ch, final=False)[1]]
+    assert sent_at == [text.index("</tool_call>") + len("</tool_call>") - 1]
 
 
 @pytest.mark.parametrize(
@@ -164,24 +161,57 @@ def test_parser_from_template(template: str, family: str):
     assert parser_for_template(template).name == family
 
 
-@pytest.mark.parametrize(
-    "parser, text",
-    [
-        (HermesParser(), 'Hm <tool_call>{"name": "w", "arguments": {"city": "Par'),
-        (
-            GenericParser(),
-            '{"tool_calls": [{"name": "w", "arguments": {"a": 1}}, {"name": "v", "ar',
-        ),
-        (RequiredParser(), '[{"name": "w", "arguments": {"a": [1, 2'),
-    ],
-)
-def test_a_cut_off_call_keeps_what_was_streamed(parser: ToolParser, text: str):
-    content, calls = reply_message(parser, text)
-    assert calls and calls[0].function.name == "w"
-    got_content, got_calls = stream(parser, text)
-    assert got_content == (content or "")
-    assert [(c["name"], c["arguments"]) for c in got_calls.values()] == [
-        (c.function.name, c.function.arguments) for c in calls
+CUT_OFF = [
+    # (parser, text cut off by max_tokens, whole calls before the cut, content)
+    (
+        HermesParser(),
+        'Hm <tool_call>{"name": "w", "arguments": {"city": "Par',
+        [],
+        'Hm\n<tool_call>{"name": "w", "arguments": {"city": "Par',
+    ),
+    (
+        GenericParser(),
+        '{"tool_calls": [{"name": "w", "arguments": {"a": 1}}, {"name": "v", "ar',
+        [("w", {"a": 1})],
+        '{"name": "v", "ar',
+    ),
+    (
+        RequiredParser(),
+        '[{"name": "w", "arguments": {"a": [1, 2',
+        [],
+        '{"name": "w", "arguments": {"a": [1, 2',
+    ),
+    (
+        RequiredParser(),
+        '[{"name": "ping", "arguments": {}}, {"name": "ping", "arguments": {}}, {"na',
+        [("ping", {}), ("ping", {})],
+        '{"na',
+    ),
+    (NamedParser("w"), '{"city": "Berl', [], '{"city": "Berl'),
+    (
+        MistralParser(),
+        '[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[ARGS]{"x',
+        [("a", {})],
+        '[TOOL_CALLS]b[ARGS]{"x',
+    ),
+    (
+        Llama3JsonParser(),
+        '{"name": "a", "parameters": {}}; {"name": "b", "para',
+        [("a", {})],
+        '{"name": "b", "para',
+    ),
+]
+
+
+@pytest.mark.parametrize(("parser", "text", "calls", "content"), CUT_OFF)
+def test_a_cut_off_call_is_text_never_a_call(parser: ToolParser, text: str, calls, content):
+    got_content, got_calls = reply_message(parser, text)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in got_calls] == calls
+    assert got_content == content
+    streamed_content, streamed_calls = stream(parser, text)
+    assert streamed_content == content
+    assert [(c["name"], c["arguments"]) for c in streamed_calls.values()] == [
+        (c.function.name, c.function.arguments) for c in got_calls
     ]
 
 
