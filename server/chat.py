@@ -8,6 +8,17 @@ its first output, not before the prefill: benchmark clients that start the time-
 clock at the first chunk then measure the real TTFT.
 
 vLLM's ``prompt_logprobs`` adds a ``prompt_logprobs`` list to the (non-streamed) object.
+
+vLLM's chat template flags go to the template: ``add_generation_prompt`` false renders the
+conversation without a new assistant turn, and ``continue_final_message`` leaves the last
+message open, so the reply continues it ("prefill"); the reply's role is then the last
+message's. ``echo`` puts the last message's text in front of the reply's content when the
+reply continues that message's role (in a stream, as a content delta right after the role
+delta); the echoed text has no logprobs, as in vLLM. ``return_token_ids``,
+``return_tokens_as_token_ids``, ``include_stop_str_in_output`` and
+``stream_options.continuous_usage_stats`` are vLLM's, shared with completions
+(``server.reply``, ``server.logprobs``); the documented fields this server does not implement
+are refused by ``server.unsupported_fields``.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from collections.abc import AsyncGenerator
 from aiohttp import web
 from msgspec import UNSET, UnsetType
 
+from engine.outputs import TokenLogprob
 from server.completion_objects import (
     AssistantMessage,
     ChatChoice,
@@ -29,7 +41,7 @@ from server.completion_objects import (
 )
 from server.generation import Generation, Job, start_generation
 from server.logprobs import ChatLogprobs, chat_logprobs, prompt_logprobs
-from server.prompts import chat_prompt_ids
+from server.prompts import chat_prompt_ids, message_text
 from server.protocol import ChatCompletionRequest, read_request
 from server.reasoning import REASONING_PARSERS, Qwen3ReasoningParser, ReasoningStream
 from server.reply import ChoiceReply
@@ -46,12 +58,14 @@ from server.tools import (
     reply_message,
     with_tool_plan,
 )
+from server.unsupported_fields import CHAT_REFUSED, refuse_unsupported
 from server.wire import json_response
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_request(request, ChatCompletionRequest)
+    refuse_unsupported(await request.read(), CHAT_REFUSED)
     check_sequences(state.limits.max_sequences_per_request, 1, body.n)
     template = getattr(state.engine.tokenizer, "chat_template", None) or ""
     plan = plan_tools(
@@ -60,7 +74,13 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     messages = conversation(body.messages, plan)
     tools = plan.tools if plan.native else None
     prompt_ids = chat_prompt_ids(
-        state.engine, messages, "messages", tools=tools, template_kwargs=body.chat_template_kwargs
+        state.engine,
+        messages,
+        "messages",
+        tools=tools,
+        template_kwargs=body.chat_template_kwargs,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
     )
     reasoning = None
     if state.reasoning_parser is not None:
@@ -82,7 +102,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         state.engine, params, "tools" if plan.constraint else body.constraint_field
     )
     jobs = [Job(0, prompt_ids, params)]
-    reply = ChatReply(state, body, plan, reasoning, f"chatcmpl-{uuid.uuid4().hex}", len(prompt_ids))
+    reply = ChatReply(state, body, plan, reasoning, f"chatcmpl-{uuid.uuid4().hex}", prompt_ids)
     with start_generation(state, reply.id, jobs, "messages") as generation:
         if body.stream:
             return await respond(request, reply.stream(generation))
@@ -99,67 +119,100 @@ class ChatReply(ChoiceReply):
         plan: ToolPlan,
         reasoning: Qwen3ReasoningParser | None,
         reply_id: str,
-        prompt_tokens: int,
+        prompt_ids: list[int],
     ):
-        super().__init__(state, reply_id, prompt_tokens, include_usage=body.include_usage)
+        super().__init__(state, reply_id, len(prompt_ids), body)
         self.body = body
         self.plan = plan
         self.reasoning = reasoning
+        self.prompt_ids = prompt_ids
+        self.role = body.reply_role
+        self.echo = echo_text(body)
 
     def message(self, text: str) -> AssistantMessage:
         reasoning: str | None | UnsetType = UNSET
         if self.reasoning is not None:
             split = self.reasoning.split(text, final=True)
             text, reasoning = split.content, split.reasoning or None
-        if self.plan.parser is None:
-            return AssistantMessage(content=text, reasoning_content=reasoning)
-        content, calls = reply_message(self.plan.parser, text)
+        content: str | None = text
+        calls: list | UnsetType = UNSET
+        if self.plan.parser is not None:
+            content, found = reply_message(self.plan.parser, text)
+            calls = found or UNSET
+        if self.echo:
+            content = self.echo + (content or "")
         return AssistantMessage(
-            content=content, tool_calls=calls or UNSET, reasoning_content=reasoning
+            role=self.role, content=content, tool_calls=calls, reasoning_content=reasoning
         )
+
+    def _logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs:
+        tokenizer = self.state.engine.tokenizer
+        return chat_logprobs(tokenizer, logprobs, as_ids=self.body.return_tokens_as_token_ids)
 
     async def complete(self, generation: Generation) -> web.Response:
         tokenizer = self.state.engine.tokenizer
         choices = []
-        collected = await generation.collect()
+        collected = await self.collect(generation)
         for c in collected:
-            logprobs = chat_logprobs(tokenizer, c.logprobs) if self.body.logprobs else None
             message = self.message(c.text)
             choices.append(
                 ChatChoice(
                     index=c.index,
                     message=message,
-                    logprobs=logprobs,
+                    logprobs=self._logprobs(c.logprobs) if self.body.logprobs else None,
                     finish_reason=finish_reason(c.finish_reason, bool(message.tool_calls)),
+                    token_ids=c.token_ids if self.return_token_ids else UNSET,
                 )
             )
         reply = self.whole(ChatCompletion, choices, generation)
         if self.body.prompt_logprobs is not None:  # the same prompt for every choice
             scored = collected[0].prompt_logprobs
             reply.prompt_logprobs = prompt_logprobs(tokenizer, scored, self.body.prompt_logprobs)
+        if self.return_token_ids:
+            reply.prompt_token_ids = self.prompt_ids
         return json_response(reply)
 
     def _chunk(
-        self, index: int, delta: ChatDelta, logprobs: ChatLogprobs | None, finish: str | None
+        self,
+        generation: Generation,
+        index: int,
+        delta: ChatDelta,
+        logprobs: ChatLogprobs | None = None,
+        finish: str | None = None,
     ) -> bytes:
         choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)
-        return self.chunk(ChatCompletionChunk, choice)
+        return self.chunk(ChatCompletionChunk, choice, generation)
+
+    def _first_chunks(self, generation: Generation, index: int) -> list[bytes]:
+        """Choice ``index``'s role delta (with the prompt's ids, when asked) and its echo."""
+        choice = ChatChunkChoice(
+            index=index,
+            delta=ChatDelta(role=self.role, content=""),
+            logprobs=None,
+            finish_reason=None,
+        )
+        fields = {"prompt_token_ids": self.prompt_ids} if self.return_token_ids else {}
+        chunks = [self.chunk(ChatCompletionChunk, choice, generation, **fields)]
+        if self.echo:
+            chunks.append(self._chunk(generation, index, ChatDelta(content=self.echo)))
+        return chunks
 
     async def stream(self, generation: Generation) -> AsyncGenerator[bytes, None]:
-        tokenizer = self.state.engine.tokenizer
         parser = self.plan.parser
         calls = [ToolCallStream(parser) for _ in range(self.body.n)] if parser else []
         thinking = (
             [ReasoningStream(self.reasoning) for _ in range(self.body.n)] if self.reasoning else []
         )
         started: set[int] = set()  # a choice's role delta goes out with its first token
-        async for index, out in generation.outputs():
+        async for index, out in self.outputs(generation):
             if index not in started:
                 started.add(index)
-                yield self._chunk(index, ChatDelta(role="assistant", content=""), None, None)
+                for chunk in self._first_chunks(generation, index):
+                    yield chunk
+            self.hold(index, out.new_token_ids)
             logprobs = None
             if self.body.logprobs and out.new_logprobs:
-                logprobs = chat_logprobs(tokenizer, out.new_logprobs)
+                logprobs = self._logprobs(out.new_logprobs)
             if not (out.new_text or logprobs or out.finished):
                 continue
             finish = out.finish_reason if out.finished else None
@@ -177,6 +230,16 @@ class ChatReply(ChoiceReply):
                 delta.reasoning_content = reasoning
             if delta == ChatDelta() and not (logprobs or finish):
                 continue
-            yield self._chunk(index, delta, logprobs, finish)
+            yield self._chunk(generation, index, delta, logprobs, finish)
         if self.include_usage:
             yield self.usage_chunk(ChatCompletionChunk, generation)
+
+
+def echo_text(body: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the last message's text when the reply continues that message's
+    role (so with ``add_generation_prompt``, only an assistant message's), else nothing."""
+    last = len(body.messages) - 1
+    message = body.messages[last]
+    if not body.echo or message.role != body.reply_role:
+        return ""
+    return message_text(message.content, f"messages[{last}].content")

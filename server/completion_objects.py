@@ -6,9 +6,14 @@ Both are a list of choices in one envelope::
 
 ``usage`` (with ``prompt_tokens_details.cached_tokens``) is always there on a whole object. On
 a stream chunk it is ``null`` with ``stream_options.include_usage`` (the last chunk, with
-``"choices": []``, carries it) and absent otherwise. A completions stream sends
-``text_completion`` objects with one choice each; a chat stream sends
-``chat.completion.chunk`` objects whose choices carry a ``delta``.
+``"choices": []``, carries it), the usage so far with vLLM's ``continuous_usage_stats``, and
+absent otherwise. A completions stream sends ``text_completion`` objects with one choice each;
+a chat stream sends ``chat.completion.chunk`` objects whose choices carry a ``delta``.
+
+vLLM's ``return_token_ids`` adds ``token_ids`` (the completion's, or in a stream the chunk's
+new ones) to every choice, and ``prompt_token_ids``: on each completions choice (in a stream,
+its first chunk), on the chat object (in a stream, each choice's first chunk), where vLLM
+puts them.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, when asked
+    prompt_token_ids: list[int] | UnsetType = UNSET  # vLLM's return_token_ids
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class Completion(ChoiceList[CompletionChoice], kw_only=True):
@@ -64,7 +71,8 @@ class Completion(ChoiceList[CompletionChoice], kw_only=True):
 
 
 class AssistantMessage(msgspec.Struct, kw_only=True):
-    """``content`` is null for a reply that is only tool calls."""
+    """``content`` is null for a reply that is only tool calls. ``role`` is another only when
+    the reply continues a last message of that role (vLLM's ``add_generation_prompt`` false)."""
 
     role: str = "assistant"
     content: str | None
@@ -78,11 +86,13 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    token_ids: list[int] | UnsetType = UNSET  # vLLM's return_token_ids
 
 
 class ChatCompletion(ChoiceList[ChatChoice], kw_only=True):
     object: str = "chat.completion"
     prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, when asked
+    prompt_token_ids: list[int] | UnsetType = UNSET  # vLLM's return_token_ids
 
 
 class ChatDelta(msgspec.Struct, kw_only=True):
@@ -99,10 +109,12 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     delta: ChatDelta
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    token_ids: list[int] | UnsetType = UNSET  # vLLM's return_token_ids: this chunk's new ids
 
 
 class ChatCompletionChunk(ChoiceList[ChatChunkChoice], kw_only=True):
     object: str = "chat.completion.chunk"
+    prompt_token_ids: list[int] | UnsetType = UNSET  # on each choice's first chunk
 
 
 class FunctionCall(msgspec.Struct, kw_only=True):

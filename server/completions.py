@@ -6,6 +6,13 @@ output); with ``logprobs`` the prompt's tokens come first in ``logprobs``, score
 (the first one ``null``), which is how evaluation harnesses score a continuation. With
 ``max_tokens`` 0 nothing is generated: the request only scores (and echoes) its prompt. vLLM's
 ``prompt_logprobs`` adds its per-choice ``prompt_logprobs`` list (not in streams, as in vLLM).
+
+vLLM's ``return_token_ids`` adds each choice's ``prompt_token_ids`` (in a stream, to its first
+chunk) and ``token_ids`` (the generated ids only, even with ``echo``; in a stream, each chunk's
+new ones). ``return_tokens_as_token_ids``, ``include_stop_str_in_output`` and
+``stream_options.continuous_usage_stats`` are shared with chat (``server.reply``,
+``server.logprobs``); the documented fields this server does not implement are refused by
+``server.unsupported_fields``.
 """
 
 from __future__ import annotations
@@ -14,17 +21,12 @@ import uuid
 from collections.abc import AsyncGenerator
 
 from aiohttp import web
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 
-from engine.outputs import RequestOutput
+from engine.outputs import TokenLogprob
 from server.completion_objects import Completion, CompletionChoice
 from server.generation import Choice, Generation, Job, start_generation
-from server.logprobs import (
-    CompletionLogprobs,
-    completion_logprobs,
-    echo_logprobs,
-    prompt_logprobs,
-)
+from server.logprobs import ChoiceLogprobs, CompletionLogprobs, prompt_logprobs
 from server.prompts import tokenize_prompt
 from server.protocol import CompletionRequest, read_request
 from server.reply import ChoiceReply
@@ -32,12 +34,14 @@ from server.sampling import check_sequences, output_limit
 from server.sse import respond
 from server.state import STATE, ServerState
 from server.structured import compile_constraint
+from server.unsupported_fields import COMPLETION_REFUSED, refuse_unsupported
 from server.wire import json_response
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_request(request, CompletionRequest)
+    refuse_unsupported(await request.read(), COMPLETION_REFUSED)
     prompts = body.prompts()
     check_sequences(state.limits.max_sequences_per_request, len(prompts), body.n)
     prompt_ids = [tokenize_prompt(state.engine, p, "prompt") for p in prompts]
@@ -79,19 +83,22 @@ class CompletionReply(ChoiceReply):
         prompt_ids: list[list[int]],
         echoes: list[str],
     ):
-        prompt_tokens = sum(map(len, prompt_ids))
-        super().__init__(state, completion_id, prompt_tokens, include_usage=body.include_usage)
+        super().__init__(state, completion_id, sum(map(len, prompt_ids)), body)
         self.body = body
         self.prompt_ids = prompt_ids
         self.echoes = echoes
         self.tokenizer = state.engine.tokenizer
 
-    def _echo_logprobs(self, index: int, scored: list) -> CompletionLogprobs:
-        ids = self.prompt_ids[index // self.body.n]
-        return echo_logprobs(self.tokenizer, ids, scored, self.body.logprobs)
+    def _new_logprobs(self) -> ChoiceLogprobs:
+        return ChoiceLogprobs(self.tokenizer, as_ids=self.body.return_tokens_as_token_ids)
+
+    def _echo_logprobs(
+        self, logs: ChoiceLogprobs, index: int, scored: list[TokenLogprob | None]
+    ) -> CompletionLogprobs:
+        return logs.echo(self.prompt_ids[index // self.body.n], scored, self.body.logprobs)
 
     async def complete(self, generation: Generation) -> web.Response:
-        choices = [self._choice(c) for c in await generation.collect()]
+        choices = [self._choice(c) for c in await self.collect(generation)]
         return json_response(self.whole(Completion, choices, generation))
 
     def _choice(self, c: Choice) -> CompletionChoice:
@@ -100,13 +107,12 @@ class CompletionReply(ChoiceReply):
         if body.echo:
             text = self.echoes[c.index // body.n] + text
         if body.logprobs is not None:
+            logs = self._new_logprobs()
             if body.echo:
-                logprobs = self._echo_logprobs(c.index, c.prompt_logprobs)
-                logprobs.extend(
-                    completion_logprobs(self.tokenizer, c.logprobs, logprobs.end_offset)
-                )
+                logprobs = self._echo_logprobs(logs, c.index, c.prompt_logprobs)
+                logprobs.extend(logs.generated(c.logprobs))
             else:
-                logprobs = completion_logprobs(self.tokenizer, c.logprobs)
+                logprobs = logs.generated(c.logprobs)
         scored = UNSET
         if body.prompt_logprobs is not None:
             scored = prompt_logprobs(self.tokenizer, c.prompt_logprobs, body.prompt_logprobs)
@@ -116,37 +122,57 @@ class CompletionReply(ChoiceReply):
             logprobs=logprobs,
             finish_reason=c.finish_reason,
             prompt_logprobs=scored,
+            prompt_token_ids=self._prompt_ids(c.index),
+            token_ids=c.token_ids if self.return_token_ids else UNSET,
         )
 
-    def _chunk(
-        self, index: int, text: str, logprobs: CompletionLogprobs | None, finish: str | None
-    ) -> bytes:
-        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish)
-        return self.chunk(Completion, choice)
+    def _prompt_ids(self, index: int) -> list[int] | UnsetType:
+        """Choice ``index``'s prompt ids, when asked for."""
+        return self.prompt_ids[index // self.body.n] if self.return_token_ids else UNSET
 
-    def _echo_chunk(self, index: int, out: RequestOutput) -> tuple[bytes, int]:
-        """The chunk that echoes choice ``index``'s prompt (with its first output, so a
-        client's first chunk marks the first token), and where its logprob offsets end."""
-        logprobs = None
-        if self.body.logprobs is not None:
-            logprobs = self._echo_logprobs(index, out.prompt_logprobs)
-        text = self.echoes[index // self.body.n]
-        return self._chunk(index, text, logprobs, None), logprobs.end_offset if logprobs else 0
+    def _chunk(
+        self,
+        generation: Generation,
+        index: int,
+        text: str,
+        logprobs: CompletionLogprobs | None,
+        finish: str | None,
+        *,
+        first: bool,
+    ) -> bytes:
+        choice = CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=finish,
+            prompt_token_ids=self._prompt_ids(index) if first else UNSET,
+        )
+        return self.chunk(Completion, choice, generation)
 
     async def stream(self, generation: Generation) -> AsyncGenerator[bytes, None]:
-        offsets: dict[int, int] = {}  # per choice started: where its next logprob offset is
-        async for index, out in generation.outputs():
-            if index not in offsets:
-                offsets[index] = 0
+        # per choice started: its logprobs builder (which knows where its next text offset is)
+        logs: dict[int, ChoiceLogprobs] = {}
+        sent: set[int] = set()  # choices whose first chunk (with the prompt's ids) went out
+        async for index, out in self.outputs(generation):
+            if index not in logs:
+                logs[index] = self._new_logprobs()
                 if self.body.echo:
-                    chunk, offsets[index] = self._echo_chunk(index, out)
-                    yield chunk
+                    # the echo goes with the first output, so a client's first chunk marks
+                    # the first token
+                    scored = None
+                    if self.body.logprobs is not None:
+                        scored = self._echo_logprobs(logs[index], index, out.prompt_logprobs)
+                    text = self.echoes[index // self.body.n]
+                    yield self._chunk(generation, index, text, scored, None, first=True)
+                    sent.add(index)
+            self.hold(index, out.new_token_ids)
             logprobs = None
             if self.body.logprobs is not None and out.new_logprobs:
-                logprobs = completion_logprobs(self.tokenizer, out.new_logprobs, offsets[index])
-                offsets[index] = logprobs.end_offset
+                logprobs = logs[index].generated(out.new_logprobs)
             if out.new_text or logprobs or out.finished:
                 finish = out.finish_reason if out.finished else None
-                yield self._chunk(index, out.new_text, logprobs, finish)
+                first = index not in sent
+                sent.add(index)
+                yield self._chunk(generation, index, out.new_text, logprobs, finish, first=first)
         if self.include_usage:
             yield self.usage_chunk(Completion, generation)

@@ -20,7 +20,11 @@ Chat, ``ChatLogprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logpro
 "logprob", "bytes"}]}], "refusal": null}`` with exactly the requested number of alternatives.
 
 A token's text is the tokenizer's decoding of that token alone, so a token that is part of a
-multi-byte character shows as U+FFFD; models without a tokenizer show ``token_id:<id>``.
+multi-byte character shows as U+FFFD; models without a tokenizer show ``token_id:<id>``, and so
+does every model with vLLM's ``return_tokens_as_token_ids`` (``as_ids``), in ``tokens``, the
+``top_logprobs`` keys and the chat ``token`` fields. ``text_offset`` and chat ``bytes`` stay
+those of the token's text, which is what they describe; vLLM's ``prompt_logprobs`` keep their
+``decoded_token`` text (they are keyed by id already).
 """
 
 from __future__ import annotations
@@ -37,12 +41,6 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
     token_logprobs: list[float | None]  # None: the first prompt token (echo)
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
-
-    @property
-    def end_offset(self) -> int:
-        """The character offset just past the last token (where the next chunk's offsets start);
-        a non-empty object only."""
-        return self.text_offset[-1] + len(self.tokens[-1])
 
     def extend(self, other: CompletionLogprobs) -> CompletionLogprobs:
         """``other``'s entries appended (its offsets already continue this one's)."""
@@ -74,38 +72,58 @@ def token_text(tokenizer: object | None, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def completion_logprobs(
-    tokenizer: object | None, logprobs: Sequence[TokenLogprob], text_offset: int = 0
-) -> CompletionLogprobs:
-    """The completions logprobs object of generated tokens; offsets start at ``text_offset``."""
-    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-    for lp in logprobs:
-        text = token_text(tokenizer, lp.token_id)
-        out.tokens.append(text)
-        out.token_logprobs.append(lp.logprob)
-        top = {text: lp.logprob}
-        for token_id, value in lp.top:
-            top.setdefault(token_text(tokenizer, token_id), value)
-        out.top_logprobs.append(top)
-        out.text_offset.append(text_offset)
-        text_offset += len(text)
-    return out
+def token_name(tokenizer: object | None, token_id: int, as_ids: bool) -> str:
+    """How logprobs show a token: its text, or ``token_id:<id>`` with ``as_ids``."""
+    return f"token_id:{token_id}" if as_ids else token_text(tokenizer, token_id)
 
 
-def echo_logprobs(
-    tokenizer: object | None,
-    prompt_ids: Sequence[int],
-    prompt_logprobs: Sequence[TokenLogprob | None],
-    top: int,
-) -> CompletionLogprobs:
-    """The completions logprobs object of an echoed prompt (offsets from 0), with at most
-    ``top`` alternatives per token; the first token's entries are ``None``."""
-    first = token_text(tokenizer, prompt_ids[0])
-    head = CompletionLogprobs(
-        tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0]
-    )
-    scored = [TokenLogprob(lp.token_id, lp.logprob, lp.top[:top]) for lp in prompt_logprobs[1:]]
-    return head.extend(completion_logprobs(tokenizer, scored, len(first)))
+class ChoiceLogprobs:
+    """One choice's completions logprobs, built in pieces (the echoed prompt, then each
+    stream chunk's tokens): each piece's ``text_offset`` continues where the last one ended."""
+
+    def __init__(self, tokenizer: object | None, *, as_ids: bool = False):
+        self.tokenizer = tokenizer
+        self.as_ids = as_ids
+        self.offset = 0  # characters of token text so far: the next token's text_offset
+
+    def _name(self, token_id: int) -> str:
+        return token_name(self.tokenizer, token_id, self.as_ids)
+
+    def generated(self, logprobs: Sequence[TokenLogprob]) -> CompletionLogprobs:
+        """The logprobs object of these tokens (each with its alternatives, best first)."""
+        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for lp in logprobs:
+            text = token_text(self.tokenizer, lp.token_id)
+            name = f"token_id:{lp.token_id}" if self.as_ids else text
+            out.tokens.append(name)
+            out.token_logprobs.append(lp.logprob)
+            top = {name: lp.logprob}
+            for token_id, value in lp.top:
+                top.setdefault(self._name(token_id), value)
+            out.top_logprobs.append(top)
+            out.text_offset.append(self.offset)
+            self.offset += len(text)
+        return out
+
+    def echo(
+        self,
+        prompt_ids: Sequence[int],
+        prompt_logprobs: Sequence[TokenLogprob | None],
+        top: int,
+    ) -> CompletionLogprobs:
+        """The logprobs object of an echoed prompt, with at most ``top`` alternatives per
+        token; the first token has no context, so its entries are ``None``."""
+        first = prompt_ids[0]
+        text = token_text(self.tokenizer, first)
+        head = CompletionLogprobs(
+            tokens=[f"token_id:{first}" if self.as_ids else text],
+            token_logprobs=[None],
+            top_logprobs=[None],
+            text_offset=[self.offset],
+        )
+        self.offset += len(text)
+        scored = [TokenLogprob(lp.token_id, lp.logprob, lp.top[:top]) for lp in prompt_logprobs[1:]]
+        return head.extend(self.generated(scored))
 
 
 class PromptLogprob(msgspec.Struct, kw_only=True):
@@ -151,22 +169,28 @@ def prompt_logprobs(
     return out
 
 
-def _chat_top(tokenizer: object | None, token_id: int, logprob: float) -> ChatTopLogprob:
+def _chat_top(
+    tokenizer: object | None, token_id: int, logprob: float, as_ids: bool
+) -> ChatTopLogprob:
     text = token_text(tokenizer, token_id)
-    return ChatTopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+    return ChatTopLogprob(
+        token=token_name(tokenizer, token_id, as_ids), logprob=logprob, bytes=list(text.encode())
+    )
 
 
-def chat_logprobs(tokenizer: object | None, logprobs: Sequence[TokenLogprob]) -> ChatLogprobs:
-    """The chat ``logprobs`` object."""
+def chat_logprobs(
+    tokenizer: object | None, logprobs: Sequence[TokenLogprob], *, as_ids: bool = False
+) -> ChatLogprobs:
+    """The chat ``logprobs`` object; ``as_ids``: tokens shown as ``token_id:<id>``."""
     content = []
     for lp in logprobs:
-        sampled = _chat_top(tokenizer, lp.token_id, lp.logprob)
+        sampled = _chat_top(tokenizer, lp.token_id, lp.logprob, as_ids)
         content.append(
             ChatTokenLogprob(
                 token=sampled.token,
                 logprob=sampled.logprob,
                 bytes=sampled.bytes,
-                top_logprobs=[_chat_top(tokenizer, t, v) for t, v in lp.top],
+                top_logprobs=[_chat_top(tokenizer, t, v, as_ids) for t, v in lp.top],
             )
         )
     return ChatLogprobs(content=content)

@@ -78,6 +78,16 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
+def check_template_flags(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """400 for both flags at once: a new turn cannot also continue the last message (vLLM's
+    rule, for chat completions and /tokenize alike)."""
+    if continue_final_message and add_generation_prompt:
+        raise bad_request(
+            "continue_final_message needs add_generation_prompt set to false",
+            "continue_final_message",
+        )
+
+
 def chat_prompt_ids(
     engine: AsyncEngine,
     messages: list[dict],

@@ -3,9 +3,9 @@
 Field names follow the OpenAI API reference (plus vLLM's ``top_k``, ``min_p`` and
 ``ignore_eos``). Unknown fields are ignored, as OpenAI does. Range constraints are the
 annotated types of ``server.field_types``, so a bad value is reported with the exact field
-name; cross-field rules (``stop`` count, prompt shape, unsupported options) are checked by
-``check()`` methods. The sampling fields completions and chat share are
-``server.sampling.SamplingFields``.
+name; cross-field rules (``stop`` count, prompt shape) are checked by ``check()`` methods.
+The sampling fields completions and chat share are ``server.sampling.SamplingFields``; the
+documented fields this server refuses are ``server.unsupported_fields``'s table.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from server.field_types import (
     TopP,
     User,
 )
+from server.prompts import check_template_flags
 from server.response_tools import ResponsesTool, ResponsesToolChoice
 from server.sampling import SamplingFields, sampling_errors_as_400
 from server.state import STATE
@@ -83,8 +84,6 @@ class CompletionRequest(SamplingFields, kw_only=True):
     max_tokens: NonNegativeInt | None = 16  # 0 only scores the prompt (echo, prompt_logprobs)
     echo: bool | None = False
     logprobs: CompletionLogprobCount | None = None
-    suffix: str | None = None
-    best_of: PositiveInt | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -114,10 +113,6 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
     def check(self) -> None:
         self.check_sampling()
-        if self.suffix:
-            raise bad_request("suffix is not supported by this server", "suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise bad_request("best_of other than n is not supported by this server", "best_of")
         if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
             raise bad_request(
                 "max_tokens 0 generates nothing: it only scores the prompt, with echo or "
@@ -159,7 +154,10 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
-    """``POST /v1/chat/completions``."""
+    """``POST /v1/chat/completions``. vLLM's template flags: ``add_generation_prompt`` (open
+    a new assistant turn) and ``continue_final_message`` (leave the last message open, to be
+    continued); ``echo`` puts the last message's text in front of the reply when the reply
+    continues that message's role."""
 
     messages: list[ChatMessage]
     max_tokens: PositiveInt | None = None
@@ -169,11 +167,18 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: list[ToolSpec] | None = None  # server.tools
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra
+    # vLLM's extras
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool | None = False
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.logprobs = bool(self.logprobs)
+        self.echo = bool(self.echo)
+        self.add_generation_prompt = self.add_generation_prompt is not False
+        self.continue_final_message = bool(self.continue_final_message)
 
     @property
     def output_limit(self) -> int | None:
@@ -186,6 +191,13 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
             raise bad_request("messages must not be empty", "messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        check_template_flags(self.add_generation_prompt, self.continue_final_message)
+
+    @property
+    def reply_role(self) -> str:
+        """The reply's role, as vLLM has it: a new assistant turn with the generation prompt,
+        else a continuation of the last message, in its role."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
 
 
 class InputItem(msgspec.Struct, kw_only=True):

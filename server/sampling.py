@@ -23,6 +23,7 @@ from server.field_types import (
     NonNegativeInt,
     NumChoices,
     Penalty,
+    PositiveInt,
     PromptLogprobCount,
     RepetitionPenalty,
     Seed,
@@ -51,8 +52,13 @@ _CONSTRAINT_FIELDS = (
 )
 
 
-class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
+class StreamOptions(msgspec.Struct, kw_only=True):
+    """``include_usage``: a last chunk carries the usage. vLLM's ``continuous_usage_stats``:
+    every chunk also carries the usage so far (``include_usage`` left out then counts as true,
+    as in vLLM, where it defaults to true)."""
+
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = False
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -90,16 +96,35 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     guided_grammar: str | None = None
     prompt_logprobs: PromptLogprobCount | None = None
     min_tokens: NonNegativeInt | None = None
+    best_of: PositiveInt | None = None  # only n itself: no sample is ranked or dropped
+    include_stop_str_in_output: bool | None = False
+    return_token_ids: bool | None = False  # prompt and completion token ids in the reply
+    return_tokens_as_token_ids: bool | None = False  # logprob tokens as "token_id:<id>"
 
     def __post_init__(self) -> None:
         self.n = 1 if self.n is None else self.n
         self.stream = bool(self.stream)
         self.ignore_eos = bool(self.ignore_eos)
         self.skip_special_tokens = self.skip_special_tokens is not False
+        self.include_stop_str_in_output = bool(self.include_stop_str_in_output)
+        self.return_token_ids = bool(self.return_token_ids)
+        self.return_tokens_as_token_ids = bool(self.return_tokens_as_token_ids)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every stream chunk carries the usage so far (vLLM's ``continuous_usage_stats``)."""
+        options = self.stream_options
+        return self.stream and options is not None and bool(options.continuous_usage_stats)
 
     @property
     def include_usage(self) -> bool:
-        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+        """The stream ends with a usage chunk."""
+        options = self.stream_options
+        if not self.stream or options is None:
+            return False
+        if options.include_usage is None:
+            return self.continuous_usage
+        return options.include_usage
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -137,6 +162,13 @@ class SamplingFields(msgspec.Struct, kw_only=True):
             raise bad_request(
                 "stream_options is only allowed when stream is true", "stream_options"
             )
+        if self.continuous_usage and self.stream_options.include_usage is False:
+            raise bad_request(
+                "stream_options.continuous_usage_stats needs include_usage (true or left out)",
+                "stream_options.continuous_usage_stats",
+            )
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of other than n is not supported by this server", "best_of")
         if self.prompt_logprobs is not None and self.stream:
             raise bad_request(
                 "prompt_logprobs are not available when stream is true (as in vLLM); "

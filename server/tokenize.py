@@ -17,7 +17,7 @@ from aiohttp import web
 
 from server.errors import bad_request
 from server.field_types import TokenId
-from server.prompts import chat_message, chat_prompt_ids, tokenize_prompt
+from server.prompts import chat_message, chat_prompt_ids, check_template_flags, tokenize_prompt
 from server.protocol import ChatMessage, decode
 from server.state import STATE, ServerState
 from server.wire import json_response
@@ -41,11 +41,9 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if self.messages is not None and not self.messages:
             raise bad_request("messages must not be empty", "messages")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise bad_request(
-                "continue_final_message needs add_generation_prompt set to false",
-                "continue_final_message",
-            )
+        check_template_flags(
+            self.add_generation_prompt is not False, bool(self.continue_final_message)
+        )
 
 
 class TokenizeResponse(msgspec.Struct, kw_only=True):
