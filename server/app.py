@@ -5,6 +5,7 @@ Routes::
     GET  /v1/models                   GET  /v1/models/{model}
     POST /v1/completions              POST /v1/chat/completions
     POST /v1/responses                GET|DELETE /v1/responses/{response_id}
+    POST /v1/responses/{response_id}/cancel
     POST /tokenize                    POST /detokenize          GET /tokenizer_info
     GET  /health                      GET  /metrics
     GET  /, /dashboard                GET  /v1/engine/state    (server.dashboard)
@@ -20,9 +21,11 @@ closed otherwise) and marks the connection busy for the connection guard while t
 (``server.connections``).
 
 The runner cancels a handler whose client disconnects (``handler_cancellation``), which aborts
-its engine requests; on shutdown every request in flight is aborted so its stream ends with a
-final frame before the server closes. It closes a connection that takes longer than
-``header_timeout_s`` to send a request head, and accepts connections through the guard.
+its engine requests (background responses run in tasks of their own, which it does not touch);
+on shutdown every background response is cancelled and every other request in flight aborted,
+so each stream ends with a final frame before the server closes. It closes a connection that
+takes longer than ``header_timeout_s`` to send a request head, and accepts connections through
+the guard.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import msgspec
 from aiohttp import web
 
 from engine.async_engine import AsyncEngine
+from server.background import BACKGROUND, BackgroundRuns
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.connections import ConnectionGuard, GuardedRunner
@@ -45,7 +49,12 @@ from server.limits import ServerLimits
 from server.metrics import metrics
 from server.models import list_models, retrieve_model
 from server.response_store import ResponseStore
-from server.responses import create_response, delete_response, retrieve_response
+from server.responses import (
+    cancel_response,
+    create_response,
+    delete_response,
+    retrieve_response,
+)
 from server.sse import internal_error
 from server.state import OWNER, STATE, ServerState, key_hash
 from server.tokenize import TOKENIZER_PATHS, add_tokenizer_routes
@@ -123,10 +132,12 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def _abort_in_flight(app: web.Application) -> None:
-    """On shutdown: refuse new work and abort every request in flight (streams end with a final
-    frame, non-streaming calls get 503)."""
+    """On shutdown: refuse new work, cancel the background responses (each records
+    ``cancelled`` as its task ends, aborting its requests) and abort every other request in
+    flight (streams end with a final frame, non-streaming calls get 503)."""
     state = app[STATE]
     state.shutting_down = True
+    await app[BACKGROUND].cancel_all()
     if state.in_flight:
         logger.info("aborting %d request(s) in flight", len(state.in_flight))
     for request_id in list(state.in_flight):
@@ -164,6 +175,7 @@ def create_app(
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
     )
+    app[BACKGROUND] = BackgroundRuns()
     app.router.add_get("/v1/models", list_models)
     # Hugging Face ids, the default served names, contain "/" ("org/name")
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)
@@ -172,6 +184,7 @@ def create_app(
     app.router.add_post("/v1/responses", create_response)
     app.router.add_get("/v1/responses/{response_id}", retrieve_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     add_tokenizer_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -216,9 +216,37 @@ class InputItem(msgspec.Struct, kw_only=True):
     output: str | list[Any] | None = None
 
 
+OUTPUT_TEXT_LOGPROBS = "message.output_text.logprobs"  # the one ``include`` value served
+
+
+class ResponsesText(ResponseText, kw_only=True):
+    """The Responses ``text`` field: ``format`` (``server.structured``) and ``verbosity``, which
+    this server does not steer (only OpenAI's default, ``medium``, is accepted)."""
+
+    verbosity: str | None = None
+
+
+class ResponsesStreamOptions(msgspec.Struct, kw_only=True):
+    """``stream_options``: OpenAI pads its deltas with random ``obfuscation`` text to hide
+    their sizes; this server never does, whatever ``include_obfuscation`` says."""
+
+    include_obfuscation: bool | None = None
+
+
 class ResponsesRequest(msgspec.Struct, kw_only=True):
     """``POST /v1/responses``. A ``null`` temperature or top_p takes OpenAI's default, 1.0,
-    which the Response object then reports."""
+    which the Response object then reports.
+
+    Fields of OpenAI's reference that this server does not implement are refused when set to
+    anything but their default (``server.unsupported_fields.RESPONSES_REFUSED``): a request that
+    asks for a conversation object, a prompt template, reasoning, truncation, moderation or
+    compaction must not silently get something else. Hints that change nothing in the output by the
+    reference's own account (``user``, ``safety_identifier``, ``prompt_cache_key``,
+    ``prompt_cache_retention``, ``prompt_cache_options``, ``service_tier``, ``stream_options``)
+    are accepted and ignored; ``max_tool_calls`` bounds built-in tool calls, of which this server
+    makes none, so it always holds. Names the reference does not list are ignored, as OpenAI
+    does.
+    """
 
     input: str | list[InputItem]
     model: str | None = None
@@ -228,23 +256,70 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     top_p: TopP | None = None
     store: bool | None = True
     stream: bool | None = False
+    background: bool | None = False  # server.background
     previous_response_id: str | None = None
     metadata: Metadata | None = None
     user: User | None = None
     tools: list[ResponsesTool] | None = None
     tool_choice: str | ResponsesToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    text: ResponseText | None = None
-
+    max_tool_calls: NonNegativeInt | None = None
+    text: ResponsesText | None = None
+    include: list[str] | None = None
+    top_logprobs: ChatTopLogprobCount | None = None
+    # accepted and ignored: caching, abuse-detection and billing hints
+    safety_identifier: User | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    service_tier: str | None = None
+    stream_options: ResponsesStreamOptions | None = None
     def __post_init__(self) -> None:
         self.store = self.store is not False
         self.stream = bool(self.stream)
+        self.background = bool(self.background)
         self.temperature = 1.0 if self.temperature is None else self.temperature
         self.top_p = 1.0 if self.top_p is None else self.top_p
 
     def check(self) -> None:
         if isinstance(self.input, list) and not self.input:
             raise bad_request("input must not be empty", "input")
+        self._check_unsupported()
+        for value in self.include or ():
+            if value != OUTPUT_TEXT_LOGPROBS:
+                raise bad_request(
+                    f"include value {value!r} is not supported by this server; the only one "
+                    f"is {OUTPUT_TEXT_LOGPROBS!r}",
+                    "include",
+                )
+        if self.top_logprobs and self.output_logprobs is None:
+            raise bad_request(
+                f"top_logprobs needs include to contain {OUTPUT_TEXT_LOGPROBS!r}", "top_logprobs"
+            )
+        if self.background and not self.store:
+            raise bad_request(
+                "background responses must be stored: set store to true (or leave it out)",
+                "background",
+            )
+        if self.stream_options is not None and not self.stream:
+            raise bad_request(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
+
+    def _check_unsupported(self) -> None:
+        """``text.verbosity`` (the table-driven refusals are ``server.unsupported_fields``)."""
+        if self.text is not None and self.text.verbosity not in (None, "medium"):
+            raise bad_request(
+                "text.verbosity is not supported by this server: only the default, 'medium'",
+                "text.verbosity",
+            )
+
+    @property
+    def output_logprobs(self) -> int | None:
+        """Alternatives per output token the engine reports (None: no logprobs asked)."""
+        if OUTPUT_TEXT_LOGPROBS not in (self.include or ()):
+            return None
+        return self.top_logprobs or 0
 
     def to_params(self, *, max_tokens: int) -> SamplingParams:
         """The engine's SamplingParams; a value it refuses is a 400 naming the field."""
@@ -254,6 +329,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
                 max_tokens=max_tokens,
                 temperature=self.temperature,
                 top_p=self.top_p,
+                logprobs=self.output_logprobs,
                 structured_output=constraint,
             )
 

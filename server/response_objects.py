@@ -1,8 +1,10 @@
 """The Responses API's objects: the Response, its output message, and the stream's events.
 
 Output items are ``message`` items and ``function_call`` items (``server.response_tools``);
-``tools``, ``tool_choice`` and ``parallel_tool_calls`` echo the request. Annotations and
-logprobs on the text are always empty; they are still sent, as the reference lists them.
+``tools``, ``tool_choice`` and ``parallel_tool_calls`` echo the request. Annotations on the
+text are always empty; ``logprobs`` are the chat shape's token entries
+(``server.logprobs.ChatTokenLogprob``) when the request includes
+``message.output_text.logprobs``, else empty; both are still sent, as the reference lists them.
 ``text.format`` echoes the request's (``server.structured``).
 
 Events share ``{"type", "sequence_number"}``; the stream numbers them from 0 as it sends them
@@ -15,11 +17,19 @@ from typing import Any
 
 import msgspec
 
+from server.logprobs import ChatTokenLogprob
 from server.response_tools import FunctionCallItem
 
 
 class IncompleteDetails(msgspec.Struct):
     reason: str  # "max_output_tokens"
+
+
+class ResponseError(msgspec.Struct, kw_only=True):
+    """Why a (background) response ``failed``."""
+
+    code: str  # "server_error"
+    message: str
 
 
 class TextFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -57,7 +67,7 @@ class OutputText(msgspec.Struct, kw_only=True):
     type: str = "output_text"
     text: str
     annotations: list[Any] = []
-    logprobs: list[Any] = []
+    logprobs: list[ChatTokenLogprob] = []
 
 
 class OutputMessage(msgspec.Struct, kw_only=True):
@@ -73,8 +83,9 @@ class Response(msgspec.Struct, kw_only=True):
     object: str = "response"
     created_at: int  # Unix seconds
     completed_at: int | None
-    status: str  # "in_progress", "completed" or "incomplete"
-    error: None = None
+    # "queued", "in_progress", "completed", "incomplete", "failed" or "cancelled"
+    status: str
+    error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None
     instructions: str | None
     max_output_tokens: int | None
@@ -82,15 +93,20 @@ class Response(msgspec.Struct, kw_only=True):
     output: list[OutputMessage | FunctionCallItem]
     parallel_tool_calls: bool = True
     previous_response_id: str | None
+    background: bool = False
     store: bool
     temperature: float
     top_p: float
     text: TextConfig = msgspec.field(default_factory=TextConfig)
     tool_choice: str | dict[str, Any] = "auto"
     tools: list[Any] = []
+    max_tool_calls: int | None = None
+    top_logprobs: int = 0
     truncation: str = "disabled"
     metadata: dict[str, str]
     user: str | None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     usage: ResponseUsage | None
 
 
@@ -136,14 +152,14 @@ class TextDeltaEvent(ContentEvent, kw_only=True):
     """``response.output_text.delta``."""
 
     delta: str
-    logprobs: list[Any] = []
+    logprobs: list[ChatTokenLogprob] = []  # the delta's tokens
 
 
 class TextDoneEvent(ContentEvent, kw_only=True):
     """``response.output_text.done``."""
 
     text: str
-    logprobs: list[Any] = []
+    logprobs: list[ChatTokenLogprob] = []  # the whole part's tokens
 
 
 class FunctionCallArgumentsDelta(StreamEvent, kw_only=True):

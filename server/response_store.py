@@ -30,16 +30,30 @@ class StoredResponse:
     response: the Response object's JSON, the exact bytes ``GET`` returns.
     messages: JSON of the chat messages (``{"role", "content"}``) of the input and the output,
         without the ``instructions`` (OpenAI does not carry those over to a follow-up).
+    background: the response was created with ``background: true`` (only those can be
+        cancelled, ``server.background``).
+    status: the response's final status (``completed``, ``incomplete``, ``failed``,
+        ``cancelled``), which decides what a cancel answers.
     """
 
     response: bytes
     messages: bytes
     owner: str | None
+    background: bool = False
+    status: str = "completed"
 
     @classmethod
-    def encode(cls, response: object, messages: list[dict], owner: str | None) -> StoredResponse:
+    def encode(
+        cls,
+        response: object,
+        messages: list[dict],
+        owner: str | None,
+        *,
+        background: bool = False,
+        status: str = "completed",
+    ) -> StoredResponse:
         """``response``: the Response object (a Struct) or anything else JSON can hold."""
-        return cls(_exact(encode(response)), _exact(encode(messages)), owner)
+        return cls(_exact(encode(response)), _exact(encode(messages)), owner, background, status)
 
     def conversation(self) -> list[dict]:
         return msgspec.json.decode(self.messages)

@@ -17,19 +17,33 @@ With tools, each call adds ``response.output_item.added`` (a ``function_call`` i
 and ``response.output_item.done``, at its own ``output_index``.
 A failure mid-stream sends an ``error`` event and ends the stream. The response is stored
 (``store``, default true) before its last event is sent.
+
+``include: ["message.output_text.logprobs"]`` (with ``top_logprobs`` alternatives, 0-20) gives
+the ``output_text`` part, each ``response.output_text.delta`` (its own tokens) and
+``response.output_text.done`` a ``logprobs`` list of chat-shaped token entries
+(``server.logprobs``); a delta may carry tokens whose text is still held back (part of a UTF-8
+character), so the deltas' lists concatenate to the part's. Not with function tools that may be
+called (which tokens make the text is then the parser's business): a 400 naming ``include``.
+
+``background: true`` runs the generation as a task of the server (``server.background``):
+``GET`` polls it, ``?stream=true&starting_after=N`` resumes a streamed one after event N, and
+``POST /v1/responses/{id}/cancel`` cancels it. ``DELETE`` of a running one cancels it first.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 
 import msgspec
 from aiohttp import web
 
+from engine.outputs import TokenLogprob
+from server.background import BACKGROUND
 from server.errors import APIError, bad_request
 from server.generation import Generation, Job, start_generation
+from server.logprobs import ChatTokenLogprob, chat_logprobs
 from server.prompts import chat_prompt_ids
 from server.protocol import ChatMessage, ResponsesRequest, read_request
 from server.response_objects import (
@@ -44,6 +58,7 @@ from server.response_objects import (
     OutputText,
     Response,
     ResponseDeleted,
+    ResponseError,
     ResponseEvent,
     ResponseUsage,
     StreamEvent,
@@ -72,15 +87,25 @@ from server.tools import (
     reply_message,
     with_tool_plan,
 )
+from server.unsupported_fields import RESPONSES_REFUSED, refuse_unsupported
 from server.wire import json_response
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_request(request, ResponsesRequest)
+    refuse_unsupported(await request.read(), RESPONSES_REFUSED)
     owner = request.get(OWNER)
+    runs = request.app[BACKGROUND]
     history: list[dict] = []
     if body.previous_response_id is not None:
+        running = runs.get(body.previous_response_id, owner)
+        if running is not None:
+            raise bad_request(
+                f"response {body.previous_response_id!r} is still {running.status}; "
+                "continue it once it has finished",
+                "previous_response_id",
+            )
         previous = state.store.get(body.previous_response_id, owner)
         if previous is None:
             raise _not_found(body.previous_response_id, "previous_response_id")
@@ -98,6 +123,12 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         template,
         state.tool_call_parser,
     )
+    if body.output_logprobs is not None and plan.parser is not None:
+        raise bad_request(
+            "message.output_text.logprobs is not available with function tools the model may "
+            "call (tool_choice other than none)",
+            "include",
+        )
     names = ["instructions"] * len(system) + ["previous_response_id"] * len(history) + new_params
     messages = _template_messages(system + history + new, plan, names)
     tools = plan.tools if plan.native else None
@@ -106,7 +137,15 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     params = with_tool_plan(body.to_params(max_tokens=max_tokens), plan, "text.format")
     await compile_constraint(state.engine, params, "tools" if plan.constraint else "text.format")
     reply = ResponseReply(state, body, owner, history + new, len(prompt_ids), plan)
-    with start_generation(state, reply.id, [Job(0, prompt_ids, params)], "input") as generation:
+    generation = start_generation(state, reply.id, [Job(0, prompt_ids, params)], "input")
+    if body.background:
+        run = runs.start(reply, generation, stream=body.stream)  # the run owns generation now
+        if body.stream:
+            return await respond(
+                request, run.log.follow(-1), on_error=run.log.error_frame, done_marker=False
+            )
+        return json_response(run.snapshot())
+    with generation:
         if body.stream:
             stream = reply.stream_tools if plan.parser else reply.stream
             return await respond(
@@ -129,21 +168,108 @@ def _template_messages(messages: list[dict], plan: ToolPlan, names: list[str]) -
         raise
 
 
-async def retrieve_response(request: web.Request) -> web.Response:
+async def retrieve_response(request: web.Request) -> web.StreamResponse:
+    """The response: a running background one as it stands (``output`` empty until it ends),
+    else the stored one. ``?stream=true`` streams a running background response's events
+    (created with ``stream: true``) from the start, or after ``starting_after``."""
     state = request.app[STATE]
     response_id = request.match_info["response_id"]
-    entry = state.store.get(response_id, request.get(OWNER))
+    owner = request.get(OWNER)
+    stream = _query_flag(request, "stream")
+    after = _query_count(request, "starting_after")
+    if after is not None and not stream:
+        raise bad_request("starting_after is only allowed with stream=true", "starting_after")
+    run = request.app[BACKGROUND].get(response_id, owner)
+    if stream:
+        if run is None:
+            if state.store.get(response_id, owner) is None:
+                raise _not_found(response_id)
+            raise bad_request(
+                f"response {response_id!r} is not a running background response: events are "
+                "kept only while one runs; GET it without stream",
+                "stream",
+            )
+        if run.log is None:
+            raise bad_request(
+                f"response {response_id!r} was not created with stream: true, so its events "
+                "are not kept; GET it without stream",
+                "stream",
+            )
+        start = -1 if after is None else after
+        run.log.check_resumable(start)
+        return await respond(
+            request, run.log.follow(start), on_error=run.log.error_frame, done_marker=False
+        )
+    if run is not None:
+        return json_response(run.snapshot())
+    entry = state.store.get(response_id, owner)
     if entry is None:
         raise _not_found(response_id)
     return json_response(entry.response)
 
 
-async def delete_response(request: web.Request) -> web.Response:
+async def cancel_response(request: web.Request) -> web.Response:
+    """``POST /v1/responses/{id}/cancel``, for responses created with ``background: true``.
+
+    A running one is cancelled (its engine requests aborted, their KV blocks freed in the
+    engine's next step) and returned with status ``cancelled``. As OpenAI documents, cancelling
+    again is idempotent: a ``cancelled`` response is returned unchanged. One that ended
+    otherwise (``completed``, ``incomplete``, ``failed``) cannot be cancelled: 400, as OpenAI
+    answers ("Cannot cancel a completed response."). A response created without
+    ``background`` is a 400 too; an unknown id (or another key's) a 404.
+    """
     state = request.app[STATE]
     response_id = request.match_info["response_id"]
-    if not state.store.delete(response_id, request.get(OWNER)):
+    owner = request.get(OWNER)
+    run = request.app[BACKGROUND].get(response_id, owner)
+    if run is not None:
+        response = await run.cancel()
+        if response.status != "cancelled":  # it finished before the cancel reached it
+            raise _cannot_cancel(response.status)
+        return json_response(response)
+    entry = state.store.get(response_id, owner)
+    if entry is None:
+        raise _not_found(response_id)
+    if not entry.background:
+        raise bad_request(
+            "only responses created with background set to true can be cancelled"
+        )
+    if entry.status != "cancelled":
+        raise _cannot_cancel(entry.status)
+    return json_response(entry.response)
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    """Delete a stored response; a running background one is cancelled first."""
+    state = request.app[STATE]
+    response_id = request.match_info["response_id"]
+    owner = request.get(OWNER)
+    run = request.app[BACKGROUND].get(response_id, owner)
+    if run is not None:
+        await run.cancel()
+    if not state.store.delete(response_id, owner):
         raise _not_found(response_id)
     return json_response(ResponseDeleted(id=response_id))
+
+
+def _cannot_cancel(status: str) -> APIError:
+    return bad_request(f"Cannot cancel a {status} response.")
+
+
+def _query_flag(request: web.Request, name: str) -> bool:
+    value = request.query.get(name, "false").lower()
+    if value not in ("true", "false", "1", "0"):
+        raise bad_request(f"{name} must be true or false, got {value!r}", name)
+    return value in ("true", "1")
+
+
+def _query_count(request: web.Request, name: str) -> int | None:
+    value = request.query.get(name)
+    if value is None:
+        return None
+    if not (value.isascii() and value.isdecimal() and len(value) <= 18):
+        raise bad_request(f"{name} must be a sequence number (an integer >= 0)", name)
+    return int(value)
 
 
 def _not_found(response_id: str, param: str | None = None) -> APIError:
@@ -174,12 +300,15 @@ class ResponseReply:
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.sequence = 0
+        self.with_logprobs = body.output_logprobs is not None
+        self.final: Response | None = None  # set by _finish (and ended)
 
     def _response(
         self,
         status: str,
         output: list[OutputMessage | FunctionCallItem],
         usage: ResponseUsage | None,
+        error: ResponseError | None = None,
     ) -> Response:
         b = self.body
         return Response(
@@ -187,6 +316,7 @@ class ResponseReply:
             created_at=self.created,
             completed_at=int(time.time()) if status == "completed" else None,
             status=status,
+            error=error,
             incomplete_details=(
                 IncompleteDetails("max_output_tokens") if status == "incomplete" else None
             ),
@@ -195,6 +325,7 @@ class ResponseReply:
             model=self.state.served_model_name,
             output=output,
             previous_response_id=b.previous_response_id,
+            background=bool(b.background),
             store=b.store,
             temperature=b.temperature,
             top_p=b.top_p,
@@ -207,9 +338,43 @@ class ResponseReply:
                 else ("auto" if b.tools else "none")
             ),
             parallel_tool_calls=b.parallel_tool_calls is not False,
+            max_tool_calls=b.max_tool_calls,
+            top_logprobs=b.top_logprobs or 0,
             user=b.user,
+            safety_identifier=b.safety_identifier,
+            prompt_cache_key=b.prompt_cache_key,
             usage=usage,
         )
+
+    def running(self, status: str) -> Response:
+        """A background response that has not ended (``queued``, ``in_progress``)."""
+        return self._response(status, [], None)
+
+    def ended(self, status: str, err: APIError | None = None) -> Response:
+        """A background response that ended without output: ``cancelled``, or ``failed``
+        with ``err``; stored (background responses always are), its conversation the input."""
+        error = ResponseError(code="server_error", message=err.message) if err else None
+        response = self._response(status, [], None, error)
+        self._store(response, self.messages)
+        return response
+
+    def _store(self, response: Response, conversation: list[dict]) -> None:
+        self.final = response
+        if self.body.store:
+            entry = StoredResponse.encode(
+                response,
+                conversation,
+                self.owner,
+                background=bool(self.body.background),
+                status=response.status,
+            )
+            self.state.store.put(self.id, entry)
+
+    def _token_logprobs(self, logprobs: Sequence[TokenLogprob] | None) -> list[ChatTokenLogprob]:
+        """The tokens' logprob entries if the request includes them, else none."""
+        if not (self.with_logprobs and logprobs):
+            return []
+        return chat_logprobs(self.state.engine.tokenizer, logprobs).content
 
     def _message(self, status: str, parts: list[OutputText]) -> OutputMessage:
         return OutputMessage(id=self.message_id, status=status, content=parts)
@@ -221,9 +386,10 @@ class ResponseReply:
         finish_reason: str | None,
         cached_tokens: int,
         output_tokens: int,
+        logprobs: list[ChatTokenLogprob] | None = None,
     ) -> Response:
         """The final Response object (a message unless the reply is only calls, then the
-        calls); stores it when asked to."""
+        calls); stores it when asked to. ``logprobs``: the message text's tokens."""
         status = "incomplete" if finish_reason == "length" else "completed"
         usage = ResponseUsage(
             input_tokens=self.prompt_tokens,
@@ -233,13 +399,11 @@ class ResponseReply:
         )
         output: list[OutputMessage | FunctionCallItem] = []
         if content or not calls:
-            output.append(self._message(status, [OutputText(text=content)]))
+            part = OutputText(text=content, logprobs=logprobs or [])
+            output.append(self._message(status, [part]))
         output += calls
         response = self._response(status, output, usage)
-        if self.body.store:
-            conversation = [*self.messages, assistant_message(content, calls)]
-            entry = StoredResponse.encode(response, conversation, self.owner)
-            self.state.store.put(self.id, entry)
+        self._store(response, [*self.messages, assistant_message(content, calls)])
         return response
 
     async def complete(self, generation: Generation) -> Response:
@@ -263,6 +427,7 @@ class ResponseReply:
             choice.finish_reason,
             choice.num_cached_tokens,
             generation.completion_tokens,
+            logprobs=self._token_logprobs(choice.logprobs),
         )
 
     def _send(self, event: StreamEvent) -> bytes:
@@ -270,6 +435,10 @@ class ResponseReply:
         event.sequence_number = self.sequence
         self.sequence += 1
         return frame(event, event=event.type)
+
+    def event_frame(self, event: StreamEvent) -> bytes:
+        """``event`` as the stream's next frame (for a background run's last event)."""
+        return self._send(event)
 
     def error_event(self, err: APIError) -> bytes:
         return self._send(ErrorEvent(code=err.code, message=err.message, param=err.param))
@@ -290,22 +459,32 @@ class ResponseReply:
             )
         )
         text, finish_reason, cached = "", None, 0
+        logprobs: list[ChatTokenLogprob] = []
         async for _, out in generation.outputs():
             cached = out.num_cached_tokens
-            if out.new_text:
+            new_logprobs = self._token_logprobs(out.new_logprobs)
+            if out.new_text or new_logprobs:
                 text += out.new_text
+                logprobs += new_logprobs
                 yield self._send(
                     TextDeltaEvent(
-                        type="response.output_text.delta", item_id=item_id, delta=out.new_text
+                        type="response.output_text.delta",
+                        item_id=item_id,
+                        delta=out.new_text,
+                        logprobs=new_logprobs,
                     )
                 )
             if out.finished:
                 finish_reason = out.finish_reason
-        response = self._finish(text, [], finish_reason, cached, generation.completion_tokens)
+        response = self._finish(
+            text, [], finish_reason, cached, generation.completion_tokens, logprobs=logprobs
+        )
         [message] = response.output
         [part] = message.content
         yield self._send(
-            TextDoneEvent(type="response.output_text.done", item_id=item_id, text=text)
+            TextDoneEvent(
+                type="response.output_text.done", item_id=item_id, text=text, logprobs=logprobs
+            )
         )
         yield self._send(
             ContentPartEvent(type="response.content_part.done", item_id=item_id, part=part)

@@ -1,12 +1,12 @@
-"""Request fields that OpenAI's or vLLM's chat/completions protocol documents but this server
-does not implement: set to anything but a value that means "not used", each is a 400 naming the
-field, so no client gets a reply that silently ignored what it asked for.
+"""Request fields that OpenAI's or vLLM's chat, completions or Responses protocol documents but
+this server does not implement: set to anything but a value that means "not used", each is a
+400 naming the field, so no client gets a reply that silently ignored what it asked for.
 
-The table is data: ``CHAT_REFUSED`` and ``COMPLETION_REFUSED`` map each endpoint's refused
-fields to a ``Refused`` (the values that mean "not used": the default, ``null``, and the empty
-value a client sends to mean the same) and say why. ``IGNORED_BY_SPEC`` lists the fields OpenAI
-documents as hints a server may ignore (accepted, unused). Any other unknown name is ignored,
-as OpenAI does (msgspec skips it).
+The table is data: ``CHAT_REFUSED``, ``COMPLETION_REFUSED`` and ``RESPONSES_REFUSED`` map each
+endpoint's refused fields to a ``Refused`` (the values that mean "not used": the default,
+``null``, and the empty value a client sends to mean the same) and say why. ``IGNORED_BY_SPEC``
+lists the fields OpenAI documents as hints a server may ignore (accepted, unused). Any other
+unknown name is ignored, as OpenAI does (msgspec skips it).
 
 ``refuse_unsupported`` decodes the body a second time, into a Struct of just the refused fields
 (msgspec skips the rest): the request Structs then hold only fields that do something.
@@ -92,6 +92,15 @@ COMPLETION_REFUSED: dict[str, Refused] = {
     **_SHARED,
 }
 
+RESPONSES_REFUSED: dict[str, Refused] = {
+    "conversation": Refused((), "use previous_response_id"),
+    "prompt": Refused((), "prompt templates are not stored here: send instructions and input"),
+    "reasoning": Refused(({},), "reasoning effort and summaries are not steered"),
+    "truncation": Refused(("disabled",), "a prompt too long for the context is a 400"),
+    "moderation": Refused((), "there is no moderation model"),
+    "context_management": Refused(([],), "there is no compaction"),
+}
+
 # OpenAI documents these as hints (caching, routing, abuse monitoring, stored-object labels) a
 # server may ignore: accepted and unused. ``metadata`` only labels a stored completion, and
 # ``store: true`` is refused.
@@ -129,7 +138,10 @@ def refuse_unsupported(body: bytes, table: dict[str, Refused]) -> None:
 
 
 def _is_unused(value: object, unused: tuple[object, ...]) -> bool:
-    # type-exact, so true is not 1 and 0 is not false (but 1 and 1.0 are both numbers)
+    # type-exact, so true is not 1 and 0 is not false (but 1 and 1.0 are both numbers); an
+    # object whose every field is null (``"reasoning": {"effort": null}``) says nothing either
+    if isinstance(value, dict) and all(v is None for v in value.values()):
+        value = {}
     return any(_same(value, u) for u in unused)
 
 
