@@ -17,6 +17,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.server.conftest import http, parse_sse
+from tests.server.test_response_tools import agents_model, streamed_arguments
 
 
 class Unit(str, Enum):
@@ -153,17 +154,7 @@ def test_responses_calls_hold_the_nested_schema(
     streamed = [o for o in final["output"] if o["type"] == "function_call"]
     assert [(c["name"], c["arguments"]) for c in streamed] == [(c.name, c.arguments) for c in calls]
     for call in streamed:
-        deltas = "".join(
-            d["delta"]
-            for e, d in events
-            if e == "response.function_call_arguments.delta" and d["item_id"] == call["id"]
-        )
-        [done] = [
-            d["arguments"]
-            for e, d in events
-            if e == "response.function_call_arguments.done" and d["item_id"] == call["id"]
-        ]
-        assert deltas == done == call["arguments"]
+        assert streamed_arguments(events, call["id"]) == (call["arguments"],) * 2
     if not calls:
         return
     results = [
@@ -190,16 +181,10 @@ def test_agents_sdk_with_a_nested_pydantic_tool(
         received.append(request)
         return "12 C everywhere"
 
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-    model = (
-        agents.OpenAIChatCompletionsModel(model=model_name, openai_client=client)
-        if api == "chat_completions"
-        else agents.OpenAIResponsesModel(model=model_name, openai_client=client)
-    )
     agent = agents.Agent(
         name="weather",
         instructions="Answer weather questions with the forecast tool.",
-        model=model,
+        model=agents_model(base_url, model_name, api),
         tools=[forecast],
         model_settings=agents.ModelSettings(
             tool_choice=choice, max_tokens=80, temperature=0, parallel_tool_calls=False

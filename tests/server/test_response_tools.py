@@ -83,17 +83,22 @@ def test_streamed_events_agree_with_the_whole(base_url: str, client, model_name:
         (o.name, o.arguments) for o in whole.output if o.type == "function_call"
     ]
     for call in calls:
-        deltas = "".join(
-            d["delta"]
-            for e, d in events
-            if e == "response.function_call_arguments.delta" and d["item_id"] == call["id"]
-        )
-        [done] = [
-            d
-            for e, d in events
-            if e == "response.function_call_arguments.done" and d["item_id"] == call["id"]
-        ]
-        assert deltas == done["arguments"] == call["arguments"]
+        assert streamed_arguments(events, call["id"]) == (call["arguments"],) * 2
+
+
+def streamed_arguments(events: list[tuple[str, dict]], item_id: str) -> tuple[str, str]:
+    """A streamed function_call item's argument deltas joined, and its done event's arguments."""
+    deltas = "".join(
+        d["delta"]
+        for e, d in events
+        if e == "response.function_call_arguments.delta" and d["item_id"] == item_id
+    )
+    [done] = [
+        d["arguments"]
+        for e, d in events
+        if e == "response.function_call_arguments.done" and d["item_id"] == item_id
+    ]
+    return deltas, done
 
 
 def test_unknown_call_id_is_a_400(base_url: str):
@@ -114,16 +119,10 @@ def test_agents_sdk_runs_a_function_tool_agent(base_url: str, model_name: str, a
         calls.append(city)
         return f"18 C and sunny in {city}"
 
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-    model = (
-        agents.OpenAIChatCompletionsModel(model=model_name, openai_client=client)
-        if api == "chat_completions"
-        else agents.OpenAIResponsesModel(model=model_name, openai_client=client)
-    )
     agent = agents.Agent(
         name="weather",
         instructions="Answer weather questions with the tool.",
-        model=model,
+        model=agents_model(base_url, model_name, api),
         tools=[get_weather],
         model_settings=agents.ModelSettings(
             tool_choice="required", max_tokens=60, temperature=0, parallel_tool_calls=False
@@ -134,6 +133,16 @@ def test_agents_sdk_runs_a_function_tool_agent(base_url: str, model_name: str, a
     # two model turns: the second saw the first call and its output (function_call_output)
     assert len(calls) == 2
     assert result.final_output == f"18 C and sunny in {calls[1]}"
+
+
+def agents_model(base_url: str, model_name: str, api: str):
+    """The Agents SDK's chat-completions or responses model, on this server."""
+    import agents
+
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    if api == "chat_completions":
+        return agents.OpenAIChatCompletionsModel(model=model_name, openai_client=client)
+    return agents.OpenAIResponsesModel(model=model_name, openai_client=client)
 
 
 def stop_on_second_call(context, results):

@@ -11,15 +11,15 @@ import json
 import jsonschema
 import openai
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.model_loader import LoadedModel
+from tests.conftest import tiny_model
 from tests.server.conftest import http, parse_sse, wait_idle
+from tests.server.test_response_tools import streamed_arguments
 
 PING = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}
 CITY = {
@@ -91,40 +91,21 @@ def test_responses_arguments_are_whole_json(base_url: str, model_name: str, choi
     body |= {"tool_choice": choice, "max_output_tokens": 60, "temperature": 0, "stream": stream}
     reply = http("POST", f"{base_url}/v1/responses", json=body)
     assert reply.status == 200, reply.body
-    if stream:
-        events = [(e, json.loads(d)) for e, d in parse_sse(reply.body)]
-        response = events[-1][1]["response"]
-        deltas = {}
-        for event, data in events:
-            if event == "response.function_call_arguments.delta":
-                deltas[data["item_id"]] = deltas.get(data["item_id"], "") + data["delta"]
-    else:
-        response = reply.json()
+    events = [(e, json.loads(d)) for e, d in parse_sse(reply.body)] if stream else []
+    response = events[-1][1]["response"] if stream else reply.json()
     calls = [o for o in response["output"] if o["type"] == "function_call"]
     assert calls
     for call in calls:
         jsonschema.validate(json.loads(call["arguments"]), CITY)
         if stream:
-            assert deltas[call["id"]] == call["arguments"]
+            assert streamed_arguments(events, call["id"]) == (call["arguments"],) * 2
 
 
 # ---------------------------------------------------------------- the property test
 def random_model(tokenizer, eos_token_ids: tuple[int, ...]) -> LoadedModel:
-    """A 2-layer Llama with random weights over the default model's vocabulary."""
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    return LoadedModel(model, tokenizer, "random-llama", eos_token_ids, 2048, 0.0)
+    """The tests' tiny random-weight Llama over the default model's vocabulary."""
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    return LoadedModel(model, tokenizer, "random-llama", eos_token_ids, 1024, 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -168,17 +149,21 @@ def schemas() -> st.SearchStrategy[dict]:
 def objects(values: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
     names = st.lists(st.sampled_from("abcde"), min_size=0, max_size=3, unique=True)
 
-    def build(keys: list[str], data: st.DataObject) -> dict:
-        properties = {k: data.draw(values) for k in keys}
-        required = [k for k in keys if data.draw(st.booleans())]
-        return {
-            "type": "object",
-            "properties": properties,
-            "required": required,
-            "additionalProperties": False,
-        }
+    def shaped(keys: list[str]) -> st.SearchStrategy[dict]:
+        properties = st.fixed_dictionaries({k: values for k in keys})
+        required = st.lists(st.sampled_from(keys), unique=True) if keys else st.just([])
+        return st.builds(
+            lambda p, r: {
+                "type": "object",
+                "properties": p,
+                "required": [k for k in keys if k in r],
+                "additionalProperties": False,
+            },
+            properties,
+            required,
+        )
 
-    return st.builds(build, names, st.data())
+    return names.flatmap(shaped)
 
 
 def with_defs(schema: dict, shared: dict | None) -> dict:
