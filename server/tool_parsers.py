@@ -134,6 +134,43 @@ def json_array_items(text: str) -> tuple[list[tuple[Any, str]], str]:
     return items, ""
 
 
+def string_prefix(text: str) -> str:
+    """The decoded part of a JSON string that ``text`` opens (``"ab\\u00`` -> ``ab``): the
+    whole string once it has closed, else all of it but an escape still being written (or a
+    surrogate half still waiting for its pair). The standard library's C decoder does the work,
+    so each call costs one pass over the text in C, not a Python parse."""
+    try:
+        value, _ = _DECODER.raw_decode(text)
+        return value if isinstance(value, str) else ""
+    except ValueError:
+        pass
+    body = text[1:]
+    while (start := _open_escape(body)) is not None:
+        body = body[:start]
+    try:
+        return json.loads(f'"{body}"')
+    except ValueError:  # not a JSON string after all
+        return ""
+
+
+def _open_escape(body: str) -> int | None:
+    """Where an escape that cannot be decoded yet starts at the end of ``body``: a ``\\``
+    or ``\\u`` with fewer than 4 hex digits, or a whole high surrogate ``\\udXXX`` whose low
+    half has not come; None if the end is decodable."""
+    start = body.rfind("\\")
+    if start < 0:
+        return None
+    run = start - len(body[:start].rstrip("\\"))  # backslashes just before this one
+    if run % 2:  # this one is the second half of an escaped backslash
+        return None
+    escape = body[start + 1 :]
+    if not escape or (escape[0] == "u" and len(escape) < 5):
+        return start
+    if escape[0] == "u" and len(escape) == 5 and escape[1:3].lower() in ("d8", "d9", "da", "db"):
+        return start
+    return None
+
+
 def calls_of(values: list[tuple[Any, str]], args_key: str = "arguments") -> Parsed:
     """Whole JSON values as calls; a value that is no call goes to the rest as its text."""
     parsed = Parsed()
@@ -274,13 +311,13 @@ class GenericParser(ToolParser):
             parsed = calls_of(items)
             parsed.rest = _joined(parsed.rest, rest)
             return parsed
-        try:  # the reply's text grows inside the JSON string: sent as far as it is decoded
+        if body.startswith('"'):  # the reply's text grows inside the JSON string
+            return Parsed(string_prefix(body))
+        try:  # not a string (the grammar forbids it; a --tool-call-parser override may not)
             envelope = partial_loads(text, Allow.ALL)
         except Exception:  # the library raises several kinds for text that is not JSON
             envelope = None
         response = envelope.get("response") if isinstance(envelope, dict) else None
-        if isinstance(response, str):
-            return Parsed(response)
         return Parsed(json.dumps(response) if response is not None else "")
 
 

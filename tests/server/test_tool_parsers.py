@@ -236,3 +236,20 @@ def test_first_call_only_without_parallel_calls():
     assert [c.function.name for c in calls] == ["a"]
     got_content, got_calls = stream(parser, text)
     assert [c["name"] for c in got_calls.values()] == ["a"]
+
+
+@pytest.mark.parametrize("ascii_only", [True, False])
+@pytest.mark.parametrize(
+    "text", ['héllo "w" \\ / \n\t end', "emoji 😀 x", "a\\b", "\\\\", 'q"', ""]
+)
+def test_a_growing_json_string_decodes_as_prefixes(text: str, ascii_only: bool):
+    """The generic envelope's ``response`` streams as the decoded prefix of its JSON string:
+    each cut (inside an escape, between a surrogate pair's halves) gives a prefix of the next."""
+    from server.tool_parsers import string_prefix
+
+    encoded, decoded = json.dumps(text, ensure_ascii=ascii_only), ""
+    for end in range(1, len(encoded) + 1):
+        now = string_prefix(encoded[:end])
+        assert now.startswith(decoded) and text.startswith(now), encoded[:end]
+        decoded = now
+    assert decoded == text
