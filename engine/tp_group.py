@@ -11,6 +11,9 @@ Two torch.distributed groups per engine:
   steps for as long as the engine idles, so its timeout is effectively unbounded; a worker
   learns that the driver died from its parent pipe instead (``engine/tp_rank.py``).
 
+Both meet through the driver's store; for a loopback address every socket they listen on stays
+on the loopback interface (``engine/tp_rendezvous.py``).
+
 The step message goes out in one broadcast of ``FIRST_CHUNK`` int64 entries (length first),
 plus a second broadcast of the rest only when a step's metadata is larger (long prefills).
 """
@@ -18,12 +21,19 @@ plus a second broadcast of the rest only when a step's metadata is larger (long 
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from engine.step_message import StepMessage, pack_step, unpack_step
+from engine.tp_rendezvous import (
+    is_loopback,
+    open_store,
+    pin_sockets_to_loopback,
+    restore_environment,
+)
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 IDLE_TIMEOUT = datetime.timedelta(days=3650)  # workers wait for the next step indefinitely
@@ -39,6 +49,7 @@ class TensorParallelGroup:
     step_channel: object  # a gloo ProcessGroup
     _first: torch.Tensor
     closed: bool = False
+    _pinned_environment: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def is_driver(self) -> bool:
@@ -46,25 +57,51 @@ class TensorParallelGroup:
 
     @classmethod
     def join(
-        cls, *, rank: int, world_size: int, address: str, port: int, device: torch.device
+        cls,
+        *,
+        rank: int,
+        world_size: int,
+        address: str,
+        port: int,
+        device: torch.device,
+        listener: socket.socket | None = None,
     ) -> TensorParallelGroup:
         """Join (rank 0: host) the process groups at ``address:port``; blocks until every rank
-        has joined or ``COLLECTIVE_TIMEOUT`` passed."""
+        has joined or ``COLLECTIVE_TIMEOUT`` passed. A loopback ``address`` keeps every socket
+        of the groups on the loopback interface (``engine/tp_rendezvous.py``); rank 0 hosts
+        the store on ``listener`` when given (a socket bound to ``address:port``; the store
+        takes it over)."""
         if dist.is_initialized():
             raise RuntimeError(
                 "a tensor-parallel engine already runs in this process: shut it down first"
             )
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{address}:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=COLLECTIVE_TIMEOUT,
-            **({"device_id": device} if device.type == "cuda" else {}),
-        )
-        channel = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        return cls(rank, world_size, channel, torch.zeros(FIRST_CHUNK, dtype=torch.int64))
+        pinned = pin_sockets_to_loopback() if is_loopback(address) else {}
+        try:
+            store = open_store(
+                address=address,
+                port=port,
+                rank=rank,
+                world_size=world_size,
+                timeout=COLLECTIVE_TIMEOUT,
+                listener=listener,
+            )
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=COLLECTIVE_TIMEOUT,
+                **({"device_id": device} if device.type == "cuda" else {}),
+            )
+            channel = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        except BaseException:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            restore_environment(pinned)
+            raise
+        first = torch.zeros(FIRST_CHUNK, dtype=torch.int64)
+        return cls(rank, world_size, channel, first, _pinned_environment=pinned)
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest ``value`` any rank passed (every rank must call it)."""
@@ -105,4 +142,6 @@ class TensorParallelGroup:
         """Leave the groups (idempotent); the process may then join another engine's."""
         if not self.closed and dist.is_initialized():
             dist.destroy_process_group()
+        if not self.closed:
+            restore_environment(self._pinned_environment)
         self.closed = True

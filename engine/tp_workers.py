@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 from multiprocessing.connection import Connection, wait
 
 import torch
@@ -41,6 +40,7 @@ from engine.step_message import StepMessage
 from engine.tensor_parallel import shard_model, shard_shape
 from engine.tp_group import TensorParallelGroup
 from engine.tp_rank import WorkerSpec, rank_device, run_worker
+from engine.tp_rendezvous import Rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +55,6 @@ class TensorParallelError(RuntimeError):
 def local_world_size(world_size: int) -> int:
     """Ranks on this node: ``LOCAL_WORLD_SIZE`` when set (multi-node), else all of them."""
     return max(1, min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
-
-
-def rendezvous_address() -> tuple[str, int]:
-    """``MASTER_ADDR``/``MASTER_PORT`` when set (multi-node), else a free port on 127.0.0.1."""
-    address = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" in os.environ:
-        return address, int(os.environ["MASTER_PORT"])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return address, s.getsockname()[1]
 
 
 def describe_exit(code: int | None) -> str:
@@ -105,7 +95,25 @@ class TensorParallelWorkers:
         """
         world = config.tensor_parallel_size
         shard_shape(model.config, world)  # refuse before any process starts
-        address, port = rendezvous_address()
+        # A loopback rendezvous binds the store's socket now: the port is ours from here on.
+        rendezvous = Rendezvous.for_driver()
+        try:
+            return cls._start(config, model, device, rendezvous, max_model_len, share_model)
+        finally:
+            rendezvous.close()  # a no-op once the store has taken the descriptor
+
+    @classmethod
+    def _start(
+        cls,
+        config: EngineConfig,
+        model: PreTrainedModel,
+        device: torch.device,
+        rendezvous: Rendezvous,
+        max_model_len: int,
+        share_model: bool,
+    ) -> TensorParallelWorkers:
+        world = config.tensor_parallel_size
+        address, port = rendezvous.address, rendezvous.port
         ctx = mp.get_context("spawn")
         processes, pipes = {}, {}
         local = local_world_size(world)
@@ -130,7 +138,12 @@ class TensorParallelWorkers:
             model.to(own_device)
             workers._wait_loaded()
             workers.group = TensorParallelGroup.join(
-                rank=0, world_size=world, address=address, port=port, device=own_device
+                rank=0,
+                world_size=world,
+                address=address,
+                port=port,
+                device=own_device,
+                listener=rendezvous.listener,  # the store takes its descriptor over
             )
         except BaseException:
             workers.close()
