@@ -73,7 +73,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     )
     messages = conversation(body.messages, plan)
     tools = plan.tools if plan.native else None
-    prompt_ids = chat_prompt_ids(
+    prompt_ids = await chat_prompt_ids(
         state.engine,
         messages,
         "messages",

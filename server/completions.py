@@ -44,7 +44,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     refuse_unsupported(await request.read(), COMPLETION_REFUSED)
     prompts = body.prompts()
     check_sequences(state.limits.max_sequences_per_request, len(prompts), body.n)
-    prompt_ids = [tokenize_prompt(state.engine, p, "prompt") for p in prompts]
+    prompt_ids = [await tokenize_prompt(state.engine, p, "prompt") for p in prompts]
     for ids in prompt_ids:
         output_limit(state.context_limit, len(ids), body.max_tokens, "prompt")
     params = body.to_params(

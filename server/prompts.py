@@ -1,14 +1,22 @@
 """Prompts to token ids: plain prompts through the engine's tokenizer, conversations through
 the tokenizer's chat template.
 
+Both run in one worker thread (``TOKENIZER_POOL``), never on the event loop: a 1 MiB prompt
+takes the tokenizer about a second, and ``/health`` and every stream would wait that long. A
+text longer than ``max_chars`` characters is refused before any of that: no token is longer
+than the vocabulary's longest token string, so such a text cannot fit the context anyway.
+
 Message content is a string or a list of text parts; the parts' texts are joined with newlines
 (as vLLM does). The ``developer`` role is the newer name of ``system``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import asyncio
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache
+from typing import TYPE_CHECKING, TypeVar
 
 import jinja2
 
@@ -22,10 +30,53 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 TEXT_PARTS = {"text", "input_text", "output_text"}
 
 
-def tokenize_prompt(engine: AsyncEngine, prompt: str | Sequence[int], param: str) -> list[int]:
-    """Token ids of a completions prompt; bad ids or a missing tokenizer -> 400."""
+# One thread: tokenizing is CPU work on a 2-core box, and one at a time keeps a burst of huge
+# prompts from taking the engine's cores too.
+TOKENIZER_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+T = TypeVar("T")
+
+
+async def off_loop(work: Callable[[], T]) -> T:
+    """``work()`` in the tokenizer thread, awaited."""
+    return await asyncio.get_running_loop().run_in_executor(TOKENIZER_POOL, work)
+
+
+@cache
+def _longest_token_chars(tokenizer: object) -> int:
+    """Characters in the vocabulary's longest token string (its decoded text is no longer)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)  # type: ignore[attr-defined]
+
+
+def max_chars(engine: AsyncEngine) -> int | None:
+    """The most characters a text can have and still fit the context (None: no tokenizer)."""
+    tokenizer = engine.tokenizer
+    if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
+        return None
+    return _longest_token_chars(tokenizer) * engine.max_model_len
+
+
+def check_text_length(engine: AsyncEngine, chars: int, param: str) -> None:
+    """400 (``context_length_exceeded``) for a text too long to fit however it tokenizes."""
+    limit = max_chars(engine)
+    if limit is not None and chars > limit:
+        raise bad_request(
+            f"the text has {chars} characters; this model's context of {engine.max_model_len} "
+            f"tokens holds at most {limit} (its longest token is "
+            f"{limit // engine.max_model_len} characters)",
+            param,
+            "context_length_exceeded",
+        )
+
+
+async def tokenize_prompt(
+    engine: AsyncEngine, prompt: str | Sequence[int], param: str
+) -> list[int]:
+    """Token ids of a completions prompt, tokenized off the event loop; bad ids, a missing
+    tokenizer or a text that cannot fit the context -> 400."""
+    if isinstance(prompt, str):
+        check_text_length(engine, len(prompt), param)
     try:
-        return engine.tokenize(prompt)
+        return await off_loop(lambda: engine.tokenize(prompt))
     except ValueError as exc:
         raise bad_request(str(exc), param) from None
 
@@ -88,7 +139,7 @@ def check_template_flags(add_generation_prompt: bool, continue_final_message: bo
         )
 
 
-def chat_prompt_ids(
+async def chat_prompt_ids(
     engine: AsyncEngine,
     messages: list[dict],
     param: str,
@@ -111,10 +162,12 @@ def chat_prompt_ids(
     tokenizer = engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", param)
-    try:
-        extra = dict(template_kwargs or {})
-        if tools is not None:
-            extra["tools"] = tools
+    check_text_length(engine, sum(len(str(m.get("content") or "")) for m in messages), param)
+    extra = dict(template_kwargs or {})
+    if tools is not None:
+        extra["tools"] = tools
+
+    def render_and_tokenize() -> list[int]:
         text = tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=add_generation_prompt,
@@ -122,6 +175,9 @@ def chat_prompt_ids(
             tokenize=False,
             **extra,
         )
+        return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    try:
+        return await off_loop(render_and_tokenize)
     except (ValueError, jinja2.TemplateError) as exc:
         raise bad_request(f"the chat template rejected the messages: {exc}", param) from None
-    return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)

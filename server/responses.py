@@ -132,7 +132,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     names = ["instructions"] * len(system) + ["previous_response_id"] * len(history) + new_params
     messages = _template_messages(system + history + new, plan, names)
     tools = plan.tools if plan.native else None
-    prompt_ids = chat_prompt_ids(state.engine, messages, "input", tools=tools)
+    prompt_ids = await chat_prompt_ids(state.engine, messages, "input", tools=tools)
     max_tokens = output_limit(state.context_limit, len(prompt_ids), body.max_output_tokens, "input")
     params = with_tool_plan(body.to_params(max_tokens=max_tokens), plan, "text.format")
     await compile_constraint(state.engine, params, "tools" if plan.constraint else "text.format")

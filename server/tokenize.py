@@ -89,7 +89,7 @@ async def tokenize(request: web.Request) -> web.Response:
         messages = [
             chat_message(m.role, m.content, f"messages[{i}]") for i, m in enumerate(body.messages)
         ]
-        ids = chat_prompt_ids(
+        ids = await chat_prompt_ids(
             state.engine,
             messages,
             "messages",
@@ -100,7 +100,7 @@ async def tokenize(request: web.Request) -> web.Response:
     elif body.add_special_tokens is False:
         ids = list(tokenizer(body.prompt, add_special_tokens=False).input_ids)
     else:
-        ids = tokenize_prompt(state.engine, body.prompt, "prompt")  # as /v1/completions does
+        ids = await tokenize_prompt(state.engine, body.prompt, "prompt")  # as /v1/completions does
     token_strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return json_response(
         TokenizeResponse(
