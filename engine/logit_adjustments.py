@@ -9,7 +9,9 @@ generated ``c[j]`` times), in this order (vLLM's):
 3. ``frequency_penalty`` f: ``x[j] -= f * c[j]``;
 4. ``presence_penalty`` p: ``x[j] -= p`` for every ``j`` with ``c[j] > 0`` (OpenAI's rule);
 5. ``min_tokens`` m: while fewer than ``m`` tokens are generated, EOS and the request's
-   ``stop_token_ids`` are set to -inf (vLLM's rule), so they cannot be drawn.
+   ``stop_token_ids`` are set to -inf (vLLM's rule), so they cannot be drawn. Except where the
+   row's grammar allows nothing else (``guided_choice: ["yes"]`` once ``yes`` is out): there
+   the constraint wins and the request ends, short of ``m``, rather than draw from no token.
 
 Only rows that ask for one of these are touched; the sampler (greedy or not) then draws from
 the result. The logprobs a request reports stay the model's own, as vLLM's do by default.
@@ -24,6 +26,7 @@ import torch
 
 from engine.host_tensors import cpu_to_device, to_device
 from engine.request import Request
+from engine.token_mask import grammar_allows_only
 
 
 def _flat_index(token_lists: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
@@ -83,6 +86,21 @@ def _too_early(request: Request) -> bool:
     return len(request.output_token_ids) < request.params.min_tokens
 
 
+def _held_back(request: Request, eos_token_ids: Sequence[int], vocab_size: int) -> list[int]:
+    """The tokens ``min_tokens`` holds back in this row now: EOS and the stop ids while the row
+    is short of it, none when its grammar allows nothing else (the grammar must end here)."""
+    if not _too_early(request):
+        return []
+    held = [*eos_token_ids, *request.params.stop_token_ids]
+    matcher = request.matcher
+    must_check = bool(request.params.stop_token_ids)  # a stop id may be a token it requires
+    if matcher is not None and grammar_allows_only(
+        matcher, held, vocab_size, must_check=must_check
+    ):
+        return []
+    return held
+
+
 def adjust_logits(
     logits: torch.Tensor, rows: Sequence[Request], eos_token_ids: Sequence[int] = ()
 ) -> torch.Tensor:
@@ -93,10 +111,10 @@ def adjust_logits(
     One gather and one scatter of the rows that ask; within them, a row that asks only for a
     bias contributes no tokens to the penalties, and the other way round.
     """
+    vocab_size = logits.shape[1]
+    held = [_held_back(r, eos_token_ids, vocab_size) for r in rows]
     wanted = [
-        i
-        for i, r in enumerate(rows)
-        if r.params.logit_bias or r.params.has_penalties or _too_early(r)
+        i for i, r in enumerate(rows) if r.params.logit_bias or r.params.has_penalties or held[i]
     ]
     if not wanted:
         return logits
@@ -112,12 +130,9 @@ def adjust_logits(
         frequency=[p.frequency_penalty for p in chosen],
         presence=[p.presence_penalty for p in chosen],
     )
-    blocked = [
-        [*eos_token_ids, *rows[i].params.stop_token_ids] if _too_early(rows[i]) else []
-        for i in wanted
-    ]
+    blocked = [held[i] for i in wanted]
     if any(blocked):
         flat = selected.flatten()
-        flat[cpu_to_device(_flat_index(blocked, logits.shape[1]), logits.device)] = float("-inf")
+        flat[cpu_to_device(_flat_index(blocked, vocab_size), logits.device)] = float("-inf")
         selected = flat.view_as(selected)
     return logits.index_copy(0, index, selected)

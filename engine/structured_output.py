@@ -9,8 +9,11 @@ each sampled token back to the matcher.
     StructuredOutput  --compile (cached, off the engine thread)-->  CompiledGrammar
     CompiledGrammar   --one per sample-->  GrammarMatcher  --each step-->  bitmask row
 
-A constraint that xgrammar would silently weaken (a JSON-schema keyword it ignores, such as
-``uniqueItems`` or ``not``) is refused, so an accepted constraint always holds.
+A JSON schema that xgrammar would silently weaken (a keyword it ignores, such as ``uniqueItems``
+or ``pattern`` beside ``maxLength``) is refused, and one it would misread (a ``required`` key
+missing from ``properties``, ``format: date``) is rewritten into a form it holds, so an accepted
+constraint always holds: ``engine/json_schema_rules.py`` says which, and
+tests/test_schema_soundness.py checks each verdict against a JSON-schema validator.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidRequestError
+from engine.json_schema_rules import enforceable_schema
+from engine.json_schema_rules import subschemas as subschemas  # re-exported for server/tools
 
 if TYPE_CHECKING:
     import xgrammar
@@ -31,35 +35,7 @@ if TYPE_CHECKING:
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 64 * 1024  # schema, regex or grammar text; choices counted together
 MAX_CHOICES = 1024
-MAX_SCHEMA_DEPTH = 64
 GRAMMAR_CACHE_SIZE = 256
-
-# Keywords xgrammar ignores without a word: a schema using them could be violated by an output
-# that xgrammar accepts, so they are refused instead.
-UNSUPPORTED_SCHEMA_KEYWORDS = frozenset(
-    {
-        "not",
-        "if",
-        "then",
-        "else",
-        "uniqueItems",
-        "contains",
-        "minContains",
-        "maxContains",
-        "multipleOf",
-        "dependentRequired",
-        "dependentSchemas",
-        "dependencies",
-        "unevaluatedProperties",
-        "unevaluatedItems",
-        "$dynamicRef",
-        "$recursiveRef",
-    }
-)
-# Keywords whose values are schemas (or maps / lists of schemas) that the check descends into.
-_SUBSCHEMA_KEYWORDS = ("items", "additionalProperties", "propertyNames", "additionalItems")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,51 +75,33 @@ class StructuredOutput:
                 schema = json.loads(schema)
             except ValueError as exc:
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
-        check_json_schema(schema)
-        # Keys keep the caller's order: xgrammar writes an object's properties in the order the
-        # schema lists them, which is the order a pydantic model declares its fields.
-        return cls("json_schema", json.dumps(schema, ensure_ascii=False))
+        # The schema compiled is the rewritten one. Keys keep the caller's order: xgrammar
+        # writes an object's properties in the order the schema lists them, which is the order
+        # a pydantic model declares its fields.
+        return cls("json_schema", json.dumps(enforceable_schema(schema), ensure_ascii=False))
 
 
 def check_json_schema(schema: Any) -> None:
-    """Raise ValueError naming the first keyword xgrammar would ignore, with its path."""
-    if not isinstance(schema, dict | bool):
-        raise ValueError("a JSON schema must be an object (or true/false)")
-    for path, node in subschemas(schema):
-        for keyword in node:
-            if keyword in UNSUPPORTED_SCHEMA_KEYWORDS:
-                raise ValueError(
-                    f"unsupported JSON schema keyword {keyword!r} at {path}: the output could "
-                    "not be guaranteed to satisfy it"
-                )
-        all_of = node.get("allOf")
-        if all_of is not None and not (isinstance(all_of, list) and len(all_of) == 1):
-            raise ValueError(
-                f"unsupported JSON schema keyword 'allOf' at {path}: only a single-schema "
-                "allOf is supported"
-            )
+    """Raise ValueError naming the first keyword xgrammar would not hold, with its path."""
+    enforceable_schema(schema)
 
 
-def subschemas(node: Any, path: str = "schema", depth: int = 0) -> Iterator[tuple[str, dict]]:
-    """Every schema object in ``node`` with its path (``schema.properties.a.items``), the
-    objects themselves (not copies), outermost first."""
-    if not isinstance(node, dict):
-        return
-    if depth > MAX_SCHEMA_DEPTH:
-        raise ValueError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
-    yield path, node
-    for key in _SUBSCHEMA_KEYWORDS:
-        yield from subschemas(node.get(key), f"{path}.{key}", depth + 1)
-    for key in _SUBSCHEMA_MAPS:
-        children = node.get(key)
-        if isinstance(children, dict):
-            for name, child in children.items():
-                yield from subschemas(child, f"{path}.{key}.{name}", depth + 1)
-    for key in (*_SUBSCHEMA_LISTS, "allOf"):
-        children = node.get(key)
-        if isinstance(children, list):
-            for i, child in enumerate(children):
-                yield from subschemas(child, f"{path}.{key}[{i}]", depth + 1)
+# xgrammar 0.2.9 writes a length-bounded string's characters as this class, which lets raw
+# control characters (a tab, U+0000-U+001F but CR and LF) into the string: invalid JSON. The
+# class of its unbounded strings excludes them.
+_LAX_STRING_CHARACTERS = r"[^\"\\\r\n]"
+_STRING_CHARACTERS = r"[^\0-\x1f\"\\\r\n]"
+
+
+def json_schema_grammar(spec: str) -> xgrammar.Grammar:
+    """The grammar of the JSON schema text ``spec`` (one line, ``", "`` and ``": "`` between
+    items), its strings kept to valid JSON."""
+    import xgrammar
+
+    grammar = xgrammar.Grammar.from_json_schema(spec, any_whitespace=False)
+    text = str(grammar)
+    patched = text.replace(_LAX_STRING_CHARACTERS, _STRING_CHARACTERS)
+    return grammar if patched == text else xgrammar.Grammar.from_ebnf(patched)
 
 
 def _ebnf_literal(text: str) -> str:
@@ -218,7 +176,7 @@ class GrammarCompiler:
     ) -> xgrammar.CompiledGrammar:
         kind = constraint.kind
         if kind == "json_schema":
-            return compiler.compile_json_schema(constraint.spec, any_whitespace=False)
+            return compiler.compile_grammar(json_schema_grammar(constraint.spec))
         if kind == "json_object":
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if kind == "regex":
