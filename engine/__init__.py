@@ -26,9 +26,19 @@ def require_paged_serve_package(name: str) -> types.ModuleType:
 
 require_paged_serve_package("kernels")
 
-from engine.config import EngineConfig  # noqa: E402  (after the check)
-from engine.llm import LLM  # noqa: E402
-from engine.outputs import CompletionResult, RequestOutput  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+# The public names load on first use (PEP 562), so importing one light module of the engine
+# (the grammar probe process imports engine.structured_output) does not load the model stack.
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "CompletionResult": "engine.outputs",
+    "EngineConfig": "engine.config",
+    "RequestOutput": "engine.outputs",
+    "SamplingParams": "engine.sampling_params",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = ["LLM", "CompletionResult", "EngineConfig", "RequestOutput", "SamplingParams"]
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -23,7 +23,10 @@ from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
 from engine.engine_state import EngineState, StateWatch
+from engine.errors import InvalidRequestError
 from engine.forks import sample_ids
+from engine.grammar_compiles import GrammarCompiles
+from engine.grammar_probe import ProbeBudget
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStats, SnapshotCollector
 from engine.model_loader import LoadedModel
@@ -77,6 +80,20 @@ class AsyncEngine:
     ):
         self.engine = LLMEngine(config, loaded=loaded)
         self.max_waiting = max_waiting
+        grammars = self.engine.grammars
+        self.compiles = (
+            GrammarCompiles(
+                grammars,
+                ProbeBudget(
+                    cpu_s=config.grammar_compile_timeout_s,
+                    memory_bytes=config.grammar_compile_memory,
+                    fill_s=config.grammar_fill_timeout_s,
+                ),
+                config.max_pending_grammar_compiles,
+            )
+            if grammars is not None
+            else None
+        )
         self._lock = threading.Lock()  # guards the inbox and the streams; held only briefly
         self._wake = threading.Condition(self._lock)
         self._state_lock = threading.Lock()  # held by the engine thread while it steps
@@ -129,10 +146,12 @@ class AsyncEngine:
         ``/metrics`` reports, the snapshot's gauges included."""
         return self.engine.stats
 
-    def compile_grammar(self, constraint: StructuredOutput) -> object:
-        """Compile a structured-output constraint (cached; thread-safe: call it from a worker
-        thread so the event loop does not wait). Raises InvalidRequestError."""
-        return self.engine.compile_grammar(constraint)
+    async def compile_grammar(self, constraint: StructuredOutput) -> None:
+        """Compile a structured-output constraint into the engine's cache, within the budget
+        (engine/grammar_compiles.py). Raises InvalidRequestError or CompileQueueFullError."""
+        if self.compiles is None:
+            raise InvalidRequestError("structured outputs need the model's tokenizer")
+        await self.compiles.compile(constraint)
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         return self.engine.tokenize(prompt)
@@ -263,6 +282,8 @@ class AsyncEngine:
             self._aborts.extend(self._streams)
             self._wake.notify()
         self._thread.join(timeout)
+        if self.compiles is not None:
+            self.compiles.close()
         if not self._thread.is_alive():  # never pull the workers from under a running step
             self.engine.shutdown()
 

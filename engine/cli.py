@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from engine.config import ATTENTION_BACKENDS, DTYPES, QUANTIZATIONS
+from engine.config import ATTENTION_BACKENDS, DTYPES, QUANTIZATIONS, EngineConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tp_workers import TensorParallelError
@@ -66,6 +66,40 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="shard the model over this many processes (one GPU each on CUDA; gloo on CPU)",
     )
+    _add_grammar_args(parser)
+
+
+def _add_grammar_args(parser: argparse.ArgumentParser) -> None:
+    """The structured-output budgets (EngineConfig's grammar_* fields)."""
+    default = EngineConfig()
+    group = parser.add_argument_group("structured outputs")
+    group.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=default.grammar_compile_timeout_s,
+        help="CPU seconds a response_format, tools or structured_outputs constraint may take to "
+        "compile before it is refused with a 400 (default %(default)s)",
+    )
+    group.add_argument(
+        "--grammar-compile-memory",
+        type=int,
+        default=default.grammar_compile_memory >> 20,
+        help="MiB of memory that compile may grow by before it is refused (default %(default)s)",
+    )
+    group.add_argument(
+        "--max-pending-grammar-compiles",
+        type=int,
+        default=default.max_pending_grammar_compiles,
+        help="distinct constraints compiling or queued to compile; more are refused with a 503 "
+        "(default %(default)s)",
+    )
+    group.add_argument(
+        "--grammar-fill-timeout",
+        type=float,
+        default=default.grammar_fill_timeout_s,
+        help="seconds one request's grammar mask may take to compute per token; a request "
+        "past it fails alone (default %(default)s)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -85,6 +119,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,
         cpu_decode_kernel=not args.no_cpu_decode_kernel,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
+        grammar_compile_memory=args.grammar_compile_memory << 20,
+        max_pending_grammar_compiles=args.max_pending_grammar_compiles,
+        grammar_fill_timeout_s=args.grammar_fill_timeout,
     )
 
 

@@ -33,6 +33,14 @@ class EngineConfig:
     the C kernel that reads the paged cache in place (``kernels/cpu_decode_attention.py``, built
     at first use); False keeps torch's gather and SDPA, whose bits equal Hugging Face's sdpa
     attention (the kernel's differ by fp32 rounding; fp32 greedy tokens still equal HF's).
+    grammar_compile_timeout_s: CPU seconds one structured-output constraint may take to compile
+    (and to walk a few tokens) before the server refuses it with a 400
+    (``engine/grammar_compiles.py``).
+    grammar_compile_memory: bytes of memory that compile may grow by before it is refused.
+    max_pending_grammar_compiles: distinct constraints compiling or waiting to compile; a new one
+    beyond is refused with a 503 (identical constraints share one compile).
+    grammar_fill_timeout_s: seconds one row's grammar mask may take to fill at a step; a request
+    whose mask takes longer fails alone (``engine/token_mask.py``).
     """
 
     model: str | None = None
@@ -51,8 +59,19 @@ class EngineConfig:
     seed: int | None = None
     tensor_parallel_size: int = 1
     cpu_decode_kernel: bool = True
+    grammar_compile_timeout_s: float = 10.0
+    grammar_compile_memory: int = 1 << 30
+    max_pending_grammar_compiles: int = 16
+    grammar_fill_timeout_s: float = 0.1
 
     def __post_init__(self) -> None:
+        for name in ("grammar_compile_timeout_s", "grammar_fill_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be finite seconds > 0, got {value}")
+        for name in ("grammar_compile_memory", "max_pending_grammar_compiles"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "

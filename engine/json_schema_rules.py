@@ -45,6 +45,10 @@ from engine.schema_patterns import enforceable_pattern
 
 MAX_SCHEMA_DEPTH = 64
 MAX_MULTIPLE_OF = 1024  # xgrammar ignores a larger multipleOf
+# Properties one object may list: xgrammar compiles an object in about N^2.3 time in its
+# properties (1,000: about 3 CPU-seconds on a 2-core x86 box); beyond this the schema is
+# refused before compiling. The compile budget (engine/grammar_probe.py) bounds the rest.
+MAX_OBJECT_PROPERTIES = 1024
 
 # Validation keywords xgrammar ignores or cannot honour, refused wherever they appear.
 REFUSED_KEYWORDS = frozenset(
@@ -319,6 +323,11 @@ def _number_problem(node: dict) -> tuple[str, str] | None:
 
 def _object_problem(node: dict) -> tuple[str, str] | None:
     listed = node.get("properties") or {}
+    if isinstance(listed, dict) and len(listed) > MAX_OBJECT_PROPERTIES:
+        return "properties", (
+            f"{len(listed)} properties in one object; at most {MAX_OBJECT_PROPERTIES} (its "
+            "grammar's compile time grows faster than the square of that number)"
+        )
     patterned = node.get("patternProperties") or {}
     extra = node.get("additionalProperties")
     open_extra = extra is True or isinstance(extra, dict)  # absent is closed (strict mode)

@@ -126,6 +126,9 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; the engine cannot step after)."""
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.masks.shutdown()
         if self.tp is not None:
             self.tp.close()
 
@@ -312,6 +315,10 @@ class LLMEngine:
         token = result.token_ids[i]
         if req.params.max_tokens == 0:  # scoring only: the prompt is done, nothing to generate
             return self._finish(live, "length", now=now)
+        failure = result.failed.get(req.request_id)
+        if failure is not None:  # its grammar mask outran the budget (engine/token_mask.py)
+            logger.warning("request %s: %s", req.request_id, failure)
+            return self._finish(live, "error", now=now, error=failure)
         if token == INVALID_TOKEN:
             # The sampler found no usable logit in the row (NaN, +inf, or nothing finite):
             # fail the request rather than emit an arbitrary token.

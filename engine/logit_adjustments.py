@@ -26,7 +26,7 @@ import torch
 
 from engine.host_tensors import cpu_to_device, to_device
 from engine.request import Request
-from engine.token_mask import grammar_allows_only
+from engine.token_mask import allows_only
 
 
 def _flat_index(token_lists: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
@@ -86,33 +86,39 @@ def _too_early(request: Request) -> bool:
     return len(request.output_token_ids) < request.params.min_tokens
 
 
-def _held_back(request: Request, eos_token_ids: Sequence[int], vocab_size: int) -> list[int]:
+def _held_back(
+    request: Request, eos_token_ids: Sequence[int], mask_row: torch.Tensor | None, vocab: int
+) -> list[int]:
     """The tokens ``min_tokens`` holds back in this row now: EOS and the stop ids while the row
-    is short of it, none when its grammar allows nothing else (the grammar must end here)."""
+    is short of it, none when its grammar mask (``mask_row``, ``int32 [ceil(V / 32)]``) allows
+    nothing else (the grammar must end here)."""
     if not _too_early(request):
         return []
     held = [*eos_token_ids, *request.params.stop_token_ids]
-    matcher = request.matcher
-    must_check = bool(request.params.stop_token_ids)  # a stop id may be a token it requires
-    if matcher is not None and grammar_allows_only(
-        matcher, held, vocab_size, must_check=must_check
-    ):
+    if request.matcher is not None and mask_row is not None and allows_only(mask_row, held, vocab):
         return []
     return held
 
 
 def adjust_logits(
-    logits: torch.Tensor, rows: Sequence[Request], eos_token_ids: Sequence[int] = ()
+    logits: torch.Tensor,
+    rows: Sequence[Request],
+    eos_token_ids: Sequence[int] = (),
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``logits`` ``[len(rows), V]`` with each row's logit bias, then penalties, then its
     ``min_tokens`` block of EOS and stop ids applied; ``logits`` itself when no row asks for
     any of them (the common case costs nothing).
 
     One gather and one scatter of the rows that ask; within them, a row that asks only for a
-    bias contributes no tokens to the penalties, and the other way round.
+    bias contributes no tokens to the penalties, and the other way round. ``mask`` is the
+    step's grammar mask ``int32 [len(rows), ceil(V / 32)]`` (engine/token_mask.py), if any.
     """
     vocab_size = logits.shape[1]
-    held = [_held_back(r, eos_token_ids, vocab_size) for r in rows]
+    held = [
+        _held_back(r, eos_token_ids, None if mask is None else mask[i], vocab_size)
+        for i, r in enumerate(rows)
+    ]
     wanted = [
         i for i, r in enumerate(rows) if r.params.logit_bias or r.params.has_penalties or held[i]
     ]

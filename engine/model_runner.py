@@ -33,7 +33,7 @@ from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import ScheduledBatch
 from engine.step_inputs import StepInputs, flatten_step
 from engine.step_message import STEP, StepMessage
-from engine.token_mask import fill_token_bitmask
+from engine.token_mask import MaskFiller
 
 if TYPE_CHECKING:
     from engine.tp_group import TensorParallelGroup
@@ -55,6 +55,8 @@ class StepResult:
     top_logprobs: list[list[tuple[int, float]]]
     # Per request id: the prompt tokens this step scored (requests that asked for them only).
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # Per request id: why its row could not sample this step (its token is not to be used).
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,7 @@ class LaunchedStep:
     logprobs: torch.Tensor | None
     top: tuple[torch.Tensor, torch.Tensor] | None
     prompt_scores: PromptScores | None = None
+    failed: dict[str, str] = field(default_factory=dict)
 
     def read(self) -> StepResult:
         """Wait for the device and return the step's results as Python values."""
@@ -78,7 +81,8 @@ class LaunchedStep:
         if self.top is not None:
             values, indices = self.top
             top = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
-        return StepResult(self.request_ids, token_ids, self.logprobs.tolist(), top, prompt)
+        logprobs = self.logprobs.tolist()
+        return StepResult(self.request_ids, token_ids, logprobs, top, prompt, self.failed)
 
 
 class ModelRunner:
@@ -117,6 +121,7 @@ class ModelRunner:
             self.backend_name, group_alone=group_alone, decode_kernel=config.cpu_decode_kernel
         )
         self.sampler = Sampler(self.backend_name)
+        self.masks = MaskFiller(config.grammar_fill_timeout_s)
         budget = kv_budget_bytes(config, device)
         if tp is not None:  # equal blocks on every rank: the smallest budget decides
             budget = tp.min_over_ranks(budget)
@@ -273,14 +278,15 @@ class ModelRunner:
         if self.tp is not None:  # the workers run the same copies and forward on their shards
             self.tp.send_step(StepMessage(STEP, batch.block_copies, inputs))
         self._copy_blocks(batch.block_copies)
-        logits, prompt_scores = self.forward(inputs, plan_prompt_scoring(batch, inputs.cu_seqlens))
         rows = sampling_rows(batch)
+        # The grammar masks fill on the filler's threads while the forward runs.
+        pending_mask = self.masks.start(rows, self.vocab_size)
+        logits, prompt_scores = self.forward(inputs, plan_prompt_scoring(batch, inputs.cu_seqlens))
+        host_mask, late = pending_mask.wait()
         if logits is None:
             return LaunchedStep([], None, None, None, prompt_scores)
         logits = logits.float()  # [num_sampled, V]
-        # Filled here, after the forward is queued: on a GPU the host fills masks meanwhile.
-        host_mask = fill_token_bitmask(rows, self.vocab_size)
-        adjusted = adjust_logits(logits, rows, self.eos_token_ids)
+        adjusted = adjust_logits(logits, rows, self.eos_token_ids, host_mask)
         mask = cpu_to_device(host_mask, self.device) if host_mask is not None else None
         tokens, logprobs = self.sampler(adjusted, self.sampling_batch(rows), mask)
         if adjusted is not logits or mask is not None:
@@ -290,7 +296,9 @@ class ModelRunner:
             logprobs = torch.log_softmax(logits, dim=-1).gather(1, safe).squeeze(1)
         k = max((r.params.logprobs or 0) for r in rows)
         top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1) if k > 0 else None
-        return LaunchedStep([r.request_id for r in rows], tokens, logprobs, top, prompt_scores)
+        failed = {rows[i].request_id: message for i, message in late.items()}
+        ids = [r.request_id for r in rows]
+        return LaunchedStep(ids, tokens, logprobs, top, prompt_scores, failed)
 
     def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
         if block_copies:

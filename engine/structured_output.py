@@ -36,6 +36,9 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 64 * 1024  # schema, regex or grammar text; choices counted together
 MAX_CHOICES = 1024
 GRAMMAR_CACHE_SIZE = 256
+# xgrammar's compile threads: one, so a compile never takes more than one core from the engine
+# (it defaults to 8, which on a 2-core machine starved the engine thread).
+COMPILE_THREADS = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +134,7 @@ class GrammarCompiler:
         self._vocab_size = vocab_size
         self._stop_token_ids = stop_token_ids
         self._compiler: xgrammar.GrammarCompiler | None = None
+        self._info: xgrammar.TokenizerInfo | None = None
         self._cache: OrderedDict[StructuredOutput, xgrammar.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -139,13 +143,27 @@ class GrammarCompiler:
             if self._compiler is None:
                 import xgrammar  # imported on first use: it takes ~1.5 s
 
-                info = xgrammar.TokenizerInfo.from_huggingface(
+                self._info = xgrammar.TokenizerInfo.from_huggingface(
                     self._tokenizer,
                     vocab_size=self._vocab_size,
                     stop_token_ids=self._stop_token_ids,
                 )
-                self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+                self._compiler = xgrammar.GrammarCompiler(
+                    self._info, max_threads=COMPILE_THREADS, cache_enabled=False
+                )
             return self._compiler
+
+    def is_cached(self, constraint: StructuredOutput) -> bool:
+        """Whether ``compile(constraint)`` would return at once."""
+        with self._lock:
+            return constraint in self._cache
+
+    def tokenizer_info_json(self) -> str:
+        """The tokenizer's vocabulary as xgrammar indexes it, serialized (about 1.6 MB for a
+        49k vocabulary): what a compiler in another process starts from."""
+        self._xgrammar()
+        assert self._info is not None
+        return self._info.serialize_json()
 
     def compile(self, constraint: StructuredOutput) -> xgrammar.CompiledGrammar:
         """The compiled grammar (cached). Raises InvalidRequestError when it does not compile
@@ -155,13 +173,7 @@ class GrammarCompiler:
             if compiled is not None:
                 self._cache.move_to_end(constraint)
                 return compiled
-        compiler = self._xgrammar()
-        try:
-            compiled = self._compile(compiler, constraint)
-        except (RuntimeError, ValueError) as exc:
-            raise InvalidRequestError(
-                f"the {constraint.kind} constraint is invalid: {_clean_error(exc)}"
-            ) from None
+        compiled = compile_constraint(self._xgrammar(), constraint)
         if not _admits_something(compiled, self._vocab_size):
             raise InvalidRequestError(f"the {constraint.kind} constraint admits no output")
         with self._lock:
@@ -170,11 +182,19 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return compiled
 
-    @staticmethod
-    def _compile(
-        compiler: xgrammar.GrammarCompiler, constraint: StructuredOutput
-    ) -> xgrammar.CompiledGrammar:
-        kind = constraint.kind
+    def matcher(self, compiled: xgrammar.CompiledGrammar) -> xgrammar.GrammarMatcher:
+        """A fresh matcher for one sequence."""
+        import xgrammar
+
+        return xgrammar.GrammarMatcher(compiled)
+
+
+def compile_constraint(
+    compiler: xgrammar.GrammarCompiler, constraint: StructuredOutput
+) -> xgrammar.CompiledGrammar:
+    """``constraint`` compiled by ``compiler``; InvalidRequestError when it does not compile."""
+    kind = constraint.kind
+    try:
         if kind == "json_schema":
             return compiler.compile_grammar(json_schema_grammar(constraint.spec))
         if kind == "json_object":
@@ -185,12 +205,9 @@ class GrammarCompiler:
             alternatives = " | ".join(_ebnf_literal(c) for c in constraint.choices)
             return compiler.compile_grammar(f"root ::= {alternatives}")
         return compiler.compile_grammar(constraint.spec)
-
-    def matcher(self, compiled: xgrammar.CompiledGrammar) -> xgrammar.GrammarMatcher:
-        """A fresh matcher for one sequence."""
-        import xgrammar
-
-        return xgrammar.GrammarMatcher(compiled)
+    except (RuntimeError, ValueError) as exc:
+        message = f"the {kind} constraint is invalid: {_clean_error(exc)}"
+        raise InvalidRequestError(message) from None
 
 
 def _admits_something(compiled: xgrammar.CompiledGrammar, vocab_size: int) -> bool:

@@ -11,21 +11,22 @@ Accepted forms (at most one per request; the engine guarantees the output matche
 * vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``.
 
 A malformed or unsupported constraint is a 400 naming the field; compiling it (which can take a
-while for a large schema) runs in a worker thread before the request is queued, so an invalid
-grammar is refused before any work and the engine thread only ever meets a cached grammar.
+while for a large schema) runs off the event loop, within the engine's budget, before the
+request is queued (engine/grammar_compiles.py), so an invalid or too costly grammar is refused
+before any work and the engine thread only ever meets a cached grammar.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import msgspec
 
 from engine.errors import InvalidRequestError
+from engine.grammar_compiles import CompileQueueFullError
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
-from server.errors import bad_request
+from server.errors import SERVER_ERROR, APIError, bad_request
 from server.response_objects import TextFormat
 
 JsonSchema = dict[str, Any] | bool
@@ -148,11 +149,17 @@ def from_guided_fields(
 
 
 async def compile_constraint(engine: Any, params: SamplingParams, param: str) -> None:
-    """Compile the output constraint of ``params``, if any, in a worker thread (the engine
-    caches it); a grammar that does not compile, or admits nothing, is a 400 on ``param``."""
+    """Compile the output constraint of ``params``, if any, off the event loop and within the
+    engine's budget (engine/grammar_compiles.py; the engine caches it): a grammar that does not
+    compile, admits nothing or is too costly is a 400 on ``param``; a full compile queue is a
+    503."""
     if params.structured_output is None:
         return
     try:
-        await asyncio.to_thread(engine.compile_grammar, params.structured_output)
+        await engine.compile_grammar(params.structured_output)
     except InvalidRequestError as exc:
         raise bad_request(str(exc), param) from None
+    except CompileQueueFullError as exc:
+        raise APIError(
+            503, f"the server is overloaded: {exc}", type=SERVER_ERROR, code="queue_full"
+        ) from None
