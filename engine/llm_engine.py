@@ -128,7 +128,7 @@ class LLMEngine:
         """Stop the tensor-parallel workers, if any (idempotent; the engine cannot step after)."""
         runner = getattr(self, "runner", None)
         if runner is not None:
-            runner.masks.shutdown()
+            runner.sampler.shutdown()
         if self.tp is not None:
             self.tp.close()
 

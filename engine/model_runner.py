@@ -22,18 +22,15 @@ from engine.config import EngineConfig
 from engine.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
 from engine.forks import sampling_rows
 from engine.host_malloc import keep_freed_memory
-from engine.host_tensors import cpu_to_device, to_device
+from engine.host_tensors import to_device
 from engine.kv_cache import KVCache, kv_budget_bytes
-from engine.logit_adjustments import adjust_logits
 from engine.model_body import ModelBody
 from engine.outputs import TokenLogprob
 from engine.prompt_logprobs import PromptScores, PromptScoring, plan_prompt_scoring, score_prompt
-from engine.request import Request
-from engine.sampler import Sampler, SamplingBatch
+from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch
 from engine.step_inputs import StepInputs, flatten_step
 from engine.step_message import STEP, StepMessage
-from engine.token_mask import MaskFiller
 
 if TYPE_CHECKING:
     from engine.tp_group import TensorParallelGroup
@@ -120,8 +117,12 @@ class ModelRunner:
         self.backend = make_backend(
             self.backend_name, group_alone=group_alone, decode_kernel=config.cpu_decode_kernel
         )
-        self.sampler = Sampler(self.backend_name)
-        self.masks = MaskFiller(config.grammar_fill_timeout_s)
+        self.sampler = Sampler(
+            self.backend_name,
+            device=device,
+            eos_token_ids=eos_token_ids,
+            fill_timeout_s=config.grammar_fill_timeout_s,
+        )
         budget = kv_budget_bytes(config, device)
         if tp is not None:  # equal blocks on every rank: the smallest budget decides
             budget = tp.min_over_ranks(budget)
@@ -256,21 +257,6 @@ class ModelRunner:
         rows = self._tensor(inputs.logit_rows, torch.long)
         return self.model.get_output_embeddings()(hidden.index_select(0, rows))
 
-    def sampling_batch(self, rows: list[Request]) -> SamplingBatch:
-        params = [r.params for r in rows]
-        return SamplingBatch(
-            temperature=self._tensor([p.temperature for p in params], torch.float32),
-            # top-k of 0 or at least the vocabulary is no top-k: never overflow the int32 row.
-            top_k=self._tensor(
-                [min(max(p.top_k, 0), self.vocab_size) for p in params], torch.int32
-            ),
-            top_p=self._tensor([p.top_p for p in params], torch.float32),
-            min_p=self._tensor([p.min_p for p in params], torch.float32),
-            seeds=self._tensor([r.seed for r in rows], torch.int64),
-            steps=self._tensor([len(r.output_token_ids) for r in rows], torch.int64),
-            all_greedy=all(p.greedy for p in params),
-        )
-
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> LaunchedStep:
         """Queue the step's device work: copy-on-write, forward, sampling. Never syncs."""
@@ -279,26 +265,16 @@ class ModelRunner:
             self.tp.send_step(StepMessage(STEP, batch.block_copies, inputs))
         self._copy_blocks(batch.block_copies)
         rows = sampling_rows(batch)
-        # The grammar masks fill on the filler's threads while the forward runs.
-        pending_mask = self.masks.start(rows, self.vocab_size)
+        draw = self.sampler.begin(rows, self.vocab_size)  # grammar masks fill during the forward
         logits, prompt_scores = self.forward(inputs, plan_prompt_scoring(batch, inputs.cu_seqlens))
-        host_mask, late = pending_mask.wait()
-        if logits is None:
+        sampled = draw.finish(logits)
+        if sampled is None:
             return LaunchedStep([], None, None, None, prompt_scores)
-        logits = logits.float()  # [num_sampled, V]
-        adjusted = adjust_logits(logits, rows, self.eos_token_ids, host_mask)
-        mask = cpu_to_device(host_mask, self.device) if host_mask is not None else None
-        tokens, logprobs = self.sampler(adjusted, self.sampling_batch(rows), mask)
-        if adjusted is not logits or mask is not None:
-            # report the model's own logprobs, before bias, penalties and the grammar mask
-            # (an INVALID_TOKEN row reads index 0: that request fails, its logprob is unused)
-            safe = tokens.clamp(min=0)[:, None]
-            logprobs = torch.log_softmax(logits, dim=-1).gather(1, safe).squeeze(1)
-        k = max((r.params.logprobs or 0) for r in rows)
-        top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1) if k > 0 else None
-        failed = {rows[i].request_id: message for i, message in late.items()}
+        failed = {rows[i].request_id: message for i, message in sampled.failed.items()}
         ids = [r.request_id for r in rows]
-        return LaunchedStep(ids, tokens, logprobs, top, prompt_scores, failed)
+        return LaunchedStep(
+            ids, sampled.tokens, sampled.logprobs, sampled.top, prompt_scores, failed
+        )
 
     def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
         if block_copies:

@@ -67,7 +67,7 @@ def forced_agreement(
     wrapped for the call and restored after.
     """
     runner = engine.runner
-    launch, sampler = runner.launch, runner.sampler
+    launch, draw = runner.launch, runner.sampler.draw
     index: dict[str, int] = {}
     rows: list[Any] = []
     result = ForcedAgreement()
@@ -77,7 +77,7 @@ def forced_agreement(
         return launch(batch, block_tables)
 
     def sample_then_force(logits: torch.Tensor, batch: Any, mask: Any) -> Any:
-        tokens, logprobs = sampler(logits, batch, mask)
+        tokens, logprobs = draw(logits, batch, mask)
         for i, row in enumerate(rows):
             request, position = index[row.request_id], len(row.output_token_ids)
             wanted = references[request][position]
@@ -89,7 +89,7 @@ def forced_agreement(
             tokens[i] = wanted
         return tokens, logprobs
 
-    runner.launch, runner.sampler = launch_noting_rows, sample_then_force
+    runner.launch, runner.sampler.draw = launch_noting_rows, sample_then_force
     try:
         for i, (prompt, reference) in enumerate(zip(prompts, references, strict=True)):
             params = SamplingParams(max_tokens=len(reference), temperature=0.0, ignore_eos=True)
@@ -103,7 +103,7 @@ def forced_agreement(
             engine.abort(request_id)
         raise
     finally:
-        runner.launch, runner.sampler = launch, sampler
+        runner.launch, runner.sampler.draw = launch, draw
     return result, outputs
 
 

@@ -93,14 +93,15 @@ def test_a_row_without_a_usable_logit_fails_that_request_alone(model):
     engine.add_request(PROMPTS[0], GREEDY, "bad")
     engine.add_request(PROMPTS[1], GREEDY, "good")
     sampler = engine.runner.sampler
+    draw = sampler.draw
 
     def poisoned(logits, batch, token_mask=None):
-        tokens, logprobs = sampler(logits, batch, token_mask)
+        tokens, logprobs = draw(logits, batch, token_mask)
         tokens[0] = INVALID_TOKEN  # "bad" is the first row of the first step
-        engine.runner.sampler = sampler
+        sampler.draw = draw
         return tokens, logprobs
 
-    engine.runner.sampler = poisoned
+    sampler.draw = poisoned
     outs = run(engine)
     [bad] = outs["bad"]
     assert bad.finish_reason == "error" and "non-finite" in bad.error

@@ -154,10 +154,10 @@ def test_sampler_gives_minus_one_for_non_finite_rows(backend, temperature):
         )
 
     sampler = Sampler(backend)
-    tokens, logprobs = sampler(logits, batch(4))
+    tokens, logprobs = sampler.draw(logits, batch(4))
     assert tokens[1:].tolist() == [-1, -1, -1]
     assert logprobs[1:].isnan().all()
-    alone, alone_logprob = sampler(logits[:1], batch(1))
+    alone, alone_logprob = sampler.draw(logits[:1], batch(1))
     assert tokens[0] == alone[0] >= 0 and logprobs[0] == alone_logprob[0]
     if temperature == 0:
         assert tokens[0] == logits[0].argmax()
