@@ -1,5 +1,5 @@
 """Decode attention on the CPU: the C kernel (``kernels/cpu_decode_attention.py``) against the
-torch path it replaced (the plan's gather and SDPA, ``engine/cpu_attention.py``).
+torch path (the plan's gather and SDPA, ``engine/cpu_attention.py``).
 
 ``python -m perf.bench_cpu_attention [--rows 1 8 24] [--contexts 128 512] [--rounds 9]``
 

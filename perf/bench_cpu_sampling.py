@@ -2,8 +2,9 @@
 
 ``python -m perf.bench_cpu_sampling [--vocab 49152] [--batches 1 8 24] [--rounds 9]``
 
-Before ``engine/eager_sampling.py`` the engine's CPU sampler ran ``reference.sample_ref``, which
-sorts every row twice and searches every token's place whatever the row asks for. This times
+``reference.sample_ref`` (the oracle the draw is proved against) sorts every row twice and
+searches every token's place whatever the row asks for; ``engine/eager_sampling.py`` computes
+only the filters a row asks for. This times
 both on the same logits, uniforms and filters (a seed per row, temperature 0.8 unless the mix
 says otherwise), checks that they give the same tokens and logprobs, and prints each one's
 median time and the ratio. Mixes: the OpenAI default (temperature 1, no filter), top_k=50,

@@ -5,7 +5,7 @@ alone (``LLMEngine.step`` in a loop, no server) on the default model with ``stre
 decoding together, and reports per decode step (p50 over the steps, in ms): the whole step, the
 forward (``ModelRunner.forward``: the model body and the LM head) and the rest (scheduling,
 sampling, detokenizing, stop checks). A mode is a dtype, optionally ``+int8`` or ``+int4``
-(weight-only), ``+unfused`` (q/k/v and gate/up as separate GEMMs, the layout before fusion),
+(weight-only), ``+unfused`` (q/k/v and gate/up as separate GEMMs, Hugging Face's layout),
 ``+plain`` (projections as plain ``F.linear``, without engine/cpu_linears.py), ``+hf`` (Hugging
 Face's own forward instead of engine/model_body.py), ``+hflayout`` (a quantized model's lone
 decode row in HF's attention layout, as unquantized ones) or ``+gather`` (decode rows attended
@@ -45,7 +45,7 @@ def measure(mode: str, streams: int, threads: int | None) -> dict:
         torch.set_num_threads(threads)
     dtype_name, *flags = mode.split("+")
     if "unfused" in flags:
-        model_prep.fuse_projections = lambda model: 0  # the layout before fusion, for the A/B
+        model_prep.fuse_projections = lambda model: 0  # separate GEMMs, for the A/B
     if "plain" in flags:
         model_prep.speed_up_cpu_linears = lambda model: 0  # plain F.linear, for the A/B
     loaded = load_model(None, dtype=getattr(torch, dtype_name), device=torch.device("cpu"))
