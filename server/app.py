@@ -13,7 +13,9 @@ Routes::
 Every failure leaves as the OpenAI error object (``server.errors``): the error middleware
 catches our APIError, aiohttp's HTTP exceptions (unknown route 404, wrong method 405, body over
 ``client_max_size`` 413) and anything unexpected (500 with a generic message; the traceback goes
-to the log, never to the client). With API keys set, every ``/v1`` route needs
+to the log, never to the client). Then the browser guard refuses what a web page could make a
+visitor's browser send - a rebound Host, a cross-site Origin, a body that is not JSON
+(``server.browser_guard``). With API keys set, every ``/v1`` route needs
 ``Authorization: Bearer <key>``, and so do the tokenizer routes; ``/health`` and ``/metrics``
 stay open. Then the body
 middleware reads the whole body within ``ServerLimits.body_timeout_s`` (408 and the connection
@@ -25,7 +27,8 @@ its engine requests (background responses run in tasks of their own, which it do
 on shutdown every background response is cancelled and every other request in flight aborted,
 so each stream ends with a final frame before the server closes. It closes a connection that
 takes longer than ``header_timeout_s`` to send a request head, and accepts connections through
-the guard.
+the guard, which also aborts a connection whose client stops reading for
+``write_timeout_s``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from aiohttp import web
 
 from engine.async_engine import AsyncEngine
 from server.background import BACKGROUND, BackgroundRuns
+from server.browser_guard import browser_guard_middleware
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.connections import ConnectionGuard, GuardedRunner
@@ -162,7 +166,7 @@ def create_app(
         raise ValueError("API keys must be non-empty strings")
     limits = limits or ServerLimits()
     app = web.Application(
-        middlewares=[error_middleware, auth_middleware, body_middleware],
+        middlewares=[error_middleware, browser_guard_middleware, auth_middleware, body_middleware],
         client_max_size=limits.max_request_bytes,
     )
     app[STATE] = ServerState(
@@ -170,7 +174,7 @@ def create_app(
         served_model_name=served_model_name or engine.model_name,
         limits=limits,
         store=ResponseStore(limits.max_stored_responses, limits.max_response_store_bytes),
-        connections=ConnectionGuard(limits.max_connections),
+        connections=ConnectionGuard(limits.max_connections, write_timeout_s=limits.write_timeout_s),
         api_key_hashes=tuple(key_hash(k) for k in api_keys),
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
@@ -202,7 +206,8 @@ def make_runner(app: web.Application, *, shutdown_timeout: float = 10.0) -> web.
     * closes a connection that has not sent a complete request head ``header_timeout_s``
       after it opened or its previous response ended (aiohttp's ``keepalive_timeout`` is that
       deadline: it closes a connection whose next request has not been parsed by then);
-    * accepts connections through the app's connection guard (``max_connections``).
+    * accepts connections through the app's connection guard (``max_connections``, and
+      ``write_timeout_s`` for a client that stops reading).
     """
     state = app[STATE]
     return GuardedRunner(

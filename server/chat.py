@@ -7,7 +7,8 @@ and one more chunk with ``"choices": []`` carries the usage. A choice's role del
 its first output, not before the prefill: benchmark clients that start the time-to-first-token
 clock at the first chunk then measure the real TTFT.
 
-vLLM's ``prompt_logprobs`` adds a ``prompt_logprobs`` list to the (non-streamed) object.
+vLLM's ``prompt_logprobs`` adds a ``prompt_logprobs`` list to the (non-streamed) object,
+bounded by ``--max-prompt-logprob-entries`` and built in the tokenizer thread.
 
 vLLM's chat template flags go to the template: ``add_generation_prompt`` false renders the
 conversation without a new assistant turn, and ``continue_final_message`` leaves the last
@@ -40,8 +41,13 @@ from server.completion_objects import (
     ChatDelta,
 )
 from server.generation import Generation, Job, start_generation
-from server.logprobs import ChatLogprobs, chat_logprobs, prompt_logprobs
-from server.prompts import chat_prompt_ids, message_text
+from server.logprobs import (
+    ChatLogprobs,
+    chat_logprobs,
+    check_prompt_logprobs_size,
+    prompt_logprobs,
+)
+from server.prompts import chat_prompt_ids, message_text, off_loop
 from server.protocol import ChatCompletionRequest, read_request
 from server.reasoning import REASONING_PARSERS, Qwen3ReasoningParser, ReasoningStream
 from server.reply import ChoiceReply
@@ -59,7 +65,7 @@ from server.tools import (
     with_tool_plan,
 )
 from server.unsupported_fields import CHAT_REFUSED, refuse_unsupported
-from server.wire import json_response
+from server.wire import encode, json_response
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
@@ -87,6 +93,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         tail = state.engine.tokenizer.decode(prompt_ids[-8:])
         reasoning = REASONING_PARSERS[state.reasoning_parser](tail)
     max_tokens = output_limit(state.context_limit, len(prompt_ids), body.output_limit, "messages")
+    if body.prompt_logprobs is not None:
+        limit = state.limits.max_prompt_logprob_entries
+        check_prompt_logprobs_size(limit, len(prompt_ids), body.prompt_logprobs)
     params = body.to_params(
         state.engine.vocab_size,
         max_tokens=max_tokens,
@@ -165,12 +174,18 @@ class ChatReply(ChoiceReply):
                 )
             )
         reply = self.whole(ChatCompletion, choices, generation)
-        if self.body.prompt_logprobs is not None:  # the same prompt for every choice
-            scored = collected[0].prompt_logprobs
-            reply.prompt_logprobs = prompt_logprobs(tokenizer, scored, self.body.prompt_logprobs)
         if self.return_token_ids:
             reply.prompt_token_ids = self.prompt_ids
-        return json_response(reply)
+        top = self.body.prompt_logprobs
+        if top is None:
+            return json_response(reply)
+        scored = collected[0].prompt_logprobs  # the same prompt for every choice
+
+        def build() -> bytes:
+            reply.prompt_logprobs = prompt_logprobs(tokenizer, scored, top)
+            return encode(reply)
+
+        return json_response(await off_loop(build))  # up to megabytes: off the event loop
 
     def _chunk(
         self,

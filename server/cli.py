@@ -127,6 +127,41 @@ def _add_limit_args(parser: argparse.ArgumentParser) -> None:
         help="open connections; at the cap a new one closes the longest-idle one, or gets 503 "
         "if all are running requests (default %(default)s)",
     )
+    group.add_argument(
+        "--write-timeout",
+        type=float,
+        default=default.write_timeout_s,
+        help="seconds a response write may wait on a client that takes none of it; then the "
+        "connection is closed and its requests aborted (default %(default)s)",
+    )
+    group.add_argument(
+        "--max-unsent-bytes",
+        type=int,
+        default=default.max_unsent_bytes,
+        help="bytes of a stream produced but not yet taken by its client; beyond, its requests "
+        "are aborted and the connection closed (default %(default)s)",
+    )
+    group.add_argument(
+        "--max-prompt-logprob-entries",
+        type=int,
+        default=default.max_prompt_logprob_entries,
+        help="entries a reply's prompt_logprobs may hold, prompt tokens x (prompt_logprobs + 1) "
+        "over its choices (400 beyond; default %(default)s)",
+    )
+    group.add_argument(
+        "--allowed-hosts",
+        type=_host_list,
+        default=default.allowed_hosts,
+        metavar="NAMES",
+        help="comma-separated host names a request's Host may carry besides localhost and "
+        "loopback addresses when serving on loopback, and Origin hosts trusted besides the "
+        "server's own; '*' turns both checks off (default: none)",
+    )
+
+
+def _host_list(value: str) -> tuple[str, ...]:
+    """``--allowed-hosts a.example,b.example`` as a tuple of names."""
+    return tuple(name for name in value.split(",") if name.strip())
 
 
 # ServerLimits field -> its flag
@@ -138,6 +173,10 @@ LIMIT_FLAGS = {
     "header_timeout_s": "--header-timeout",
     "body_timeout_s": "--body-timeout",
     "max_connections": "--max-connections",
+    "write_timeout_s": "--write-timeout",
+    "max_unsent_bytes": "--max-unsent-bytes",
+    "max_prompt_logprob_entries": "--max-prompt-logprob-entries",
+    "allowed_hosts": "--allowed-hosts",
 }
 
 

@@ -5,7 +5,9 @@ each choice's text (in a stream, as the first chunk of each choice, sent with it
 output); with ``logprobs`` the prompt's tokens come first in ``logprobs``, scored by the model
 (the first one ``null``), which is how evaluation harnesses score a continuation. With
 ``max_tokens`` 0 nothing is generated: the request only scores (and echoes) its prompt. vLLM's
-``prompt_logprobs`` adds its per-choice ``prompt_logprobs`` list (not in streams, as in vLLM).
+``prompt_logprobs`` adds its per-choice ``prompt_logprobs`` list (not in streams, as in vLLM),
+bounded by ``--max-prompt-logprob-entries`` over all choices; such a reply is built in the
+tokenizer thread.
 
 vLLM's ``return_token_ids`` adds each choice's ``prompt_token_ids`` (in a stream, to its first
 chunk) and ``token_ids`` (the generated ids only, even with ``echo``; in a stream, each chunk's
@@ -26,8 +28,13 @@ from msgspec import UNSET, UnsetType
 from engine.outputs import TokenLogprob
 from server.completion_objects import Completion, CompletionChoice
 from server.generation import Choice, Generation, Job, start_generation
-from server.logprobs import ChoiceLogprobs, CompletionLogprobs, prompt_logprobs
-from server.prompts import tokenize_prompt
+from server.logprobs import (
+    ChoiceLogprobs,
+    CompletionLogprobs,
+    check_prompt_logprobs_size,
+    prompt_logprobs,
+)
+from server.prompts import off_loop, tokenize_prompt
 from server.protocol import CompletionRequest, read_request
 from server.reply import ChoiceReply
 from server.sampling import check_sequences, output_limit
@@ -35,7 +42,7 @@ from server.sse import respond
 from server.state import STATE, ServerState
 from server.structured import compile_constraint
 from server.unsupported_fields import COMPLETION_REFUSED, refuse_unsupported
-from server.wire import json_response
+from server.wire import encode, json_response
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
@@ -47,6 +54,9 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     prompt_ids = [await tokenize_prompt(state.engine, p, "prompt") for p in prompts]
     for ids in prompt_ids:
         output_limit(state.context_limit, len(ids), body.max_tokens, "prompt")
+    if body.prompt_logprobs is not None:
+        limit = state.limits.max_prompt_logprob_entries
+        check_prompt_logprobs_size(limit, sum(map(len, prompt_ids)), body.prompt_logprobs, body.n)
     params = body.to_params(
         state.engine.vocab_size,
         max_tokens=body.max_tokens,
@@ -98,8 +108,15 @@ class CompletionReply(ChoiceReply):
         return logs.echo(self.prompt_ids[index // self.body.n], scored, self.body.logprobs)
 
     async def complete(self, generation: Generation) -> web.Response:
-        choices = [self._choice(c) for c in await self.collect(generation)]
-        return json_response(self.whole(Completion, choices, generation))
+        collected = await self.collect(generation)
+
+        def build() -> bytes:
+            choices = [self._choice(c) for c in collected]
+            return encode(self.whole(Completion, choices, generation))
+
+        if self.body.prompt_logprobs is not None:  # up to megabytes: off the event loop
+            return json_response(await off_loop(build))
+        return json_response(build())
 
     def _choice(self, c: Choice) -> CompletionChoice:
         body = self.body

@@ -1,12 +1,17 @@
-"""A cap on open connections that protects the ones running a request.
+"""A cap on open connections that protects the ones running a request, and a write timeout.
 
-Slow clients are bounded three ways (docs/reliability.md):
+Slow clients are bounded four ways (docs/reliability.md):
 
 * the request head: aiohttp closes a connection that has not delivered a complete head within
   its ``keepalive_timeout`` of opening, or of its previous response ending; ``make_runner``
   sets that to ``ServerLimits.header_timeout_s``;
 * the body: ``server.app``'s body middleware reads it within ``body_timeout_s`` (else 408);
-* the number of connections: ``ConnectionGuard``, here.
+* the number of connections: ``ConnectionGuard``, here;
+* a client that stops reading: the transport pauses the writer once its buffer passes the
+  high-water mark (64 KiB); a connection whose writes stay paused for ``write_timeout_s``
+  without its buffer shrinking is aborted here (``_WriteWatch``), whatever was writing - a
+  stream, a whole body - and aborting it cancels the handler, whose requests are aborted.
+  ``server.sse`` bounds, besides, what a stream may hold unsent.
 
 The guard is the protocol factory the runner's sites accept through. It keeps every open
 connection in one ordered map, least recently idle first, each marked busy while the app runs
@@ -20,12 +25,20 @@ So connections that trickle a head or a body, or sit idle, cannot lock a normal 
 each newcomer displaces the longest-waiting of them, and only requests that are really running
 hold their slot. Closing a connection cancels its handler (``handler_cancellation``), so one
 evicted mid-body leaves nothing behind.
+
+A write-stalled connection is dropped (``drop_connection``), not closed: closing waits until
+the transport's buffer is sent, which a client that does not read never lets happen, and even a
+closed socket keeps what the kernel holds for it (megabytes: its send buffer grows to
+``tcp_wmem``'s maximum) while the kernel retries; a reset discards both at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import socket
+import struct
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -62,17 +75,28 @@ _REFUSAL = (
 
 class ConnectionGuard:
     """At most ``max_connections`` open; at the cap, a newcomer closes the longest-idle
-    connection that is not busy, or is refused (503) when all are busy. Event loop only."""
+    connection that is not busy, or is refused (503) when all are busy. A connection whose
+    writes make no progress for ``write_timeout_s`` seconds is aborted. Event loop only."""
 
-    def __init__(self, max_connections: int):
+    def __init__(self, max_connections: int, *, write_timeout_s: float = 600.0):
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.max_connections = max_connections
+        self.write_timeout_s = write_timeout_s
         self.server: web.Server | None = None  # aiohttp's handler factory, set by the runner
+        self.runner: web.BaseRunner | None = None  # whose sites accept through this guard
         # RequestHandler -> busy, least recently idle first
         self._open: OrderedDict[Any, bool] = OrderedDict()
         self.evicted = 0  # idle connections closed to admit a newcomer
         self.refused = 0  # newcomers refused because every connection was busy
+        self.write_timeouts = 0  # connections aborted because their client stopped reading
+        self.unsent_overflows = 0  # streams cut because their client fell too far behind
+
+    def listens_on_loopback(self) -> bool:
+        """Whether the runner's sites listen on loopback addresses only (False before a site
+        has started, or for an app served without ``GuardedRunner``)."""
+        addresses = self.runner.addresses if self.runner is not None else []
+        return bool(addresses) and all(is_loopback_address(a[0]) for a in addresses)
 
     def __len__(self) -> int:
         return len(self._open)
@@ -120,17 +144,97 @@ class ConnectionGuard:
         return True
 
 
+def drop_connection(transport: asyncio.BaseTransport) -> None:
+    """Close ``transport`` at once with a reset (``SO_LINGER`` 0), discarding what it and the
+    kernel still hold for the client; ``connection_lost`` follows, cancelling its handler."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:  # already gone
+            pass
+    transport.abort()
+
+
+def is_loopback_address(host: str) -> bool:
+    """Whether ``host`` (an IP address as sockets report it) is a loopback one, IPv4-mapped
+    IPv6 (``::ffff:127.0.0.1``) included."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+class _WriteWatch:
+    """Resets ``transport`` once its writes have been paused for the guard's
+    ``write_timeout_s`` seconds without its client taking anything. Armed while paused.
+
+    Progress, not the whole pause, is timed: a reply of megabytes read slowly but steadily
+    stays paused for long, and must not be cut. The buffer is sampled every quarter of the
+    timeout; a sample below the one before means the client took bytes (a writer adds at most
+    aiohttp's 64 KiB drain step after the pause begins, then waits), and starts the count
+    again."""
+
+    SAMPLES = 4  # per timeout
+
+    def __init__(self, guard: ConnectionGuard, transport: asyncio.Transport):
+        self._guard = guard
+        self._transport = transport
+        self._timer: asyncio.TimerHandle | None = None
+        self._buffered = 0  # bytes in the transport's buffer at the last sample
+        self._idle = 0  # samples in a row that saw no progress
+
+    def start(self) -> None:
+        if self._timer is None:
+            self._buffered = self._transport.get_write_buffer_size()
+            self._idle = 0
+            self._arm()
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _arm(self) -> None:
+        period_s = self._guard.write_timeout_s / self.SAMPLES
+        self._timer = asyncio.get_running_loop().call_later(period_s, self._sample)
+
+    def _sample(self) -> None:
+        self._timer = None
+        if self._transport.is_closing():
+            return
+        buffered = self._transport.get_write_buffer_size()
+        self._idle = 0 if buffered < self._buffered else self._idle + 1
+        self._buffered = buffered
+        if self._idle < self.SAMPLES:
+            self._arm()
+            return
+        self._guard.write_timeouts += 1
+        logger.warning(
+            "aborted a connection whose client took nothing for %g s (%d bytes unsent)",
+            self._guard.write_timeout_s,
+            buffered,
+        )
+        drop_connection(self._transport)
+
+
 class _GuardedConnection(asyncio.Protocol):
     """Stands between a transport and aiohttp's RequestHandler, so the guard learns when the
-    connection opens and closes; a refused connection never reaches aiohttp."""
+    connection opens and closes, and times its paused writes; a refused connection never
+    reaches aiohttp."""
 
     def __init__(self, guard: ConnectionGuard):
         self._guard = guard
         self._handler: Any = None
+        self._watch: _WriteWatch | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._handler = self._guard.admit()
         if self._handler is not None:
+            self._watch = _WriteWatch(self._guard, cast(asyncio.Transport, transport))
             self._handler.connection_made(transport)
             return
         stream = cast(asyncio.Transport, transport)
@@ -140,6 +244,8 @@ class _GuardedConnection(asyncio.Protocol):
         asyncio.get_running_loop().call_later(REFUSAL_LINGER_S, stream.close)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._watch is not None:
+            self._watch.stop()
         if self._handler is not None:
             self._guard.release(self._handler)
             self._handler.connection_lost(exc)
@@ -156,8 +262,12 @@ class _GuardedConnection(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self._handler is not None:
             self._handler.pause_writing()
+        if self._watch is not None:
+            self._watch.start()
 
     def resume_writing(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
         if self._handler is not None:
             self._handler.resume_writing()
 
@@ -168,6 +278,7 @@ class GuardedRunner(web.AppRunner):
     def __init__(self, app: web.Application, guard: ConnectionGuard, **kwargs: Any):
         super().__init__(app, **kwargs)
         self._guard = guard
+        guard.runner = self
 
     @property
     def server(self) -> Any:

@@ -14,7 +14,10 @@ generated ones; the first prompt token has no context, so its ``token_logprobs``
 vLLM's ``prompt_logprobs``: one entry per prompt token, ``null`` for the first, else
 ``{token_id: {"logprob", "rank", "decoded_token"}}`` for the prompt token and its top
 alternatives; ``rank`` (1 = the likeliest) is known for the alternatives and for a prompt
-token among them, ``null`` otherwise.
+token among them, ``null`` otherwise. Such a list grows with prompt tokens x alternatives
+(8,000 tokens at 20 alternatives: 12 MB of JSON from a 30 KB request), so a request is refused
+beyond ``ServerLimits.max_prompt_logprob_entries`` (``check_prompt_logprobs_size``), and the
+endpoints build and encode it in the tokenizer thread, off the event loop.
 
 Chat, ``ChatLogprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
 "logprob", "bytes"}]}], "refusal": null}`` with exactly the requested number of alternatives.
@@ -34,6 +37,7 @@ from collections.abc import Sequence
 import msgspec
 
 from engine.outputs import TokenLogprob
+from server.errors import bad_request
 
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
@@ -137,11 +141,35 @@ class PromptLogprob(msgspec.Struct, kw_only=True):
 PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
+def check_prompt_logprobs_size(limit: int, prompt_tokens: int, top: int, lists: int = 1) -> None:
+    """400 naming ``prompt_logprobs`` when ``lists`` lists of ``prompt_tokens`` positions with
+    the prompt token and ``top`` alternatives each would hold more than ``limit`` entries."""
+    entries = lists * prompt_tokens * (top + 1)
+    if entries <= limit:
+        return
+    per_choice = f" in each of {lists} choices" if lists > 1 else ""
+    raise bad_request(
+        f"prompt_logprobs {top} over {prompt_tokens} prompt tokens{per_choice} is {entries:,} "
+        f"entries (prompt tokens x (prompt_logprobs + 1)), more than this server's "
+        f"{limit:,}: ask for fewer alternatives, fewer choices or a shorter prompt",
+        "prompt_logprobs",
+    )
+
+
 def prompt_logprobs(
     tokenizer: object | None, entries: Sequence[TokenLogprob | None], top: int
 ) -> PromptLogprobs:
     """vLLM's ``prompt_logprobs``: per prompt token (None for the first), the token and its
-    top ``top`` alternatives by id (JSON object keys are strings)."""
+    top ``top`` alternatives by id (JSON object keys are strings). Megabytes for a long
+    prompt: call it off the event loop."""
+    texts: dict[int, str] = {}  # the same alternatives recur at many positions: decode once
+
+    def text(token_id: int) -> str:
+        found = texts.get(token_id)
+        if found is None:
+            found = texts[token_id] = token_text(tokenizer, token_id)
+        return found
+
     out: PromptLogprobs = []
     for entry in entries:
         if entry is None:
@@ -155,7 +183,7 @@ def prompt_logprobs(
             entry.token_id: PromptLogprob(
                 logprob=entry.logprob,
                 rank=ranks.get(entry.token_id),
-                decoded_token=token_text(tokenizer, entry.token_id),
+                decoded_token=text(entry.token_id),
             )
         }
         for token_id, value in alternatives:
@@ -163,7 +191,7 @@ def prompt_logprobs(
                 position[token_id] = PromptLogprob(
                     logprob=value,
                     rank=ranks[token_id],
-                    decoded_token=token_text(tokenizer, token_id),
+                    decoded_token=text(token_id),
                 )
         out.append(position)
     return out

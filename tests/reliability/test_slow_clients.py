@@ -27,7 +27,7 @@ TIMEOUT_S = 1.0  # the test servers' header and body timeouts
 BOUND_S = 15.0  # how long anything here may take
 CAP = 4
 # a request head that never ends (no blank line), sent one byte at a time
-ENDLESS_HEAD = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 1000
+ENDLESS_HEAD = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 1000
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def _stream_request(max_tokens: int) -> bytes:
         }
     ).encode()
     head = (
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
     )
     return head + body
@@ -152,7 +152,7 @@ def test_a_connection_that_sends_nothing_is_closed(short_timeouts: str):
 def test_a_body_trickled_slowly_gets_408(short_timeouts: str):
     body = json.dumps({"prompt": "Hello", "max_tokens": 1}).encode()
     head = (
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n" % len(body)
     )
     with _connect(short_timeouts) as sock:
