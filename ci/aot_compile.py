@@ -5,8 +5,9 @@
                              [--tiles TILE_N,NUM_WARPS,NUM_STAGES,MAXNREG] [--token-mask]
 
 A configuration is compiled as the launcher would launch it: the attention kernel's
-compile-time arguments and options come from ``kernels.paged_attention.attention_launch`` (the
-record the launcher uses) and the sampling tile from ``kernels.sampling``, pointers and the
+compile-time arguments and options come from ``kernels.triton.paged_attention.attention_launch``
+(the
+record the launcher uses) and the sampling tile from ``kernels.triton.sampling``, pointers and the
 strides a contiguous cache makes multiples of 16 carry the JIT's launch-time
 ``tt.divisibility=16`` specialisation, and the target is ``GPUTarget("cuda", 90, 32)``. ptxas
 (the one Triton itself runs for sm_90) is run again with ``-v`` on the PTX for the registers,
@@ -91,8 +92,8 @@ def _attention_source(cfg: Config):
     import torch
     from triton.compiler import ASTSource
 
-    from kernels.attention_checks import AttentionShapes
-    from kernels.paged_attention import _paged_attention_kernel, attention_launch
+    from kernels.triton.attention_checks import AttentionShapes
+    from kernels.triton.paged_attention import _paged_attention_kernel, attention_launch
 
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     # One sequence of one KV head: only the launch settings matter, not the grid.
@@ -147,7 +148,7 @@ def _attention_source(cfg: Config):
 def _sampling_source(cfg: Config):
     from triton.compiler import ASTSource
 
-    from kernels.sampling import _NUM_WARPS, _sample_kernel, _tile_shape
+    from kernels.triton.sampling import _NUM_WARPS, _sample_kernel, _tile_shape
 
     block_b, block_v = _tile_shape(cfg.vocab)
     constants = dict(BLOCK_B=block_b, BLOCK_V=block_v, HAS_MASK=cfg.token_mask)

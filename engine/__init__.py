@@ -27,7 +27,8 @@ def require_paged_serve_package(name: str) -> types.ModuleType:
 require_paged_serve_package("kernels")
 
 # The public names load on first use (PEP 562), so importing one light module of the engine
-# (the grammar probe process imports engine.structured_output) does not load the model stack.
+# (the grammar probe process imports engine.grammar.structured_output) does not load the model
+# stack.
 _EXPORTS = {
     "LLM": "engine.llm",
     "CompletionResult": "engine.outputs",

@@ -1,7 +1,8 @@
 """The asyncio-facing engine: ``add_request`` returns an async iterator of outputs.
 
 The synchronous ``LLMEngine`` runs in its own thread so a forward pass never blocks the event
-loop; the thread that built it frees its OpenMP workers for that thread (engine/openmp_pool.py).
+loop; the thread that built it frees its OpenMP workers for that thread
+(engine/platform/cpu/openmp_pool.py).
 Requests and aborts reach that thread through a locked inbox; outputs come back to each
 request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``. Validation (tokenizing, length
 and capacity checks, the waiting-queue limit) happens in the caller, so a bad request raises
@@ -22,18 +23,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
-from engine.engine_state import EngineState, StateWatch
 from engine.errors import InvalidRequestError
-from engine.forks import sample_ids
-from engine.grammar_compiles import GrammarCompiles
-from engine.grammar_probe import ProbeBudget
+from engine.grammar.compiles import GrammarCompiles
+from engine.grammar.probe import ProbeBudget
+from engine.grammar.structured_output import StructuredOutput
 from engine.llm_engine import LLMEngine
-from engine.metrics import EngineStats, SnapshotCollector
-from engine.model_loader import LoadedModel
-from engine.openmp_pool import release_openmp_pool
+from engine.model.loader import LoadedModel
+from engine.observe.engine_state import EngineState, StateWatch
+from engine.observe.metrics import EngineStats, SnapshotCollector
 from engine.outputs import RequestOutput
+from engine.platform.cpu.openmp_pool import release_openmp_pool
 from engine.sampling_params import SamplingParams
-from engine.structured_output import StructuredOutput
+from engine.sched.forks import sample_ids
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,8 @@ class AsyncEngine:
         self.engine.stats.registry.register(SnapshotCollector(self.snapshot))
         self.state_watch = StateWatch()  # the dashboard's detailed state, taken when watched
         # The engine thread's OpenMP pool must be the only one, or libgomp stops spinning
-        # between parallel regions and every CPU step slows down (engine/openmp_pool.py).
+        # between parallel regions and every CPU step slows down
+        # (engine/platform/cpu/openmp_pool.py).
         release_openmp_pool()
         self._thread = threading.Thread(target=self._run, name="paged-serve-engine", daemon=True)
         self._thread.start()
@@ -148,7 +150,7 @@ class AsyncEngine:
 
     async def compile_grammar(self, constraint: StructuredOutput) -> None:
         """Compile a structured-output constraint into the engine's cache, within the budget
-        (engine/grammar_compiles.py). Raises InvalidRequestError or CompileQueueFullError."""
+        (engine/grammar/compiles.py). Raises InvalidRequestError or CompileQueueFullError."""
         if self.compiles is None:
             raise InvalidRequestError("structured outputs need the model's tokenizer")
         await self.compiles.compile(constraint)
@@ -248,7 +250,8 @@ class AsyncEngine:
         )
 
     def engine_state(self) -> EngineState | None:
-        """The detailed state for the dashboard (``engine.engine_state``); never waits for a step.
+        """The detailed state for the dashboard (``engine.observe.engine_state``); never waits for a
+        step.
 
         Asking marks the state wanted, so the engine thread takes one after its steps for the
         next few seconds (at most every ``MIN_INTERVAL_S``). If the engine is between steps now

@@ -8,8 +8,8 @@ import sys
 
 from engine.config import ATTENTION_BACKENDS, DTYPES, QUANTIZATIONS, EngineConfig
 from engine.llm import LLM
+from engine.parallel.workers import TensorParallelError
 from engine.sampling_params import SamplingParams
-from engine.tp_workers import TensorParallelError
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

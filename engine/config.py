@@ -7,7 +7,7 @@ from dataclasses import dataclass
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("int8", "int4")  # weight-only, CPU (engine/int8_weights.py, int4_weights.py)
+QUANTIZATIONS = ("int8", "int4")  # weight-only, CPU (engine/model/int8_weights.py, int4_weights.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,20 +27,20 @@ class EngineConfig:
     seed: where the seeds of requests that give none come from; None (the default) draws them
     from the OS, so a restart does not repeat the same "random" outputs; an integer makes them
     reproducible from run to run.
-    tensor_parallel_size: processes the model is sharded over (``engine/tensor_parallel.py``):
-    this engine process is rank 0 and starts the others (``engine/tp_workers.py``).
+    tensor_parallel_size: processes the model is sharded over (``engine/parallel/sharding.py``):
+    this engine process is rank 0 and starts the others (``engine/parallel/workers.py``).
     cpu_decode_kernel: on the CPU (the torch attention backend), decode-only steps attend with
-    the C kernel that reads the paged cache in place (``kernels/cpu_decode_attention.py``, built
+    the C kernel that reads the paged cache in place (``kernels/cpu/decode_attention.py``, built
     at first use); False keeps torch's gather and SDPA, whose bits equal Hugging Face's sdpa
     attention (the kernel's differ by fp32 rounding; fp32 greedy tokens still equal HF's).
     grammar_compile_timeout_s: CPU seconds one structured-output constraint may take to compile
     (and to walk a few tokens) before the server refuses it with a 400
-    (``engine/grammar_compiles.py``).
+    (``engine/grammar/compiles.py``).
     grammar_compile_memory: bytes of memory that compile may grow by before it is refused.
     max_pending_grammar_compiles: distinct constraints compiling or waiting to compile; a new one
     beyond is refused with a 503 (identical constraints share one compile).
     grammar_fill_timeout_s: seconds one row's grammar mask may take to fill at a step; a request
-    whose mask takes longer fails alone (``engine/token_mask.py``).
+    whose mask takes longer fails alone (``engine/sample/token_mask.py``).
     """
 
     model: str | None = None

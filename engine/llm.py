@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.config import EngineConfig
-from engine.forks import sample_ids
 from engine.llm_engine import LLMEngine
-from engine.model_loader import LoadedModel
+from engine.model.loader import LoadedModel
 from engine.outputs import CompletionResult
 from engine.sampling_params import SamplingParams
+from engine.sched.forks import sample_ids
 
 Prompt = str | Sequence[int]
 

@@ -14,23 +14,23 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.attention_swap import check_supported
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.dtype_choice import choose_dtype
 from engine.errors import InvalidRequestError
-from engine.forks import detach, join_forks, make_samples, sample_ids, with_pending_forks
-from engine.live_request import LiveRequest, request_metrics
-from engine.metrics import EngineStats
-from engine.model_loader import LoadedModel, load_model
-from engine.model_prep import prepare_model
-from engine.model_runner import ModelRunner, StepResult
+from engine.grammar.structured_output import GrammarCompiler, StructuredOutput
+from engine.model.attention_swap import check_supported
+from engine.model.loader import LoadedModel, load_model
+from engine.model.prep import prepare_model
+from engine.observe.metrics import EngineStats
 from engine.outputs import RequestOutput, TokenLogprob
-from engine.sampler import INVALID_TOKEN
+from engine.parallel.workers import TensorParallelWorkers
+from engine.platform.dtype_choice import choose_dtype
+from engine.runner.model_runner import ModelRunner, StepResult
+from engine.sample.sampler import INVALID_TOKEN
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler
-from engine.structured_output import GrammarCompiler, StructuredOutput
-from engine.tp_workers import TensorParallelWorkers
+from engine.sched.block_manager import BlockManager
+from engine.sched.forks import detach, join_forks, make_samples, sample_ids, with_pending_forks
+from engine.sched.live_request import LiveRequest, request_metrics
+from engine.sched.scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -316,7 +316,7 @@ class LLMEngine:
         if req.params.max_tokens == 0:  # scoring only: the prompt is done, nothing to generate
             return self._finish(live, "length", now=now)
         failure = result.failed.get(req.request_id)
-        if failure is not None:  # its grammar mask outran the budget (engine/token_mask.py)
+        if failure is not None:  # its grammar mask outran the budget (engine/sample/token_mask.py)
             logger.warning("request %s: %s", req.request_id, failure)
             return self._finish(live, "error", now=now, error=failure)
         if token == INVALID_TOKEN:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from engine.structured_output import StructuredOutput
+from engine.grammar.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -39,15 +39,15 @@ class SamplingParams:
     [0.01, 2], 1 = off; Hugging Face's and vLLM's): divides positive and multiplies negative
     logits of every token in the prompt or the output. logit_bias: (token id, bias in
     [-100, 100]) pairs added to those tokens' logits (a dict is accepted).
-    See ``engine/logit_adjustments.py``.
+    See ``engine/sample/logit_adjustments.py``.
     structured_output: a constraint every output must satisfy (JSON schema, regex, choice,
-    grammar; see ``engine/structured_output.py``); None leaves the output free.
+    grammar; see ``engine/grammar/structured_output.py``); None leaves the output free.
     structured_output_after: a token id (a reasoning model's ``</think>``): the output is free
     up to and including this token and the constraint holds for what follows (None: from the
     first token).
     max_tokens 0 generates nothing: with prompt_logprobs, a request that only scores its prompt.
     prompt_logprobs: report every prompt token's logprob with this many top alternatives (0:
-    the token's own only; None: none). See ``engine/prompt_logprobs.py``.
+    the token's own only; None: none). See ``engine/runner/prompt_logprobs.py``.
     min_tokens: EOS and ``stop_token_ids`` cannot be sampled before this many tokens (vLLM's).
     """
 

@@ -1,5 +1,5 @@
-"""Decode attention on the CPU: the C kernel (``kernels/cpu_decode_attention.py``) against the
-torch path (the plan's gather and SDPA, ``engine/cpu_attention.py``).
+"""Decode attention on the CPU: the C kernel (``kernels/cpu/decode_attention.py``) against the
+torch path (the plan's gather and SDPA, ``engine/platform/cpu/attention.py``).
 
 ``python -m perf.bench_cpu_attention [--rows 1 8 24] [--contexts 128 512] [--rounds 9]``
 
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu_attention import PlannedTorchAttention
-from engine.host_malloc import keep_freed_memory
-from engine.model_loader import cache_root
-from kernels import cpu_decode_attention
-from kernels.cpu_decode_attention import CpuDecodeAttention
+from engine.model.loader import cache_root
+from engine.platform.cpu.attention import PlannedTorchAttention
+from engine.platform.cpu.host_malloc import keep_freed_memory
+from kernels.cpu import decode_attention as cpu_decode_attention
+from kernels.cpu.decode_attention import CpuDecodeAttention
 from perf.wall_timing import median_wall_s
 
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2.0**-7}  # relative: fp32 sums, one bf16 rounding

@@ -1,9 +1,9 @@
-"""The torch sampler's draw on the CPU: ``engine.eager_sampling`` against ``sample_ref``.
+"""The torch sampler's draw on the CPU: ``engine.sample.eager_sampling`` against ``sample_ref``.
 
 ``python -m perf.bench_cpu_sampling [--vocab 49152] [--batches 1 8 24] [--rounds 9]``
 
 ``reference.sample_ref`` (the oracle the draw is proved against) sorts every row twice and
-searches every token's place whatever the row asks for; ``engine/eager_sampling.py`` computes
+searches every token's place whatever the row asks for; ``engine/sample/eager_sampling.py`` computes
 only the filters a row asks for. This times
 both on the same logits, uniforms and filters (a seed per row, temperature 0.8 unless the mix
 says otherwise), checks that they give the same tokens and logprobs, and prints each one's
@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from engine.eager_sampling import sample_eager
-from engine.host_malloc import keep_freed_memory
+from engine.platform.cpu.host_malloc import keep_freed_memory
+from engine.sample.eager_sampling import sample_eager
 from kernels.reference import sample_ref
 from perf.wall_timing import median_wall_s
 

@@ -6,10 +6,11 @@ decoding together, and reports per decode step (p50 over the steps, in ms): the 
 forward (``ModelRunner.forward``: the model body and the LM head) and the rest (scheduling,
 sampling, detokenizing, stop checks). A mode is a dtype, optionally ``+int8`` or ``+int4``
 (weight-only), ``+unfused`` (q/k/v and gate/up as separate GEMMs, Hugging Face's layout),
-``+plain`` (projections as plain ``F.linear``, without engine/cpu_linears.py), ``+hf`` (Hugging
-Face's own forward instead of engine/model_body.py), ``+hflayout`` (a quantized model's lone
+``+plain`` (projections as plain ``F.linear``, without engine/platform/cpu/linears.py), ``+hf``
+(Hugging
+Face's own forward instead of engine/model/body.py), ``+hflayout`` (a quantized model's lone
 decode row in HF's attention layout, as unquantized ones) or ``+gather`` (decode rows attended
-by torch's gather and SDPA, without the C kernel of kernels/cpu_decode_attention.py; the K/V
+by torch's gather and SDPA, without the C kernel of kernels/cpu/decode_attention.py; the K/V
 write stays in C), e.g. ``float32+plain``.
 Each mode runs in its own process, so one mode's allocations and threads do not shape
 another's; ``--rounds N`` runs the modes N times, interleaved, and reports each mode's median
@@ -36,9 +37,9 @@ def measure(mode: str, streams: int, threads: int | None) -> dict:
     """Per-step p50 times (ms) of one mode with ``streams`` concurrent requests (this process)."""
     import torch
 
-    import engine.model_prep as model_prep
+    import engine.model.prep as model_prep
     from engine.llm import LLM
-    from engine.model_loader import load_model
+    from engine.model.loader import load_model
     from engine.sampling_params import SamplingParams
 
     if threads is not None:

@@ -43,8 +43,8 @@ import transformers
 from transformers import ContinuousBatchingConfig
 
 from engine import LLM
-from engine.dtype_choice import resolve_dtype
-from engine.model_loader import LoadedModel, load_model
+from engine.model.loader import LoadedModel, load_model
+from engine.platform.dtype_choice import resolve_dtype
 from engine.sampling_params import SamplingParams
 from perf.e2e_workload import SystemResult, Workload, agreement, finish, make_workload, timed
 from perf.hf_baselines import (

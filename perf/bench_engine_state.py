@@ -34,11 +34,11 @@ from typing import Any
 
 import msgspec
 
-from engine.block_manager import BlockManager
-from engine.engine_state import MAX_BUSY_FRACTION, MIN_INTERVAL_S, StateWatch, take_state
-from engine.request import Request, RequestStatus
+from engine.observe.engine_state import MAX_BUSY_FRACTION, MIN_INTERVAL_S, StateWatch, take_state
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.sched.block_manager import BlockManager
+from engine.sched.request import Request, RequestStatus
+from engine.sched.scheduler import Scheduler
 from perf.wall_timing import median_wall_s
 
 BLOCK_SIZE = 16

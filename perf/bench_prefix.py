@@ -27,7 +27,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.model_loader import LoadedModel, load_model
+from engine.model.loader import LoadedModel, load_model
 
 
 def percentile(values: Sequence[float], q: float) -> float:

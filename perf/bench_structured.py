@@ -21,9 +21,9 @@ import time
 import torch
 
 from engine import EngineConfig, SamplingParams
+from engine.grammar.structured_output import GrammarCompiler, StructuredOutput
 from engine.llm_engine import LLMEngine
-from engine.structured_output import GrammarCompiler, StructuredOutput
-from engine.token_mask import fill_token_bitmask
+from engine.sample.token_mask import fill_token_bitmask
 
 PROMPT = "Write a long sentence about the sea, as JSON:"
 SCHEMA = {

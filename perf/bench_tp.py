@@ -33,7 +33,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_loader import LoadedModel
+from engine.model.loader import LoadedModel
 from engine.sampling_params import SamplingParams
 
 COLLECTIVES = ("all_reduce", "broadcast")

@@ -409,7 +409,7 @@ class AbortRecorder:
         del self.llm_engine.abort
 
     def _abort(self, request_id: str) -> Any:
-        from engine.request import RequestStatus
+        from engine.sched.request import RequestStatus
 
         scheduler = self.llm_engine.scheduler
         live = [*scheduler.running, *scheduler.waiting]

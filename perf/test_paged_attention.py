@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels.paged_attention import choose_num_kv_splits, paged_attention, workspace_numel
 from kernels.reference import paged_attention_ref
+from kernels.triton.paged_attention import choose_num_kv_splits, paged_attention, workspace_numel
 from perf.cuda_timing import (
     CudaTimer,
     Timing,

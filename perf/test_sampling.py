@@ -1,4 +1,5 @@
-"""Fused sampling benchmark: ``kernels.sampling.sample`` against the PyTorch sort-based pipeline.
+"""Fused sampling benchmark: ``kernels.triton.sampling.sample`` against the PyTorch sort-based
+pipeline.
 
 Batch {1, 64, 256} x vocabulary {49152 (SmolLM2), 151936 (Qwen)} x filter mixes (top-k,
 top-p, min-p, all three), fp32 logits, temperature 0.8, a seed per row. The kernel runs in a
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from kernels.reference import sampling_keep_mask
-from kernels.sampling import sample
+from kernels.triton.sampling import sample
 from perf.cuda_timing import CudaTimer, cold_copies, l2_cache_bytes, measure, run_with_benchmark
 from perf.report import PerfReport, Target
 

@@ -21,7 +21,7 @@ from aiohttp import web
 from engine.async_engine import AsyncEngine
 from engine.cli import add_engine_args, engine_kwargs
 from engine.config import EngineConfig
-from engine.tp_workers import TensorParallelError
+from engine.parallel.workers import TensorParallelError
 from server.app import create_app, make_runner
 from server.limits import ServerLimits
 from server.reasoning import REASONING_PARSERS

@@ -10,7 +10,7 @@ Routes (added by ``create_app`` unless ``dashboard=False``, the CLI's ``--no-das
 
 The page polls the state endpoint a few times a second while it is visible. The endpoint's
 engine part is taken between steps, only while someone asks, at most every
-``engine.engine_state.MIN_INTERVAL_S`` (see that module); its history part is sampled here
+``engine.observe.engine_state.MIN_INTERVAL_S`` (see that module); its history part is sampled here
 once a second from the counters /metrics reads, so the charts cover the last minutes even
 when nobody was watching. The page is served wherever the API is: there is no other listener,
 and a server on loopback (the default) serves it on loopback only.
@@ -28,8 +28,8 @@ import msgspec
 from aiohttp import web
 
 from engine.async_engine import AsyncEngine
-from engine.engine_state import EngineState
-from engine.metrics import histogram_sum_count
+from engine.observe.engine_state import EngineState
+from engine.observe.metrics import histogram_sum_count
 from server.errors import SERVER_ERROR, APIError
 from server.state import STATE
 

@@ -23,9 +23,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.async_engine import EngineDeadError, QueueFullError
-from engine.forks import sample_ids
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.sched.forks import sample_ids
 from server.errors import SERVER_ERROR, APIError, bad_request
 from server.state import ServerState
 

@@ -1,4 +1,4 @@
-"""``GET /metrics``: the engine's registry (``engine.metrics``) in the Prometheus text
+"""``GET /metrics``: the engine's registry (``engine.observe.metrics``) in the Prometheus text
 exposition format, version 0.0.4, rendered by ``prometheus_client``.
 
 Every metric has HELP and TYPE lines; counters end in ``_total``; histograms have

@@ -12,8 +12,8 @@ from contextlib import contextmanager
 
 import msgspec
 
+from engine.grammar.structured_output import StructuredOutput
 from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
-from engine.structured_output import StructuredOutput
 from server.errors import bad_request
 from server.field_types import (
     MAX_STOP,

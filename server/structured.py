@@ -1,5 +1,5 @@
 """Structured outputs on the wire: the request fields that constrain a reply, as one
-``engine.structured_output.StructuredOutput``.
+``engine.grammar.structured_output.StructuredOutput``.
 
 Accepted forms (at most one per request; the engine guarantees the output matches it):
 
@@ -12,7 +12,7 @@ Accepted forms (at most one per request; the engine guarantees the output matche
 
 A malformed or unsupported constraint is a 400 naming the field; compiling it (which can take a
 while for a large schema) runs off the event loop, within the engine's budget, before the
-request is queued (engine/grammar_compiles.py), so an invalid or too costly grammar is refused
+request is queued (engine/grammar/compiles.py), so an invalid or too costly grammar is refused
 before any work and the engine thread only ever meets a cached grammar.
 """
 
@@ -23,9 +23,9 @@ from typing import Any
 import msgspec
 
 from engine.errors import InvalidRequestError
-from engine.grammar_compiles import CompileQueueFullError
+from engine.grammar.compiles import CompileQueueFullError
+from engine.grammar.structured_output import StructuredOutput
 from engine.sampling_params import SamplingParams
-from engine.structured_output import StructuredOutput
 from server.errors import SERVER_ERROR, APIError, bad_request
 from server.response_objects import TextFormat
 
@@ -150,7 +150,7 @@ def from_guided_fields(
 
 async def compile_constraint(engine: Any, params: SamplingParams, param: str) -> None:
     """Compile the output constraint of ``params``, if any, off the event loop and within the
-    engine's budget (engine/grammar_compiles.py; the engine caches it): a grammar that does not
+    engine's budget (engine/grammar/compiles.py; the engine caches it): a grammar that does not
     compile, admits nothing or is too costly is a 400 on ``param``; a full compile queue is a
     503."""
     if params.structured_output is None:

@@ -34,8 +34,8 @@ from typing import Any
 
 import msgspec
 
+from engine.grammar.structured_output import StructuredOutput
 from engine.sampling_params import SamplingParams
-from engine.structured_output import StructuredOutput
 from server.completion_objects import FunctionCall, FunctionDelta, ToolCall, ToolCallDelta
 from server.errors import bad_request
 from server.prompts import ROLES, message_text

@@ -28,9 +28,9 @@ from transformers import (  # noqa: E402
     Qwen3ForCausalLM,
 )
 
-from engine.block_manager import BlockManager  # noqa: E402
-from engine.fused_projections import fuse_projections  # noqa: E402
-from engine.model_loader import LoadedModel  # noqa: E402
+from engine.model.fused_projections import fuse_projections  # noqa: E402
+from engine.model.loader import LoadedModel  # noqa: E402
+from engine.sched.block_manager import BlockManager  # noqa: E402
 
 TINY_VOCAB = 512
 TINY_FAMILIES = {
@@ -144,7 +144,7 @@ def tiny_family(request: pytest.FixtureRequest) -> tuple[str, PreTrainedModel]:
 @pytest.fixture(scope="session")
 def default_model() -> LoadedModel:
     """SmolLM2-135M-Instruct in fp32 (converted once into $PAGED_SERVE_CACHE)."""
-    from engine.model_loader import load_model
+    from engine.model.loader import load_model
 
     return load_model(None, dtype=torch.float32, device=torch.device("cpu"))
 

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.model_loader import LoadedModel
+from engine.model.loader import LoadedModel
 from perf import bench_serving
 from perf.bench_serving import timing_order
 from perf.serving_check import check_replies, hf_references, matched_tokens, sample_indices

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from engine.cpu_attention import PlannedTorchAttention
+from engine.platform.cpu.attention import PlannedTorchAttention
 from kernels import reference
 from kernels.reference import kv_pair, paged_attention_ref, write_kv_ref
 from tests.kernels.conftest import build_paged_batch

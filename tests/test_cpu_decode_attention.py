@@ -1,4 +1,4 @@
-"""The CPU decode-attention C kernel (kernels/cpu_decode_attention.py) against the eager fp32
+"""The CPU decode-attention C kernel (kernels/cpu/decode_attention.py) against the eager fp32
 reference: every head layout, head size (the specialized 64 and 128 and a generic one), block
 size, window and element type; NaN wherever no token is; rows that lie apart; rows written in
 place; threads; the build's cache and its failures; and the torch backend's choice of it."""
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention_backend import make_backend
-from engine.cpu_attention import PlannedTorchAttention
-from kernels import cpu_decode_attention
-from kernels.cpu_decode_attention import CpuDecodeAttention
+from engine.platform.cpu.attention import PlannedTorchAttention
+from engine.runner.attention_backend import make_backend
+from kernels.cpu import decode_attention as cpu_decode_attention
+from kernels.cpu.decode_attention import CpuDecodeAttention
 from kernels.reference import paged_attention_ref, write_kv_ref
 from tests.test_cpu_attention import _batch
 

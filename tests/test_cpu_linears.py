@@ -13,14 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cpu_linears import (
+from engine.llm import LLM
+from engine.platform.cpu.linears import (
     MAX_COLUMN_ROWS,
     CoreSplitLinear,
     PackedLinear,
     restore_plain_linears,
     speed_up_cpu_linears,
 )
-from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.conftest import TINY_FAMILIES, hf_greedy, loaded, tiny_model
 

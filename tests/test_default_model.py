@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine import LLM, SamplingParams
-from engine.model_loader import (
+from engine.model.loader import (
     DEFAULT_MODEL_NAME,
     default_gguf_path,
     gguf_cache_dir,

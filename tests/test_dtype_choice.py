@@ -8,10 +8,10 @@ import logging
 import pytest
 import torch
 
-import engine.dtype_choice as dtype_choice
+import engine.platform.dtype_choice as dtype_choice
 from engine.config import EngineConfig
-from engine.dtype_choice import choose_dtype, native_bf16_features
 from engine.llm_engine import LLMEngine
+from engine.platform.dtype_choice import choose_dtype, native_bf16_features
 from tests.conftest import tiny_model
 
 CPU = torch.device("cpu")

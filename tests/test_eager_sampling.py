@@ -1,4 +1,5 @@
-"""engine.eager_sampling against kernels.reference: the same keep sets, tokens and logprobs, bit
+"""engine.sample.eager_sampling against kernels.reference: the same keep sets, tokens and logprobs,
+bit
 for bit, over random mixes of every filter (rows that skip a filter next to rows that use it)."""
 
 from __future__ import annotations
@@ -6,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.eager_sampling import keep_mask_eager, sample_eager
-from engine.sampler import Sampler, SamplingBatch, row_uniforms
+from engine.sample.eager_sampling import keep_mask_eager, sample_eager
+from engine.sample.sampler import Sampler, SamplingBatch, row_uniforms
 from kernels.reference import nucleus_keep, sample_ref, sampling_keep_mask
 
 
@@ -118,7 +119,7 @@ def test_the_torch_sampler_draws_the_reference_token():
 def test_the_nucleus_head_and_its_fallback_equal_the_reference(monkeypatch):
     """Rows cut inside the head, rows whose head is kept whole (sorted in full), a tie group
     across the head's end, and zeros (tokens outside a top-k set)."""
-    from engine import eager_sampling
+    from engine.sample import eager_sampling
 
     vocab, head = 3000, eager_sampling.NUCLEUS_HEAD
     gen = torch.Generator().manual_seed(7)

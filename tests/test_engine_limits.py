@@ -13,7 +13,7 @@ from engine import EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
-from engine.sampler import INVALID_TOKEN
+from engine.sample.sampler import INVALID_TOKEN
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts, tiny_model
 
 PROMPTS = random_prompts([5, 9, 14], seed=7)

@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from engine.fused_projections import (
+from engine.llm import LLM
+from engine.model.fused_projections import (
     FusedLinear,
     FusedPart,
     fuse_projections,
     unfuse_projections,
 )
-from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.conftest import TINY_FAMILIES, hf_greedy, loaded, tiny_model
 

@@ -1,4 +1,5 @@
-"""glibc's malloc keeps freed blocks for reuse once a CPU engine is built (engine/host_malloc.py).
+"""glibc's malloc keeps freed blocks for reuse once a CPU engine is built
+(engine/platform/cpu/host_malloc.py).
 
 The settings are process-wide and cannot be read back, so the effect is measured in fresh
 processes: the same loop of step-sized temporaries faults in far fewer fresh pages with them.
@@ -13,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-import engine.model_runner as model_runner
-from engine.host_malloc import keep_freed_memory
+import engine.runner.model_runner as model_runner
 from engine.llm import LLM
+from engine.platform.cpu.host_malloc import keep_freed_memory
 from tests.conftest import loaded, tiny_model
 
 glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
@@ -24,7 +25,7 @@ glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc
 # made and freed 20 times; prints the minor page faults of the loop.
 LOOP = """
 import resource, sys, torch
-from engine.host_malloc import keep_freed_memory
+from engine.platform.cpu.host_malloc import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 def layer():

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
-from engine.cpu_linears import PackedLinear
-from engine.int4_weights import (
+from engine.llm import LLM
+from engine.model.int4_weights import (
     GROUP_SIZE,
     MAX_KERNEL_ROWS,
     Int4Linear,
@@ -22,7 +22,7 @@ from engine.int4_weights import (
     quantize_groups,
     quantize_int4,
 )
-from engine.llm import LLM
+from engine.platform.cpu.linears import PackedLinear
 from engine.sampling_params import SamplingParams
 from tests.conftest import (
     TINY_FAMILIES,

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
-from engine.int8_weights import Int8Linear, quantize_int8
 from engine.llm import LLM
+from engine.model.int8_weights import Int8Linear, quantize_int8
 from engine.sampling_params import SamplingParams
 from tests.conftest import TINY_FAMILIES, hf_greedy, loaded, quantized_twin, tiny_model
 

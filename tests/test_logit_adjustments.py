@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.logit_adjustments import adjust_logits, penalize
-from engine.request import Request
+from engine.sample.logit_adjustments import adjust_logits, penalize
+from engine.sched.request import Request
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts, tiny_model
 
 PROMPTS = random_prompts([3, 12, 30, 17], seed=21)

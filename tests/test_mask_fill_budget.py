@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams
+from engine.grammar.structured_output import StructuredOutput
 from engine.llm_engine import LLMEngine
-from engine.model_loader import LoadedModel
-from engine.structured_output import StructuredOutput
-from engine.token_mask import MASK_FILL_THREADS, MaskFiller
+from engine.model.loader import LoadedModel
+from engine.sample.token_mask import MASK_FILL_THREADS, MaskFiller
 from tests.conftest import assert_pool_clean, tiny_model
 
 EOS = 2

@@ -13,9 +13,9 @@ import re
 import pytest
 
 from engine import EngineConfig, SamplingParams
+from engine.grammar.structured_output import StructuredOutput
 from engine.llm_engine import LLMEngine
-from engine.model_loader import LoadedModel
-from engine.structured_output import StructuredOutput
+from engine.model.loader import LoadedModel
 from tests.conftest import assert_pool_clean, tiny_model
 
 EOS = 2

@@ -1,4 +1,4 @@
-"""``ModelBody`` (engine/model_body.py) equals Hugging Face's own forward of the same prepared
+"""``ModelBody`` (engine/model/body.py) equals Hugging Face's own forward of the same prepared
 model bit for bit: every family, fp32 and bf16, projections fused or apart, int4 weights,
 sliding windows, over prefill chunks, mixed steps and decode steps. Each step of a real engine
 runs both and compares their hidden states; the KV cache gets the same values either way."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-import engine.model_prep as model_prep
+import engine.model.prep as model_prep
 from engine.llm import LLM
-from engine.model_body import RMSNorm
+from engine.model.body import RMSNorm
 from engine.sampling_params import SamplingParams
 from tests.conftest import (
     TINY_FAMILIES,

@@ -10,7 +10,7 @@ import torch
 
 import engine.async_engine as async_engine
 from engine import EngineConfig
-from engine.openmp_pool import release_openmp_pool
+from engine.platform.cpu.openmp_pool import release_openmp_pool
 from tests.conftest import loaded, tiny_model
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.block_manager import BlockManager
-from engine.forks import sample_ids
 from engine.llm_engine import LLMEngine
+from engine.sched.block_manager import BlockManager
+from engine.sched.forks import sample_ids
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts, tiny_model
 
 BS = 16
@@ -170,7 +170,7 @@ def test_a_hit_needs_the_whole_prefix_even_when_cache_keys_collide(monkeypatch):
     prefix is never a hit after another prefix that ends in the same tokens."""
     import builtins
 
-    import engine.block_manager as bm_module
+    import engine.sched.block_manager as bm_module
 
     monkeypatch.setattr(bm_module, "prefix_key", lambda parent, toks: repr(toks).encode(), False)
     monkeypatch.setattr(bm_module, "hash", lambda t: builtins.hash(t[1]), False)  # ignores parent
@@ -192,6 +192,9 @@ def test_prefix_keys_differ_between_processes():
     import subprocess
     import sys
 
-    code = "from engine.block_manager import prefix_key; print(prefix_key(b'', (1, 2, 3)).hex())"
+    code = (
+        "from engine.sched.block_manager import prefix_key; "
+        "print(prefix_key(b'', (1, 2, 3)).hex())"
+    )
     keys = {subprocess.check_output([sys.executable, "-c", code], text=True) for _ in range(2)}
     assert len(keys) == 2

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import Sampler, SamplingBatch
+from engine.sample.sampler import Sampler, SamplingBatch
 from tests.conftest import assert_pool_clean, loaded, random_prompts, tiny_model
 
 

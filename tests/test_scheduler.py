@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.sched.block_manager import BlockManager
+from engine.sched.request import Request, RequestStatus
+from engine.sched.scheduler import Scheduler
 
 
 def make(rid: str, n: int) -> Request:

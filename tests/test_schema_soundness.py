@@ -1,4 +1,4 @@
-"""Each JSON-schema verdict of engine/json_schema_rules.py, decided against a validator.
+"""Each JSON-schema verdict of engine/grammar/json_schema_rules.py, decided against a validator.
 
 Soundness: for every schema the engine accepts, every string its grammar (built as the engine
 builds it: ``enforceable_schema`` then ``json_schema_grammar``) admits must be valid JSON that
@@ -35,14 +35,14 @@ import xgrammar
 from pydantic import BaseModel, Field
 from xgrammar.testing import _is_grammar_accept_string as grammar_accepts
 
-from engine.json_schema_rules import (
+from engine.grammar.json_schema_rules import (
     ENFORCED_FORMATS,
     ENFORCED_KEYWORDS,
     FORMAT_PATTERNS,
     REFUSED_FORMATS,
     REFUSED_KEYWORDS,
 )
-from engine.structured_output import StructuredOutput, json_schema_grammar
+from engine.grammar.structured_output import StructuredOutput, json_schema_grammar
 
 # ------------------------------------------------------------------ the validator
 FORMATS = jsonschema.FormatChecker()

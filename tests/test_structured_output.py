@@ -16,9 +16,9 @@ import pytest
 
 from engine import EngineConfig, SamplingParams
 from engine.errors import InvalidRequestError
+from engine.grammar.structured_output import MAX_SPEC_CHARS, StructuredOutput
 from engine.llm_engine import LLMEngine
-from engine.model_loader import LoadedModel
-from engine.structured_output import MAX_SPEC_CHARS, StructuredOutput
+from engine.model.loader import LoadedModel
 from tests.conftest import assert_pool_clean, tiny_model
 
 SCHEMAS = {

@@ -19,12 +19,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.cpu_linears import speed_up_cpu_linears
-from engine.fused_projections import fuse_projections
-from engine.step_inputs import StepInputs
-from engine.step_message import STEP, StepMessage, pack_step, unpack_step
-from engine.tensor_parallel import shard_model, shard_shape
-from engine.tp_workers import TensorParallelError, TensorParallelWorkers
+from engine.model.fused_projections import fuse_projections
+from engine.parallel.sharding import shard_model, shard_shape
+from engine.parallel.step_message import STEP, StepMessage, pack_step, unpack_step
+from engine.parallel.workers import TensorParallelError, TensorParallelWorkers
+from engine.platform.cpu.linears import speed_up_cpu_linears
+from engine.runner.step_inputs import StepInputs
 from tests.conftest import TINY_FAMILIES, assert_pool_clean, hf_greedy, loaded, random_prompts
 from tests.conftest import tiny_model as build_tiny_model
 

@@ -45,9 +45,9 @@ def test_seeded_n2_sampling_through_the_kernels(model):
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
-    """The backend choice and the launchers ask ``kernels.runtime`` the same question."""
-    from engine.attention_backend import resolve_backend_name
-    from kernels.kv_write import write_kv
+    """The backend choice and the launchers ask ``kernels.triton.runtime`` the same question."""
+    from engine.runner.attention_backend import resolve_backend_name
+    from kernels.triton.kv_write import write_kv
 
     cpu = torch.device("cpu")
     x = torch.zeros(1, 1, 16)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.attention_swap import install_paged_attention
+from engine.model.attention_swap import install_paged_attention
 from tests.conftest import assert_pool_clean, loaded, tiny_model
 
 

@@ -35,10 +35,10 @@ if SESSION_ORDER not in ORDERS:
 _HERE = Path(__file__).parent
 
 for _name in (
-    "kernels.paged_attention",
-    "kernels.kv_write",
-    "kernels.block_copy",
-    "kernels.sampling",
+    "kernels.triton.paged_attention",
+    "kernels.triton.kv_write",
+    "kernels.triton.block_copy",
+    "kernels.triton.sampling",
 ):
     _mod = sys.modules.get(_name)
     if _mod is not None and not HAS_CUDA and os.environ.get("TRITON_INTERPRET") == "1":

@@ -19,15 +19,15 @@ import itertools
 import pytest
 import torch
 
-from kernels.attention_checks import AttentionShapes
-from kernels.paged_attention import (
+from kernels.reference import paged_attention_ref
+from kernels.triton.attention_checks import AttentionShapes
+from kernels.triton.paged_attention import (
     _paged_attention_kernel,
     attention_launch,
     choose_num_kv_splits,
     paged_attention,
     workspace_numel,
 )
-from kernels.reference import paged_attention_ref
 
 # (dtype, atol, rtol) for kernel output vs the fp32 reference run on the same (rounded) inputs.
 # fp32: both sides are fp32; only summation order, the online-softmax rescaling and exp2 vs exp

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kernels.reference import sample_ref, sampling_keep_mask
-from kernels.sampling import sample, sampling_uniforms
+from kernels.triton.sampling import sample, sampling_uniforms
 
 MARGIN = 1e-5
 

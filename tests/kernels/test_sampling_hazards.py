@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kernels.reference import greedy_ref, invalid_rows, sample_ref, sampling_keep_mask
-from kernels.sampling import sample, sampling_uniforms
+from kernels.triton.sampling import sample, sampling_uniforms
 
 VOCAB = 1024
 # Slack for the keep-set check: near a boundary kernel and reference may round either way.

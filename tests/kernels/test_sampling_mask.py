@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.reference import apply_token_bitmask_ref, sample_ref, unpack_token_bitmask
-from kernels.sampling import sample, sampling_uniforms
+from kernels.triton.sampling import sample, sampling_uniforms
 
 
 def pack(allowed: torch.Tensor) -> torch.Tensor:

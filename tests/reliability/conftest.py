@@ -31,7 +31,7 @@ from openai.types.responses import Response
 import server
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.model_loader import LoadedModel
+from engine.model.loader import LoadedModel
 from perf.load_test import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS
 from server.app import create_app, make_runner
 from server.state import STATE, ServerState

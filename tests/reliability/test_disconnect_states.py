@@ -25,8 +25,8 @@ import aiohttp
 import pytest
 
 from engine.llm_engine import LLMEngine
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
+from engine.sched.request import Request, RequestStatus
+from engine.sched.scheduler import Scheduler
 from perf.load_test import AbortRecorder, sse_events
 from tests.reliability.conftest import LocalServer, assert_pool_clean
 

@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.detokenizer import IncrementalDetokenizer
-from engine.model_loader import LoadedModel
+from engine.model.loader import LoadedModel
+from engine.sched.detokenizer import IncrementalDetokenizer
 from perf.load_test import fetch_metrics
 from tests.reliability.conftest import (
     PATHS,

@@ -3,8 +3,8 @@
 Issue 31 item 1: an object schema of N optional ``{}`` properties compiles in about N^2.3 time
 (a 20 KB body: 25-39 CPU-seconds on main ``efb1aa5``, on 8 compiler threads), identical requests
 compiled twice, a client that hung up did not stop its compile, and nothing bounded the queue.
-``engine/grammar_compiles.py`` compiles one constraint at a time, first in the probe process of
-``engine/grammar_probe.py`` under a CPU, memory and mask-fill budget, merges identical ones,
+``engine/grammar/compiles.py`` compiles one constraint at a time, first in the probe process of
+``engine/grammar/probe.py`` under a CPU, memory and mask-fill budget, merges identical ones,
 drops or kills what nobody waits for, and refuses a full queue.
 """
 
@@ -18,10 +18,10 @@ import time
 import pytest
 
 from engine.errors import InvalidRequestError
-from engine.grammar_compiles import CompileQueueFullError, GrammarCompiles
-from engine.grammar_probe import PROBE_NICE, ProbeBudget
-from engine.json_schema_rules import MAX_OBJECT_PROPERTIES
-from engine.structured_output import COMPILE_THREADS, GrammarCompiler, StructuredOutput
+from engine.grammar.compiles import CompileQueueFullError, GrammarCompiles
+from engine.grammar.json_schema_rules import MAX_OBJECT_PROPERTIES
+from engine.grammar.probe import PROBE_NICE, ProbeBudget
+from engine.grammar.structured_output import COMPILE_THREADS, GrammarCompiler, StructuredOutput
 from tests.reliability.conftest import (
     arequest,
     assert_error_object,

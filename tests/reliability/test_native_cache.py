@@ -1,5 +1,5 @@
 """The C kernel's build cache loads only a library this user alone could have written
-(``kernels/native_cache.py``): a library planted at the predictable path, in a folder others can
+(``kernels/cpu/native_cache.py``): a library planted at the predictable path, in a folder others can
 write to or own, or as a file others can write to or own, or as a symbolic link, never runs.
 
 The planted library is the real kernel plus a constructor that writes a marker file: loading it
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_decode_attention
-from kernels.cpu_decode_attention import CpuDecodeAttention
+from kernels.cpu import decode_attention as cpu_decode_attention
+from kernels.cpu.decode_attention import CpuDecodeAttention
 
 NOBODY = 65534
 CONSTRUCTOR = """

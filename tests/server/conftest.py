@@ -22,7 +22,7 @@ from aiohttp import web
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.model_loader import LoadedModel
+from engine.model.loader import LoadedModel
 from server.app import create_app, make_runner
 from server.limits import ServerLimits
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.metrics import EngineStats
+from engine.observe.metrics import EngineStats
 from server.app import create_app
 from server.cli import _is_loopback, _log_dashboard, build_parser
 from server.dashboard import History

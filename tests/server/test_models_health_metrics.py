@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.metrics import histogram_sum_count
+from engine.observe.metrics import histogram_sum_count
 from engine.sampling_params import SamplingParams
 from server.app import create_app
 from tests.server.conftest import (

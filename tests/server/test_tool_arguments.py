@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.model_loader import LoadedModel
+from engine.model.loader import LoadedModel
 from tests.conftest import tiny_model
 from tests.server.conftest import http, parse_sse, wait_idle
 from tests.server.test_response_tools import streamed_arguments

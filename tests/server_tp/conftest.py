@@ -19,7 +19,7 @@ import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.model_loader import LoadedModel
+from engine.model.loader import LoadedModel
 from server.app import create_app
 from server.limits import ServerLimits
 from tests.server.conftest import (  # noqa: F401  (pool_clean re-registered for this folder)

@@ -1,0 +1,60 @@
+"""Weight-only int8 on the CPU: the projections' weights as int8 with one scale per output row.
+
+Decoding one token reads every weight once, so a step at low concurrency costs what the weight
+bytes cost to stream from memory: int8 weights are a quarter of fp32 and half of bf16. Each
+``nn.Linear`` in the decoder layers (fused ones included) and the LM head becomes an
+``Int8Linear``: ``weight ≈ qweight * scale[:, None]`` with ``qweight = round(weight / scale)``
+in [-127, 127] and ``scale = max|row| / 127``. torch's CPU kernel (``aten._weight_int8pack_mm``)
+multiplies bf16 activations by the int8 rows and then by the scales; the input is rounded to
+bf16 for it and the output returned in the input's dtype, because the kernel's fp32 path is the
+slow one (30 layers' projections at 1 token, 2 threads: 65.9 ms with fp32 activations, 11.1 ms
+with bf16, against 38.9 ms fp32 and 20.8 ms bf16 unquantized; docs/performance.md). The
+embeddings stay as they are (a lookup reads one row per token).
+
+This is an approximation of the model, not the model: the tokens differ from Hugging Face's
+(docs/performance.md reports the agreement rate and where it pays).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model.linear_swap import swap_linears
+
+
+class Int8Linear(nn.Module):
+    """``y = bf16(x) @ (qweight * scale[:, None]).T + bias`` for ``x [..., in_features]``, in
+    x's dtype."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127.0
+        scale = scale.to(torch.bfloat16).float()  # quantize against the scale the kernel uses
+        qweight = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("qweight", qweight.contiguous())  # [out, in] int8
+        self.register_buffer("scale", scale.to(torch.bfloat16))  # [out]
+        self.bias = linear.bias
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this module multiplies by, ``[out_features, in_features]`` in fp32."""
+        return self.qweight.float() * self.scale.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scale)
+        y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+@torch.no_grad()
+def quantize_int8(model: nn.Module, device: torch.device) -> int:
+    """Swap every ``nn.Linear`` of the decoder layers and the LM head for ``Int8Linear``, in
+    place; returns how many were swapped. Raises ValueError off the CPU (the kernel is torch's
+    CPU one)."""
+    if device.type != "cpu":
+        raise ValueError(f"int8 weight-only quantization runs on the CPU, not {device.type}")
+    # The LM head is untied from the embeddings, which stay as they are.
+    return swap_linears(model, Int8Linear)

@@ -1,0 +1,1 @@
+"""Watching the engine: Prometheus metrics and the dashboard's state."""

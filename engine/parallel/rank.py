@@ -1,0 +1,157 @@
+"""One tensor-parallel worker rank's process: load and shard its model, join the groups, then
+run the driver's steps until SHUTDOWN (``run_worker``); ``python -m engine.parallel.rank`` starts a
+rank on another node (``main``). The driver's side is ``engine/parallel/workers.py``.
+
+A rank the driver spawned has a pipe to it: start-up status and its last error go up, and a
+thread blocked reading it sees end-of-file when the driver is gone (even killed), so the rank
+exits instead of lingering as an orphan. A rank started by hand has no pipe: it exits when a
+collective fails (the driver's sockets close) or at SHUTDOWN.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+from transformers import PreTrainedModel
+
+from engine.config import EngineConfig
+from engine.model.loader import load_model
+from engine.model.prep import prepare_model
+from engine.parallel.group import TensorParallelGroup
+from engine.parallel.sharding import shard_model
+from engine.parallel.step_message import SHUTDOWN
+from engine.platform.dtype_choice import resolve_dtype
+from engine.runner.model_runner import ModelRunner
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What a worker needs to build its rank: the engine config, its rank, where the groups
+    meet, the driver's context length (None: derive it the driver's way), and the model to
+    shard (None: load ``config.model`` itself)."""
+
+    config: EngineConfig
+    rank: int
+    local_rank: int
+    address: str
+    port: int
+    max_model_len: int | None
+    model: PreTrainedModel | None
+
+
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """A rank runs on ``cuda:LOCAL_RANK`` (its node's GPU) on CUDA, on the CPU otherwise."""
+    return torch.device("cuda", local_rank) if device.type == "cuda" else device
+
+
+def _exit_when_driver_dies(pipe: Connection) -> None:
+    """Exit as soon as the driver's end of ``pipe`` closes (the driver ended or was killed)."""
+
+    def watch() -> None:
+        try:
+            while True:
+                pipe.recv()
+        except (EOFError, OSError):
+            os._exit(1)
+
+    threading.Thread(target=watch, name="driver-watch", daemon=True).start()
+
+
+def run_worker(spec: WorkerSpec, pipe: Connection | None) -> None:
+    """A worker rank's whole life: load and shard, join, then run steps until SHUTDOWN.
+
+    Any failure is sent to the driver as ``("error", cause)`` (when there is a ``pipe``: a rank
+    the driver spawned) and ends the process with exit code 1; the driver turns it into a
+    TensorParallelError naming this rank.
+    """
+    log_format = f"%(levelname)s rank {spec.rank}: %(message)s"
+    logging.basicConfig(level=logging.WARNING, format=log_format)
+    if pipe is not None:
+        _exit_when_driver_dies(pipe)
+        # Ctrl-C reaches the whole process group: the driver shuts its workers down itself.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    config = spec.config
+    world = config.tensor_parallel_size
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    base = torch.device(auto if config.device == "auto" else config.device)
+    device = rank_device(base, spec.local_rank)
+    if device.type == "cpu":  # the ranks share the host's cores
+        torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    else:
+        torch.cuda.set_device(device)
+    group = None
+    try:
+        model = spec.model
+        max_model_len = spec.max_model_len
+        if model is None:
+            dtype = resolve_dtype(config.dtype, device)
+            loaded = load_model(config.model, dtype=dtype, device=torch.device("cpu"))
+            model, native = loaded.model, loaded.max_model_len
+            max_model_len = max_model_len or min(config.max_model_len or native, native)
+        shard_model(model, rank=spec.rank, world_size=world)
+        prepare_model(model, config, device)
+        model.to(device)
+        if pipe is not None:
+            pipe.send(("loaded", None))
+        group = TensorParallelGroup.join(
+            rank=spec.rank, world_size=world, address=spec.address, port=spec.port, device=device
+        )
+        runner = ModelRunner(model, config, device, max_model_len=max_model_len, tp=group)
+        while True:
+            message = group.receive_step()
+            if message.kind == SHUTDOWN:
+                break
+            runner.run_worker_step(message)
+    except BaseException as exc:
+        logging.getLogger(__name__).error("rank %d failed:\n%s", spec.rank, traceback.format_exc())
+        try:
+            if pipe is not None:
+                pipe.send(("error", f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+        os._exit(1)
+    if group is not None:
+        group.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m engine.parallel.rank [engine flags]``: one rank on another node.
+
+    The rank comes from ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and the driver's address from
+    ``MASTER_ADDR``/``MASTER_PORT``; the engine flags must be the driver's (``--model``,
+    ``--max-model-len``, ``--kv-cache-memory``, ...), ``-tp`` defaulting to ``WORLD_SIZE``.
+    """
+    import argparse
+
+    from engine.cli import add_engine_args, engine_kwargs  # the CLI imports the engine
+
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.parallel.rank", description=main.__doc__
+    )
+    add_engine_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    except KeyError as exc:
+        parser.error(f"{exc.args[0]} must be set in the environment")
+    if args.tensor_parallel_size == 1:
+        args.tensor_parallel_size = world
+    config = EngineConfig(model=args.model, **engine_kwargs(args))
+    if config.tensor_parallel_size != world or not 0 < rank < world:
+        parser.error(f"RANK {rank} of WORLD_SIZE {world} with -tp {config.tensor_parallel_size}")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    run_worker(WorkerSpec(config, rank, local_rank, address, port, None, None), None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Shard a Hugging Face decoder in place for tensor parallelism, by swapping its Linear modules.
+
+Megatron's layout, applied to every decoder layer of the supported families::
+
+    attention: q_proj, k_proj, v_proj  column-parallel (rank r: heads r*H/N .. (r+1)*H/N - 1)
+               o_proj                  row-parallel (the input columns of those heads), all_reduce
+    MLP:       gate_proj, up_proj      column-parallel (rows r*I/N .. (r+1)*I/N - 1)
+               down_proj               row-parallel, all_reduce
+
+A column-parallel projection is a plain ``nn.Linear`` holding its rank's output rows, so the
+attention module's ``view(*shape, -1, head_dim)`` yields the local heads by itself and the paged
+attention function (and the kernels under it) see ``Hq/N`` query and ``Hkv/N`` KV heads with no
+change. A row-parallel projection (``RowParallelLinear``) multiplies its slice of the input
+features and sums the partial outputs over the ranks, then adds the bias once. Two all-reduces
+per layer; the residual stream, the norms, rotary embeddings, the embeddings and the LM head stay
+replicated (why: docs/architecture.md, "Tensor parallelism").
+
+Sharding runs before any other rewrite of the projections (a fused q/k/v weight is fused from
+the already-sharded ones), so rank-local modules are ordinary ``nn.Linear``s to such code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.model.fused_projections import linear_from, unfuse_projections
+from engine.platform.cpu.linears import restore_plain_linears
+
+
+@dataclass(frozen=True, slots=True)
+class ShardShape:
+    """A model's sharded dimensions on one rank: heads and MLP width per rank."""
+
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+
+
+def shard_shape(hf_config: object, world_size: int) -> ShardShape:
+    """Per-rank heads and MLP width; ValueError naming the numbers when ``world_size`` does not
+    divide them. KV heads are never replicated: fewer KV heads than ranks is refused."""
+    heads = int(hf_config.num_attention_heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    intermediate = int(hf_config.intermediate_size)
+    if kv_heads < world_size:
+        raise ValueError(
+            f"tensor_parallel_size {world_size} is more than the model's {kv_heads} KV heads: "
+            f"each rank needs at least one KV head (use a tensor_parallel_size that divides "
+            f"{kv_heads})"
+        )
+    for what, count in (
+        ("attention heads", heads),
+        ("KV heads", kv_heads),
+        ("MLP intermediate size", intermediate),
+    ):
+        if count % world_size:
+            raise ValueError(
+                f"tensor_parallel_size {world_size} does not divide the model's {count} {what}"
+            )
+    return ShardShape(heads // world_size, kv_heads // world_size, intermediate // world_size)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = all_reduce(x_r @ W_r^T) + b``: this rank's input slice times its weight columns,
+    summed over the ranks of ``group``; the bias (replicated) is added once, after the sum.
+
+    The local product is a bias-free ``nn.Linear`` (``proj``), so weight-only quantization
+    swaps it as it swaps every other projection."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: object | None):
+        super().__init__()
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+        self.proj = linear_from(weight, None)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.group = group  # None: the default process group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x).contiguous()  # all_reduce sums the ranks' buffers in memory order
+        dist.all_reduce(y, group=self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features} (local), out_features={self.out_features}"
+
+
+def _plain(linear: nn.Module) -> nn.Linear:
+    if type(linear) is not nn.Linear:
+        raise ValueError(
+            f"tensor parallelism shards plain nn.Linear projections, got {type(linear).__name__}:"
+            " shard before quantizing"
+        )
+    return linear
+
+
+def _rows(linear: nn.Linear, rank: int, world_size: int) -> nn.Linear:
+    """Column-parallel: the ``rank``-th block of output rows, as a plain ``nn.Linear``."""
+    linear = _plain(linear)
+    n = linear.out_features // world_size
+    rows = slice(rank * n, (rank + 1) * n)
+    out = nn.Linear(linear.in_features, n, bias=linear.bias is not None)
+    out = out.to(dtype=linear.weight.dtype, device=linear.weight.device)
+    with torch.no_grad():
+        out.weight.copy_(linear.weight[rows])
+        if linear.bias is not None:
+            out.bias.copy_(linear.bias[rows])
+    return out.requires_grad_(False)
+
+
+def _columns(linear: nn.Linear, rank: int, world_size: int, group: object | None) -> nn.Module:
+    """Row-parallel: the ``rank``-th block of input columns, summed over the ranks."""
+    linear = _plain(linear)
+    n = linear.in_features // world_size
+    weight = linear.weight.detach()[:, rank * n : (rank + 1) * n].contiguous()
+    bias = None if linear.bias is None else linear.bias.detach().clone()
+    return RowParallelLinear(weight, bias, group)
+
+
+def shard_model(
+    model: nn.Module, *, rank: int, world_size: int, group: object | None = None
+) -> ShardShape:
+    """Shard every decoder layer of ``model`` (a supported causal LM) in place for ``rank``.
+
+    ``group``: the process group the row-parallel all-reduces run on (None: the default one,
+    which must exist before the first forward, not before this call).
+    """
+    shape = shard_shape(model.config, world_size)
+    restore_plain_linears(model)  # a model prepared for one device: shard its original ones
+    unfuse_projections(model)
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, name, _rows(getattr(attn, name), rank, world_size))
+        attn.o_proj = _columns(attn.o_proj, rank, world_size, group)
+        # The ratio is unchanged, but keep the module's own bookkeeping true to its heads.
+        attn.num_key_value_groups = shape.num_heads // shape.num_kv_heads
+        for name in ("gate_proj", "up_proj"):
+            setattr(mlp, name, _rows(getattr(mlp, name), rank, world_size))
+        mlp.down_proj = _columns(mlp.down_proj, rank, world_size, group)
+    return shape

@@ -1,0 +1,95 @@
+"""The per-step message the tensor-parallel driver sends its workers: one flat int64 array.
+
+A step's ``StepInputs`` and its copy-on-write block copies are everything a worker needs to run
+the same forward as the driver (it never samples, so no sampling parameters travel). They are
+packed into one int64 array, header first::
+
+    [kind, T, S, C, R, B | input_ids T | positions T | slots T | cu_seqlens S+1 | seq_lens S |
+     table lengths S | block tables B (concatenated) | logit_rows R | block copies 2C (src, dst)]
+
+``T`` tokens, ``S`` sequences, ``C`` block copies, ``R`` sampled rows, ``B`` block-table entries.
+``kind`` is ``STEP`` or ``SHUTDOWN`` (an empty message that stops the workers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from engine.runner.step_inputs import StepInputs
+
+STEP = 1
+SHUTDOWN = 2
+HEADER_LEN = 6
+
+
+@dataclass(frozen=True, slots=True)
+class StepMessage:
+    """One step for the workers: its block copies ``(src, dst)``, then its flat inputs."""
+
+    kind: int
+    block_copies: list[tuple[int, int]]
+    inputs: StepInputs | None
+
+    @classmethod
+    def shutdown(cls) -> StepMessage:
+        return cls(SHUTDOWN, [], None)
+
+
+def pack_step(message: StepMessage) -> torch.Tensor:
+    """``message`` as a 1-D int64 CPU tensor (layout in the module docstring)."""
+    if message.kind == SHUTDOWN:
+        return torch.tensor([SHUTDOWN, 0, 0, 0, 0, 0], dtype=torch.int64)
+    inputs = message.inputs
+    if message.kind != STEP or inputs is None:
+        raise ValueError(f"a step message needs kind STEP and inputs, got kind {message.kind}")
+    tables = inputs.block_tables
+    flat_tables = [b for table in tables for b in table]
+    copies = [i for pair in message.block_copies for i in pair]
+    header = [
+        STEP,
+        len(inputs.input_ids),
+        len(inputs.seq_lens),
+        len(message.block_copies),
+        len(inputs.logit_rows),
+        len(flat_tables),
+    ]
+    return torch.tensor(
+        header
+        + inputs.input_ids
+        + inputs.positions
+        + inputs.slots
+        + inputs.cu_seqlens
+        + inputs.seq_lens
+        + [len(t) for t in tables]
+        + flat_tables
+        + inputs.logit_rows
+        + copies,
+        dtype=torch.int64,
+    )
+
+
+def unpack_step(packed: torch.Tensor) -> StepMessage:
+    """The inverse of ``pack_step``; ValueError on a malformed array."""
+    values = packed.tolist()
+    if len(values) < HEADER_LEN:
+        raise ValueError(f"a step message has a {HEADER_LEN}-entry header, got {len(values)}")
+    kind, t, s, c, r, b = values[:HEADER_LEN]
+    if kind == SHUTDOWN:
+        return StepMessage.shutdown()
+    sizes = [t, t, t, s + 1, s, s, b, r, 2 * c]
+    expected = HEADER_LEN + sum(sizes)
+    if kind != STEP or len(values) != expected:
+        raise ValueError(
+            f"malformed step message: kind {kind}, {len(values)} entries, expected {expected}"
+        )
+    ends = list(accumulate(sizes, initial=HEADER_LEN))
+    ids, pos, slots, cu, lens, table_lens, flat, rows, copies = (
+        values[a:z] for a, z in zip(ends, ends[1:])
+    )
+    offsets = list(accumulate(table_lens, initial=0))
+    tables = [flat[a:z] for a, z in zip(offsets, offsets[1:])]
+    inputs = StepInputs(ids, pos, slots, cu, lens, tables, rows)
+    return StepMessage(STEP, list(zip(copies[::2], copies[1::2])), inputs)

@@ -1,0 +1,3 @@
+"""Device questions: the dtype a device runs best, host-to-device tensors; engine/platform/cpu
+holds the CPU-only code.
+"""

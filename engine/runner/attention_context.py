@@ -1,0 +1,64 @@
+"""Per-step attention metadata, set around one forward pass by a context manager.
+
+The model runner builds one ``AttentionContext`` per step and enters ``attention_context(ctx)``
+around the Hugging Face forward; the paged attention function registered with transformers
+reads it with ``current_attention_context()``. Entering twice (nesting) is refused so metadata
+can never leak from one step into another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.runner.attention_backend import AttentionBackend
+    from engine.runner.kv_cache import KVCache
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionContext:
+    """Metadata of one flat ragged batch.
+
+    cu_seqlens_q: ``[S + 1]`` int32 offsets of each sequence's query tokens;
+    seq_lens: ``[S]`` int32 context lengths including this step's tokens;
+    block_tables: ``[S, max_blocks]`` int32; slot_mapping: ``[T]`` int64 cache slot per token.
+    max_seqlen_q / max_seqlen_k: host-side maxima, so kernels never sync to read them.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    kv_cache: KVCache
+    backend: AttentionBackend
+
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def attention_context(ctx: AttentionContext) -> Iterator[AttentionContext]:
+    """Make ``ctx`` the current step's metadata for this thread."""
+    if getattr(_state, "ctx", None) is not None:
+        raise RuntimeError("attention_context is already active: contexts do not nest")
+    _state.ctx = ctx
+    try:
+        yield ctx
+    finally:
+        _state.ctx = None
+
+
+def current_attention_context() -> AttentionContext:
+    """The active step's metadata; raises if the forward runs outside ``attention_context``."""
+    ctx = getattr(_state, "ctx", None)
+    if ctx is None:
+        raise RuntimeError("paged attention called outside attention_context(...)")
+    return ctx

@@ -1,0 +1,304 @@
+"""Run one scheduled step through the Hugging Face model as a single flat ragged batch.
+
+Each scheduled request contributes ``num_new_tokens`` consecutive tokens; they are concatenated
+into ``input_ids [1, T]`` with their true positions in ``position_ids [1, T]`` (no padding, no HF
+cache object). The attention metadata goes in an ``AttentionContext``; the LM head runs only at
+the last scheduled token of each request that samples this step. Decode-shaped steps replay a
+CUDA graph instead when ``enable_decode_graphs`` captured one that holds them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.config import EngineConfig
+from engine.model.body import ModelBody
+from engine.outputs import TokenLogprob
+from engine.parallel.step_message import STEP, StepMessage
+from engine.platform.cpu.host_malloc import keep_freed_memory
+from engine.platform.host_tensors import to_device
+from engine.runner.attention_backend import make_backend, resolve_backend_name
+from engine.runner.attention_context import AttentionContext, attention_context
+from engine.runner.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
+from engine.runner.kv_cache import KVCache, kv_budget_bytes
+from engine.runner.prompt_logprobs import (
+    PromptScores,
+    PromptScoring,
+    plan_prompt_scoring,
+    score_prompt,
+)
+from engine.runner.step_inputs import StepInputs, flatten_step
+from engine.sample.sampler import Sampler
+from engine.sched.forks import sampling_rows
+from engine.sched.scheduler import ScheduledBatch
+
+if TYPE_CHECKING:
+    from engine.parallel.group import TensorParallelGroup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """Sampled tokens for the requests that sample this step, in scheduled order.
+
+    top_logprobs: per sampled row, the ``k`` best (token id, logprob) pairs, where ``k`` is the
+    largest ``logprobs`` any request asked for (empty lists when none asked).
+    """
+
+    request_ids: list[str]
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    # Per request id: the prompt tokens this step scored (requests that asked for them only).
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # Per request id: why its row could not sample this step (its token is not to be used).
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchedStep:
+    """A step whose device work is queued: sampled ids ``[B]``, their logprobs ``[B]`` and the
+    optional top-k ``(values, indices)``, still on the device."""
+
+    request_ids: list[str]
+    tokens: torch.Tensor | None
+    logprobs: torch.Tensor | None
+    top: tuple[torch.Tensor, torch.Tensor] | None
+    prompt_scores: PromptScores | None = None
+    failed: dict[str, str] = field(default_factory=dict)
+
+    def read(self) -> StepResult:
+        """Wait for the device and return the step's results as Python values."""
+        prompt = self.prompt_scores.read() if self.prompt_scores is not None else {}
+        if self.tokens is None or self.logprobs is None:
+            return StepResult([], [], [], [], prompt)
+        token_ids = self.tokens.tolist()  # the sync
+        top: list[list[tuple[int, float]]] = [[] for _ in token_ids]
+        if self.top is not None:
+            values, indices = self.top
+            top = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+        logprobs = self.logprobs.tolist()
+        return StepResult(self.request_ids, token_ids, logprobs, top, prompt, self.failed)
+
+
+class ModelRunner:
+    """Owns the model, the KV cache, the attention backend and the sampler; executes
+    ``ScheduledBatch``es.
+
+    Construction sizes the KV cache from the memory budget (``kv_budget_bytes``) and, on CUDA
+    with the triton backend unless ``enforce_eager``, captures decode graphs for batch sizes up
+    to ``max_num_seqs``.
+
+    With ``tp`` (tensor parallelism) the model is this rank's shard: the KV cache holds the
+    local KV heads, its budget is the smallest of all ranks', the driver (rank 0) sends each
+    step to the workers before running it, and a worker runs ``run_worker_step``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig,
+        device: torch.device,
+        *,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+        tp: TensorParallelGroup | None = None,
+    ):
+        self.model = model
+        self.tp = tp
+        self.eos_token_ids = eos_token_ids  # blocked while a row is short of its min_tokens
+        self.device = device
+        self.backend_name = resolve_backend_name(config.attention_backend, device)
+        dtype = next(model.parameters()).dtype
+        # Quantized weights are not HF's: in bf16, HF's slow layout for a row alone would buy
+        # nothing (in fp32 both layouts take the same time, and HF's keeps the tests exact).
+        group_alone = config.quantization is not None and dtype != torch.float32
+        self.backend = make_backend(
+            self.backend_name, group_alone=group_alone, decode_kernel=config.cpu_decode_kernel
+        )
+        self.sampler = Sampler(
+            self.backend_name,
+            device=device,
+            eos_token_ids=eos_token_ids,
+            fill_timeout_s=config.grammar_fill_timeout_s,
+        )
+        budget = kv_budget_bytes(config, device)
+        if tp is not None:  # equal blocks on every rank: the smallest budget decides
+            budget = tp.min_over_ranks(budget)
+        self.kv_cache = KVCache.for_model(
+            model.config,
+            budget_bytes=budget,
+            block_size=config.block_size,
+            dtype=dtype,
+            device=device,
+            tensor_parallel_size=1 if tp is None else tp.world_size,
+        )
+        self.block_size = config.block_size
+        self.vocab_size = int(model.config.vocab_size)
+        # The decoder body without HF's per-layer Python (engine/model/body.py); None runs HF's
+        # own forward, which equals it bit for bit (the tests' and benchmarks' reference).
+        self.body: ModelBody | None = ModelBody(model)
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cpu":
+            # steps reuse their temporaries' pages (engine/platform/cpu/host_malloc.py)
+            keep_freed_memory()
+        if not config.enforce_eager and device.type == "cuda":
+            self._capture_decode_graphs(config.max_num_seqs, max_model_len)
+
+    def _capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
+        """Capture decode graphs; a capture that fails is logged and the runner stays eager:
+        slower, never wrong."""
+        if self.backend_name != "triton":
+            logger.info("decode graphs need the triton backend: running eagerly")
+            return
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_cache,
+            self.backend,
+            max_batch_size=max_batch_size,
+            max_model_len=max_model_len,
+            with_logits=self.tp is None or self.tp.is_driver,
+        )
+        start = time.monotonic()
+        try:
+            graphs.capture(CudaGraphCapture(self.device))
+            captured = True
+        except Exception:
+            logger.exception("decode graph capture failed: running eagerly (--enforce-eager)")
+            captured = False
+        # Ranks replay graphs in lockstep (their collectives pair up): all or none use them.
+        if self.tp is not None and not self.tp.all_ranks(captured):
+            logger.warning("decode graphs failed on another rank: running eagerly")
+            return
+        if not captured:
+            return
+        self.graphs = graphs
+        logger.info(
+            "captured %d decode graphs (batch sizes up to %d) in %.1f s",
+            len(graphs.sizes),
+            graphs.max_batch_size,
+            time.monotonic() - start,
+        )
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        return to_device(data, dtype, self.device)
+
+    def enable_decode_graphs(self, graphs: DecodeGraphs, capturer: GraphCapture) -> None:
+        """Capture ``graphs`` now; from then on decode-shaped steps that fit replay them."""
+        graphs.capture(capturer)
+        self.graphs = graphs
+
+    def build_context(self, inputs: StepInputs) -> tuple:
+        """Device tensors of a flat step: (input_ids [T], position_ids [T], AttentionContext)."""
+        width = max(len(t) for t in inputs.block_tables)
+        padded = [t + [0] * (width - len(t)) for t in inputs.block_tables]
+        ctx = AttentionContext(
+            cu_seqlens_q=self._tensor(inputs.cu_seqlens, torch.int32),
+            seq_lens=self._tensor(inputs.seq_lens, torch.int32),
+            block_tables=self._tensor(padded, torch.int32),
+            slot_mapping=self._tensor(inputs.slots, torch.int64),
+            max_seqlen_q=inputs.max_seqlen_q,
+            max_seqlen_k=max(inputs.seq_lens),
+            kv_cache=self.kv_cache,
+            backend=self.backend,
+        )
+        return (
+            self._tensor(inputs.input_ids, torch.long),
+            self._tensor(inputs.positions, torch.long),
+            ctx,
+        )
+
+    def hidden_states(self, inputs: StepInputs) -> torch.Tensor:
+        """The eager forward of the model body: final-norm hidden states ``[T, hidden]``."""
+        input_ids, position_ids, ctx = self.build_context(inputs)
+        with attention_context(ctx):
+            if self.body is not None:
+                return self.body(input_ids, position_ids)
+            out = self.model.model(
+                input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False
+            )
+            return out.last_hidden_state[0]
+
+    def forward(
+        self, inputs: StepInputs, scoring: PromptScoring | None = None
+    ) -> tuple[torch.Tensor | None, PromptScores | None]:
+        """Logits ``[len(logit_rows), V]`` of the step (None when no request samples) and the
+        prompt scores ``scoring`` asks for.
+
+        Decode-shaped steps replay a captured graph when one holds them; others run eagerly.
+        """
+        if scoring is not None:
+            return self._forward_scoring(inputs, scoring)
+        return self._forward_logits(inputs), None
+
+    def _forward_scoring(
+        self, inputs: StepInputs, scoring: PromptScoring
+    ) -> tuple[torch.Tensor | None, PromptScores]:
+        """The eager forward to hidden states, then the LM head on the sampled rows and, chunk
+        by chunk, on the prompt rows being scored."""
+        hidden = self.hidden_states(inputs)  # [T, H]
+        return self._sampled_logits(hidden, inputs), score_prompt(
+            hidden, self.model.get_output_embeddings(), scoring
+        )
+
+    def _forward_logits(self, inputs: StepInputs) -> torch.Tensor | None:
+        if self.graphs is not None and self.graphs.holds(inputs):
+            logits = self.graphs.run(inputs)
+            if not inputs.logit_rows:
+                return None
+            return logits.index_select(0, self._tensor(inputs.logit_rows, torch.long))
+        return self._sampled_logits(self.hidden_states(inputs), inputs)
+
+    def _sampled_logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
+        """The LM head on the step's sampling rows of ``hidden [T, H]`` only; None when no
+        request samples."""
+        if not inputs.logit_rows:
+            return None
+        rows = self._tensor(inputs.logit_rows, torch.long)
+        return self.model.get_output_embeddings()(hidden.index_select(0, rows))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> LaunchedStep:
+        """Queue the step's device work: copy-on-write, forward, sampling. Never syncs."""
+        inputs = flatten_step(batch, block_tables, self.block_size)
+        if self.tp is not None:  # the workers run the same copies and forward on their shards
+            self.tp.send_step(StepMessage(STEP, batch.block_copies, inputs))
+        self._copy_blocks(batch.block_copies)
+        rows = sampling_rows(batch)
+        draw = self.sampler.begin(rows, self.vocab_size)  # grammar masks fill during the forward
+        logits, prompt_scores = self.forward(inputs, plan_prompt_scoring(batch, inputs.cu_seqlens))
+        sampled = draw.finish(logits)
+        if sampled is None:
+            return LaunchedStep([], None, None, None, prompt_scores)
+        failed = {rows[i].request_id: message for i, message in sampled.failed.items()}
+        ids = [r.request_id for r in rows]
+        return LaunchedStep(
+            ids, sampled.tokens, sampled.logprobs, sampled.top, prompt_scores, failed
+        )
+
+    def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
+        if block_copies:
+            mapping = self._tensor([list(p) for p in block_copies], torch.int64)
+            self.backend.copy_blocks(self.kv_cache.tensor, block_mapping=mapping)
+
+    @torch.inference_mode()
+    def run_worker_step(self, message: StepMessage) -> None:
+        """A tensor-parallel worker's step: the driver's block copies and the model body on
+        this rank's shard (same graph bucket or eager path, so the collectives pair up); no
+        LM head, since only the driver samples."""
+        inputs = message.inputs
+        self._copy_blocks(message.block_copies)
+        if self.graphs is not None and self.graphs.holds(inputs):
+            self.graphs.run(inputs)
+            return
+        self.hidden_states(inputs)
+
+    def execute(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> StepResult:
+        """Run the step and read its sampled tokens back (the step's one host sync)."""
+        return self.launch(batch, block_tables).read()

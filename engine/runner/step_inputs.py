@@ -1,0 +1,64 @@
+"""One scheduled step flattened into host-side lists: the single source of a step's metadata.
+
+The eager forward turns these lists into tensors; the decode graphs copy them into their static
+buffers. Building them once keeps the two paths from drifting apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sched.forks import group_size
+from engine.sched.scheduler import ScheduledBatch
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    """A flat ragged batch of ``S`` sequences and ``T`` tokens, as Python lists.
+
+    input_ids, positions, slots: ``T`` entries (token id, absolute position, cache slot);
+    cu_seqlens: ``S + 1`` query offsets; seq_lens: ``S`` context lengths including this step's
+    tokens; block_tables: ``S`` ragged lists of block ids; logit_rows: the flat token index each
+    sampled row reads its logits from (a request's last token, repeated for its pending forks).
+    """
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    cu_seqlens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    logit_rows: list[int]
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return max(b - a for a, b in zip(self.cu_seqlens, self.cu_seqlens[1:]))
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence brings exactly one token (the shape decode graphs capture)."""
+        return len(self.input_ids) == len(self.seq_lens)
+
+
+def flatten_step(
+    batch: ScheduledBatch, block_tables: list[list[int]], block_size: int
+) -> StepInputs:
+    """The step's tokens in scheduled order, with their slots in each request's blocks."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    cu = [0]
+    seq_lens: list[int] = []
+    logit_rows: list[int] = []
+    for sched, table in zip(batch.requests, block_tables):
+        request = sched.request
+        input_ids += request.tokens_between(sched.start, sched.end)
+        pos = range(sched.start, sched.end)
+        positions += pos
+        slots += [table[p // block_size] * block_size + p % block_size for p in pos]
+        cu.append(cu[-1] + sched.num_new_tokens)
+        seq_lens.append(sched.end)
+        if sched.samples:
+            # Pending forks (n > 1) sample their first token from the same logits row.
+            logit_rows += [cu[-1] - 1] * group_size(request)
+    return StepInputs(input_ids, positions, slots, cu, seq_lens, block_tables, logit_rows)

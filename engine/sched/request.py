@@ -1,0 +1,88 @@
+"""A request's state as it moves through the scheduler: tokens, progress and timestamps."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.outputs import TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Request:
+    """One sequence being generated.
+
+    ``index`` is the sample's position among the ``n`` samples of one request.
+    ``num_computed_tokens`` counts the tokens whose K/V are in the cache; the tokens still to
+    run through the model are ``all_token_ids[num_computed_tokens:]``. After a preemption it
+    drops to 0 and the prompt plus the outputs so far are recomputed.
+    Times are ``time.monotonic()`` seconds.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    index: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # first admission into the running batch
+    # n > 1: samples waiting for this request's prompt to be computed, then forked from it
+    # (the lifecycle lives in engine/sched/forks.py).
+    pending_forks: list[Request] = field(default_factory=list)
+    fork_parent: Request | None = None
+    # With a structured output: the sequence's grammar matcher (xgrammar.GrammarMatcher), fed
+    # every accepted token; it survives preemption (the outputs are kept, only K/V recomputed).
+    matcher: object | None = None
+    # With structured_output_after: the matcher, held here until that token is sampled.
+    deferred_matcher: object | None = None
+    # With prompt_logprobs asked: one entry per prompt token scored so far (None for token 0,
+    # which has no context); see engine/runner/prompt_logprobs.py.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def needs_prompt_scoring(self) -> bool:
+        """Asked for prompt logprobs and some prompt token is not scored yet (such a request
+        computes its whole prompt: a cached block has no logits)."""
+        scored = self.prompt_logprobs
+        return scored is not None and len(scored) < len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """Tokens at positions ``[start, end)``."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

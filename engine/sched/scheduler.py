@@ -1,0 +1,162 @@
+"""Continuous-batching scheduler: which requests run this step, and how many tokens each.
+
+Every step spends a token budget (``max_num_batched_tokens``) first on the running requests, in
+admission order (a decode costs 1 token, an unfinished prefill takes what is left of the budget,
+so long prompts are chunked), then admits waiting requests first come first served while the
+budget, the free blocks and ``max_num_seqs`` allow. A request with ``n`` samples takes ``n``
+seats at admission (its forks join the running set after its prefill), so the rows sampled in
+one step never exceed ``max_num_seqs``. When a running request needs a block and the
+pool is empty, the most recently admitted running request is preempted: its blocks are freed and
+it goes back to the front of the waiting queue to be recomputed later (its outputs so far are
+kept). The oldest request therefore always makes progress, so the loop cannot deadlock as long
+as every request fits in the pool on its own (the engine refuses those that cannot).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.sched.block_manager import BlockManager
+from engine.sched.forks import group_size
+from engine.sched.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step: ``num_new_tokens`` tokens starting at ``start``."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the request's last token, so a token is sampled."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledBatch:
+    """What one engine step runs. ``block_copies`` are (src, dst) pairs to copy first."""
+
+    requests: list[ScheduledRequest]
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    """Holds the waiting and running queues and builds each step's batch."""
+
+    def __init__(
+        self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int
+    ):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """Join a request whose blocks are already allocated (a fork) to the running set."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's requests and reserve their KV slots."""
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        copies: list[tuple[int, int]] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            start = request.num_computed_tokens
+            num_new = min(request.num_tokens - start, budget)
+            while not bm.can_append(request.request_id, start + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                copies += bm.append_slots(request.request_id, start + num_new)
+                scheduled.append(ScheduledRequest(request, start, num_new))
+                budget -= num_new
+                i += 1
+
+        # Admit nothing new in a step that had to preempt: the pool is already short.
+        seats = sum(group_size(r) for r in self.running)
+        while self.waiting and budget > 0 and not preempted:
+            request = self.waiting[0]
+            if seats + group_size(request) > self.max_num_seqs:
+                break
+            tokens = request.all_token_ids
+            cached = [] if request.needs_prompt_scoring else bm.cached_prefix(tokens)
+            start = len(cached) * bm.block_size
+            num_new = min(request.num_tokens - start, budget)
+            if not bm.can_allocate(start + num_new, cached):
+                break
+            self.waiting.popleft()
+            bm.allocate(request.request_id, start + num_new, cached)
+            self.prefix_query_tokens += request.num_tokens
+            self.prefix_hit_tokens += start
+            request.num_computed_tokens = start
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = start
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            seats += group_size(request)
+            scheduled.append(ScheduledRequest(request, start, num_new))
+            budget -= num_new
+
+        return ScheduledBatch(scheduled, copies, preempted)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Mark ``request`` finished and free its blocks now, wherever it is queued."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.block_manager.free(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's blocks and queue it for recomputation, ahead of new arrivals."""
+        self.block_manager.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)

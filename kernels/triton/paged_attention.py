@@ -1,0 +1,654 @@
+"""Paged attention: ragged prefill chunks and decode tokens over a block-table KV cache.
+
+Semantics are exactly those of :func:`kernels.reference.paged_attention_ref` (read its module
+docstring for the KV layout, ragged-query and GQA conventions).
+
+Algorithm
+---------
+FlashAttention-2 style: each program owns a tile of query rows and streams the sequence's keys
+in tiles of ``TILE_N`` positions, keeping an online softmax (running max ``m``, running sum
+``l``, unnormalised accumulator ``acc``, all fp32; scores in log2 units so ``exp2`` is used).
+
+* **GQA packing.** A tile's ``BLOCK_M`` rows are (query token, query head) pairs of ONE KV head:
+  row ``r`` is token ``r // GROUP`` of the tile and head ``kv_head * GROUP + r % GROUP``. Every
+  K/V tile is therefore loaded once for the whole head group, and a decode step with a small
+  group still gives ``tl.dot`` an M dimension >= 16 (unused rows are masked).
+* **Paging.** Key position ``n`` lives in block ``block_tables[seq, n // BLOCK_SIZE]`` at offset
+  ``n % BLOCK_SIZE``; the tile gathers the block id per key, so ``TILE_N`` is independent of the
+  cache block size and blocks may be anywhere (shuffled, non-monotonic tables).
+* **Masking.** Keys at positions ``>= seq_len`` are never loaded (masked loads, ``other=0``), so
+  free or poisoned (NaN) cache slots and stale block-table entries cannot reach the result.
+  Loaded keys are masked to ``-inf`` where causal (``key_pos > query_pos``) or outside the
+  sliding window; rows that have seen no key yet keep ``m = -inf`` without producing NaN.
+* **Head dims** that are not powers of two (80, 96) are padded to the next power of two with
+  masked loads; the padded lanes are zero so they add nothing to ``q . k``.
+
+Split-KV (flash-decoding)
+-------------------------
+With ``num_kv_splits > 1`` the key range of each tile is cut into ``num_kv_splits`` contiguous
+runs of key tiles, one program each. Each writes its normalised partial output and its
+log-sum-exp (log2 units) to an fp32 workspace, and ``_paged_attention_reduce_kernel`` merges the
+partials: ``out = sum_j 2^(lse_j - max lse) * out_j / sum_j 2^(lse_j - max lse)``. Empty runs
+write ``lse = -inf`` and drop out of the merge. ``num_kv_splits=None`` picks a value with
+:func:`choose_num_kv_splits`, a fixed function of the shapes (no autotuning): only decode-only
+batches (``max_seqlen_q == 1``) with too few (sequence, KV head) programs to fill the GPU split.
+
+Grids
+-----
+* main: ``(num_q_tiles, num_kv_heads, num_kv_splits)``. Decode-only batches use one tile per
+  sequence (``num_q_tiles = num_seqs``). Otherwise sequence ``s`` owns the tiles starting at
+  ``cu_seqlens_q[s] // TOKENS_PER_TILE + s`` (enough for ``ceil(q_len / TOKENS_PER_TILE)``
+  tiles), ``num_q_tiles = num_tokens // TOKENS_PER_TILE + num_seqs``, and a program finds its
+  sequence by binary search over ``cu_seqlens_q`` -- no host sync, surplus programs exit.
+* reduce (split-KV only): ``(num_tokens, cdiv(num_q_heads, BLOCK_H))``, ``BLOCK_H`` <= 16 heads.
+
+Tiles: ``BLOCK_M`` = 16 rows for decode-only batches, else 64 (32 for head dims > 128), raised
+to the group size if larger; ``TILE_N`` = 64 keys (32 for head dims > 128).
+
+Interpreter caveats: Triton 3.9's interpreter computes ``tl.dot`` on raw bf16 operands wrongly,
+so under ``TRITON_INTERPRET=1`` bf16 operands are cast to fp32 before the dots. On CUDA, fp32
+operands use ``input_precision="ieee"`` (not TF32) so fp32 results match the reference.
+
+Layout
+------
+The kernel is built from ``@triton.jit`` helpers, which Triton inlines (the same PTX as one
+long body): ``_locate_q_tile`` (the binary search), ``_key_tiles`` (the split's run of key
+tiles), ``_load_kv_tile`` (one gathered K/V tile) and ``_attend_key_tile`` (one online-softmax
+step). The launcher checks its inputs with ``kernels/triton/attention_checks.py``, which returns the
+sizes as an ``AttentionShapes`` record, and takes every launch setting -- grids, compile-time
+arguments, warps -- from the frozen ``AttentionLaunch`` that :func:`attention_launch` builds
+(``ci/aot_compile.py`` compiles from the same record).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.attention_checks import (
+    AttentionShapes,
+    check_attention_inputs,
+    check_out,
+    check_workspace,
+)
+from kernels.triton.runtime import interpreting
+
+# Split-KV heuristic: aim for this many programs per launch, never split below this many keys
+# per split, and never split more than this.
+_TARGET_PROGRAMS = 256
+_MIN_KEYS_PER_SPLIT = 512
+_MAX_KV_SPLITS = 32
+_LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def _locate_q_tile(
+    cu_seqlens_q_ptr, pid_q, num_seqs, TOKENS_PER_TILE: tl.constexpr, DECODE_ONLY: tl.constexpr
+):
+    """``(seq, tile)``: the sequence and which of its query tiles program ``pid_q`` owns.
+
+    Decode-only batches have one tile per sequence. Otherwise sequence ``s``'s tiles start at
+    ``cu_seqlens_q[s] // TOKENS_PER_TILE + s``, non-decreasing in ``s``: a binary search finds
+    the largest ``s`` whose first tile is ``<= pid_q`` (on the device, no host sync).
+    """
+    if DECODE_ONLY:
+        seq = pid_q
+        tile = 0
+    else:
+        lo = tl.zeros([], dtype=tl.int32)
+        hi = tl.zeros([], dtype=tl.int32) + num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            mid_start = tl.load(cu_seqlens_q_ptr + mid) // TOKENS_PER_TILE + mid
+            if mid_start <= pid_q:
+                lo = mid
+            else:
+                hi = mid - 1
+        seq = lo
+        tile = pid_q - (tl.load(cu_seqlens_q_ptr + seq) // TOKENS_PER_TILE + seq)
+    return seq, tile
+
+
+@triton.jit
+def _key_tiles(
+    seq_len,
+    q_len,
+    tile_tok0,
+    split,
+    num_kv_splits,
+    sliding_window,
+    TOKENS_PER_TILE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+):
+    """``(kv_lo, kv_hi, first, end)``: the query tile needs keys ``[kv_lo, kv_hi)`` (causal,
+    windowed; ``kv_lo`` a multiple of ``TILE_N``), and this split walks key tiles
+    ``[first, end)`` of them, one contiguous run of ``cdiv(tiles, num_kv_splits)`` tiles."""
+    last_tok = tl.minimum(q_len, tile_tok0 + TOKENS_PER_TILE) - 1
+    kv_hi = seq_len - q_len + last_tok + 1
+    if USE_WINDOW:
+        kv_lo = tl.maximum(seq_len - q_len + tile_tok0 - sliding_window + 1, 0)
+        kv_lo = (kv_lo // TILE_N) * TILE_N
+    else:
+        kv_lo = 0
+    num_tiles = tl.cdiv(kv_hi - kv_lo, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_kv_splits)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+    return kv_lo, kv_hi, tile_begin, tile_end
+
+
+@triton.jit
+def _load_kv_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    table_row,
+    kv_head,
+    offs_n,
+    n_valid,
+    offs_d,
+    d_mask,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """``(k, v)`` ``[TILE_N, HEAD_DIM_PAD]`` at key positions ``offs_n``, each gathered through
+    its own block-table entry; invalid positions and padded head lanes read 0."""
+    # Only positions < kv_hi <= seq_len are read: free slots (possibly NaN) never are.
+    block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+    slot = (
+        block * stride_cache_block
+        + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_cache_slot
+        + kv_head * stride_cache_head
+    )
+    kv_mask = n_valid[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + slot[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + slot[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _attend_key_tile(
+    q,
+    k,
+    v,
+    offs_n,
+    n_valid,
+    q_pos,
+    sliding_window,
+    scale_log2,
+    m_i,
+    l_i,
+    acc,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over a key tile: ``(m_i, l_i, acc)`` updated with the scores
+    ``q . k`` (log2 units) of the keys each row may see (causal, in the window)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    allowed = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+    if USE_WINDOW:
+        allowed = allowed & (offs_n[None, :] > q_pos[:, None] - sliding_window)
+    s = tl.where(allowed, s, float("-inf"))
+
+    # A row with no allowed key so far keeps m = -inf and uses 0 as its reference so
+    # exp2(-inf - m) is 0 rather than NaN.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    cu_seqlens_q_ptr,
+    num_seqs,
+    num_q_heads,
+    num_kv_splits,
+    sliding_window,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_bt,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TOKENS_PER_TILE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DECODE_ONLY: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+
+    seq, tile = _locate_q_tile(cu_seqlens_q_ptr, pid_q, num_seqs, TOKENS_PER_TILE, DECODE_ONLY)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tile_tok0 = tile * TOKENS_PER_TILE
+    if tile_tok0 >= q_len:
+        return
+
+    # -- rows: (token, head) pairs of this KV head's group
+    offs_m = tl.arange(0, BLOCK_M)
+    tok_in_seq = tile_tok0 + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_valid = (offs_m < TOKENS_PER_TILE * GROUP) & (tok_in_seq < q_len)
+    token = (q_start + tok_in_seq).to(tl.int64)
+    q_pos = seq_len - q_len + tok_in_seq  # absolute position of each row's query token
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_valid[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    # -- this split's run of key tiles, one online-softmax step each
+    kv_lo, kv_hi, tile_begin, tile_end = _key_tiles(
+        seq_len, q_len, tile_tok0, split, num_kv_splits, sliding_window,
+        TOKENS_PER_TILE, TILE_N, USE_WINDOW,
+    )  # fmt: skip
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for t in range(tile_begin, tile_end):
+        offs_n = kv_lo + t * TILE_N + tl.arange(0, TILE_N)
+        n_valid = offs_n < kv_hi
+        k, v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, table_row, kv_head, offs_n, n_valid, offs_d, d_mask,
+            stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE, DOT_FP32,
+        )  # fmt: skip
+        m_i, l_i, acc = _attend_key_tile(
+            q, k, v, offs_n, n_valid, q_pos, sliding_window, scale_log2, m_i, l_i, acc,
+            USE_WINDOW, DOT_PRECISION,
+        )  # fmt: skip
+
+    # -- normalise; with split-KV, the partial output and its log-sum-exp go to the workspace
+    has_keys = l_i > 0.0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out_mask = row_valid[:, None] & d_mask[None, :]
+    if SPLIT:
+        part_row = (token * num_q_heads + head) * num_kv_splits + split
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=out_mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
+    else:
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+
+
+@triton.jit
+def _paged_attention_reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    num_q_heads,
+    num_kv_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    h_mask = offs_h < num_q_heads
+    d_mask = offs_d < HEAD_DIM
+    part_base = (token * num_q_heads + offs_h) * num_kv_splits  # [BLOCK_H]
+
+    # Merge by log-sum-exp: weight each split's normalised output by 2^(lse_j - max_j lse).
+    lse_all = tl.load(
+        part_lse_ptr + part_base[:, None] + offs_s[None, :],
+        mask=h_mask[:, None] & (offs_s < num_kv_splits)[None, :],
+        other=float("-inf"),
+    )
+    lse_max = tl.max(lse_all, 1)
+    lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM_PAD], dtype=tl.float32)
+    for j in range(num_kv_splits):
+        lse = tl.load(part_lse_ptr + part_base + j, mask=h_mask, other=float("-inf"))
+        w = tl.exp2(lse - lse_ref)  # an empty split has lse = -inf: weight 0
+        part = tl.load(
+            part_out_ptr + (part_base + j)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=h_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        w_sum += w
+        acc += w[:, None] * part
+    o = acc / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
+    tl.store(
+        out_ptr + token * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=h_mask[:, None] & d_mask[None, :],
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionTiles:
+    """Launch settings of ``_paged_attention_kernel``: a fixed function of the shapes.
+
+    ``head_dim_pad``: head dim padded to a power of two >= 16; ``block_m``: rows (query token,
+    query head) per program; ``tokens_per_tile = block_m // group``; ``tile_n``: keys per
+    inner-loop step; ``num_warps``; ``num_stages``: software-pipelining depth of the key loop;
+    ``maxnreg``: registers per thread ptxas may use (None: its own choice).
+    """
+
+    head_dim_pad: int
+    block_m: int
+    tokens_per_tile: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+    maxnreg: int | None
+
+
+def attention_tiles(
+    *, head_dim: int, group: int, decode_only: bool, dtype: torch.dtype
+) -> AttentionTiles:
+    """Tile sizes for one launch (untuned defaults; never a function of the batch size).
+
+    ``block_m`` is 16 for decode-only batches, else 64 (32 for head dims > 128), raised to the
+    group size if larger. fp16/bf16: ``tile_n`` 64 (32 for head dims > 128), 4 warps (8 for head
+    dims > 128), Triton's default 3 stages. fp32 (exactness tests) runs its dots as fp32 FMAs,
+    not tensor-core MMAs, with every operand tile in registers: ``tile_n`` 16, 16 warps, 2
+    stages and ``maxnreg`` 128 (all a 512-thread block can have) build for sm_90 with no spills
+    (``ci/aot_compile.py``). Left to itself ptxas gave such builds as few as 32 (fp16's tiles)
+    or 64 (these) registers and spilled; 8 warps needed more than 255 registers in some builds.
+    """
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    wide = head_dim_pad > 128
+    block_m = 16 if decode_only else (32 if wide else 64)
+    block_m = max(block_m, triton.next_power_of_2(group))
+    if dtype == torch.float32:
+        tile_n, num_warps, num_stages, maxnreg = 16, 16, 2, 128
+    else:
+        tile_n, num_warps, num_stages, maxnreg = (32 if wide else 64), (8 if wide else 4), 3, None
+    return AttentionTiles(
+        head_dim_pad, block_m, block_m // group, tile_n, num_warps, num_stages, maxnreg
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionLaunch:
+    """Everything one ``paged_attention`` call launches with besides its tensors: the grids,
+    the kernel's compile-time arguments and its launch options.
+
+    ``dot_fp32``: cast bf16 operands to fp32 before the dots (only under the interpreter, whose
+    bf16 ``tl.dot`` is wrong); ``dot_precision``: ``ieee`` whenever the dots see fp32 operands
+    (TF32 would cost ~1e-3), else ``tf32``, which fp16/bf16 dots ignore.
+    """
+
+    shapes: AttentionShapes
+    tiles: AttentionTiles
+    num_kv_splits: int
+    decode_only: bool
+    use_window: bool
+    dot_fp32: bool
+    dot_precision: str
+
+    @property
+    def split(self) -> bool:
+        return self.num_kv_splits > 1
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """``(num_q_tiles, Hkv, num_kv_splits)``; see the module docstring for the q tiles."""
+        shapes = self.shapes
+        if self.decode_only:
+            num_q_tiles = shapes.num_seqs
+        else:
+            num_q_tiles = shapes.num_tokens // self.tiles.tokens_per_tile + shapes.num_seqs
+        return num_q_tiles, shapes.num_kv_heads, self.num_kv_splits
+
+    @property
+    def reduce_block_h(self) -> int:
+        """Query heads per program of the split-KV reduce."""
+        return min(16, triton.next_power_of_2(self.shapes.num_q_heads))
+
+    @property
+    def reduce_grid(self) -> tuple[int, int]:
+        return self.shapes.num_tokens, triton.cdiv(self.shapes.num_q_heads, self.reduce_block_h)
+
+    def constexprs(self) -> dict[str, int | bool | str]:
+        """The compile-time arguments of ``_paged_attention_kernel``, by name."""
+        return dict(
+            HEAD_DIM=self.shapes.head_dim,
+            HEAD_DIM_PAD=self.tiles.head_dim_pad,
+            GROUP=self.shapes.group,
+            BLOCK_M=self.tiles.block_m,
+            TOKENS_PER_TILE=self.tiles.tokens_per_tile,
+            TILE_N=self.tiles.tile_n,
+            BLOCK_SIZE=self.shapes.block_size,
+            DECODE_ONLY=self.decode_only,
+            USE_WINDOW=self.use_window,
+            SPLIT=self.split,
+            DOT_FP32=self.dot_fp32,
+            DOT_PRECISION=self.dot_precision,
+        )
+
+    def options(self) -> dict[str, int | None]:
+        """``num_warps``, ``num_stages`` and ``maxnreg`` of ``_paged_attention_kernel``."""
+        tiles = self.tiles
+        return dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages, maxnreg=tiles.maxnreg)
+
+
+def attention_launch(
+    shapes: AttentionShapes,
+    *,
+    dtype: torch.dtype,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    sliding_window: int | None,
+    num_kv_splits: int | None,
+) -> AttentionLaunch:
+    """The launch settings of one call (``num_kv_splits=None``: :func:`choose_num_kv_splits`).
+
+    A fixed function of the shapes, dtype and arguments, never of tensor contents.
+    """
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(
+            num_seqs=shapes.num_seqs,
+            num_kv_heads=shapes.num_kv_heads,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+        )
+    if num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+    decode_only = max_seqlen_q == 1
+    dot_fp32 = dtype == torch.bfloat16 and interpreting()
+    return AttentionLaunch(
+        shapes=shapes,
+        tiles=attention_tiles(
+            head_dim=shapes.head_dim, group=shapes.group, decode_only=decode_only, dtype=dtype
+        ),
+        num_kv_splits=num_kv_splits,
+        decode_only=decode_only,
+        use_window=sliding_window is not None,
+        dot_fp32=dot_fp32,
+        dot_precision="ieee" if dtype == torch.float32 or dot_fp32 else "tf32",
+    )
+
+
+def choose_num_kv_splits(
+    *, num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int
+) -> int:
+    """The split-KV factor ``paged_attention`` uses when ``num_kv_splits`` is None.
+
+    A fixed function of the shapes: 1 unless the batch is decode-only (``max_seqlen_q == 1``)
+    and has fewer than ``_TARGET_PROGRAMS`` (sequence, KV head) programs; then enough splits to
+    reach that many programs, at most one per ``_MIN_KEYS_PER_SPLIT`` keys of the longest
+    context and at most ``_MAX_KV_SPLITS``. A CUDA-graph caller should pass ``num_kv_splits``
+    explicitly, since this depends on ``max_seqlen_k``.
+    """
+    if max_seqlen_q != 1:
+        return 1
+    programs = max(1, num_seqs * num_kv_heads)
+    by_occupancy = -(-_TARGET_PROGRAMS // programs)
+    by_length = max_seqlen_k // _MIN_KEYS_PER_SPLIT
+    return max(1, min(by_occupancy, by_length, _MAX_KV_SPLITS))
+
+
+def workspace_numel(*, num_tokens: int, num_q_heads: int, head_dim: int, num_kv_splits: int) -> int:
+    """fp32 elements of split-KV scratch: partial outputs ``[T, Hq, splits, D]`` then LSEs."""
+    return num_tokens * num_q_heads * num_kv_splits * (head_dim + 1)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    sliding_window: int | None = None,
+    num_kv_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of ragged query chunks over the paged KV cache; see ``paged_attention_ref``.
+
+    q: ``[T, Hq, D]``; k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` (same dtype as q);
+    block_tables: ``[S, max_blocks]`` int32; seq_lens: ``[S]`` int32 (context incl. the new
+    tokens); cu_seqlens_q: ``[S + 1]`` int32. ``max_seqlen_q`` / ``max_seqlen_k`` must be the
+    true maxima (they size the launch; they are not checked against the device tensors).
+    ``num_kv_splits``: split-KV factor, None = :func:`choose_num_kv_splits`. ``out``: optional
+    ``[T, Hq, D]`` output in q's dtype. ``workspace``: optional contiguous fp32 scratch of at
+    least :func:`workspace_numel` elements for split-KV (allocated here when omitted).
+    Returns ``[T, Hq, D]`` in ``q.dtype``. Invalid arguments raise ``ValueError``
+    (``kernels/triton/attention_checks.py``).
+    """
+    # q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D]
+    shapes = check_attention_inputs(
+        q,
+        k_cache,
+        v_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        cu_seqlens_q=cu_seqlens_q,
+        scale=scale,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        sliding_window=sliding_window,
+    )
+    out = check_out(out, q)
+    if shapes.num_tokens == 0 or shapes.num_seqs == 0 or max_seqlen_q == 0:
+        return out
+    launch = attention_launch(
+        shapes,
+        dtype=q.dtype,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        sliding_window=sliding_window,
+        num_kv_splits=num_kv_splits,
+    )
+    if launch.split:
+        part_out, part_lse = _partials(workspace, shapes, launch.num_kv_splits, q.device)
+    else:
+        part_out = part_lse = out  # unused (SPLIT=False)
+
+    _paged_attention_kernel[launch.grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_out,
+        part_lse,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        shapes.num_seqs,
+        shapes.num_q_heads,
+        launch.num_kv_splits,
+        sliding_window or 0,
+        scale * _LOG2_E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        **launch.constexprs(),
+        **launch.options(),
+    )
+    if launch.split:
+        _paged_attention_reduce_kernel[launch.reduce_grid](
+            part_out,
+            part_lse,
+            out,
+            shapes.num_q_heads,
+            launch.num_kv_splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=shapes.head_dim,
+            HEAD_DIM_PAD=launch.tiles.head_dim_pad,
+            BLOCK_H=launch.reduce_block_h,
+            SPLITS_PAD=triton.next_power_of_2(launch.num_kv_splits),
+        )
+    return out
+
+
+def _partials(
+    workspace: torch.Tensor | None,
+    shapes: AttentionShapes,
+    num_kv_splits: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV scratch, checked or allocated: partial outputs ``[T, Hq, splits, D]`` and their
+    log-sum-exps ``[T, Hq, splits]``, flat views of one fp32 buffer."""
+    numel = workspace_numel(
+        num_tokens=shapes.num_tokens,
+        num_q_heads=shapes.num_q_heads,
+        head_dim=shapes.head_dim,
+        num_kv_splits=num_kv_splits,
+    )
+    workspace = check_workspace(workspace, numel=numel, device=device)
+    num_lse = numel // (shapes.head_dim + 1)
+    return workspace[: numel - num_lse], workspace[numel - num_lse : numel]

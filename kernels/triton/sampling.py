@@ -1,0 +1,461 @@
+"""Fused sampling: temperature, top-k, top-p, min-p and the draw, without sorting the vocabulary.
+
+Semantics are exactly those of :func:`kernels.reference.sample_ref` (keep rule in
+``sampling_keep_mask``): a token is drawable when it passes top-k, top-p (nucleus on the
+top-k-renormalised distribution) and min-p on ``p = softmax(logits / temperature)``, and the
+draw is the exponential race ``argmax_i p_i / E_i``, ``E_i = -log(u_i)``, over kept tokens.
+Temperature-0 rows are argmax of the raw logits (lowest index on ties). The logprob is
+``log_softmax(logits)`` (unscaled) at the chosen token. A row holding a NaN or +inf, or no
+finite value at all, is invalid: its token is -1 and its logprob NaN, at any temperature.
+
+Algorithm (per row; all passes stream the row in chunks of ``BLOCK_V``)
+--------------------------------------------------------------------
+1. max and argmax of the raw logits (greedy token); ``max z = max logits / temperature``
+   exactly, since division by a positive number is monotone. The same pass counts NaN and
+   +inf entries (invalid rows) and keeps NaN out of the max/argmax, whose NaN handling on a
+   GPU depends on the reduction tree.
+2. ``sum exp(x - max x)`` (for the logprob) and ``sum exp(z - max z)`` (for ``p``).
+3. top-k threshold, only if some row in the tile uses top-k: a radix select of the k-th
+   largest ``z``. ``z`` is mapped to a uint32 key that sorts like the float (-0.0 folded into
+   +0.0); 8 passes each build a 16-bin histogram of the next 4 key bits among the keys that
+   match the prefix found so far, and pick the bin holding the k-th largest. The result is the
+   exact key of the k-th largest value, so ``z >= kth`` keeps ties as the reference does.
+4. top-p threshold, only if some row uses ``top_p < 1``: the same radix walk over the keys of
+   ``p`` (non-negative floats, so their bits already sort), restricted to the top-k set, with
+   per-bin probability mass next to per-bin counts. It finds the smallest value ``t`` such that
+   the mass strictly above ``t`` is ``< top_p * mass(top-k set)``: bin ``d`` holds a kept value
+   iff it is non-empty and (mass above the prefix) + (mass of higher bins) < target, and we
+   descend into the lowest such bin. Tokens with ``p >= t`` are exactly the reference's
+   nucleus (ties included, since "above" is strict). The mass of higher bins is a masked sum,
+   exactly 0 for the highest non-empty bin in any order, so the bin chosen at one level always
+   holds a qualifying bin at the next: the walk does not depend on exact float sums.
+5. min-p: ``p >= min_p * max p`` with ``max p = 1 / sum``.
+6. the race over kept tokens with ``u = tl.rand(seed, (step << 32) + token)``: Triton's Philox
+   with the row's 64-bit seed as key and counter words (token, step mod 2^32, 0, 0). A seeded
+   row therefore draws the same uniforms -- and token -- whatever its row index, batch size
+   or neighbours. ``u`` is clamped to the smallest normal float, as in the reference.
+
+Grid: ``(cdiv(B, BLOCK_B),)``. Each program handles ``BLOCK_B`` rows as a ``[BLOCK_B,
+BLOCK_V]`` tile (``BLOCK_V`` = vocab rounded up to a power of two, at most 1024; ``BLOCK_B *
+BLOCK_V`` = 1024 on CUDA, 65536 under the interpreter, where per-op overhead dominates). Both
+depend on the vocabulary size only, never on the batch, so a row's arithmetic (reduction order
+included) is batch-independent.
+Cost: 3 + (8 if any top-k) + (8 if any top-p) streaming passes over the row, no sort.
+
+The kernel is built from ``@triton.jit`` helpers, which Triton inlines (the PTX is that of one
+long body): every pass loads through ``_load_chunk``; both radix walks histogram with
+``_digit_histogram`` (one pass: per-bin counts, and per-bin mass for top-p) and descend one
+digit per level with ``_top_k_step`` / ``_top_p_step``; the greedy pass and the race fold
+chunks into a running argmax with ``_running_argmax``.
+
+Grammar masks: with a ``token_mask`` (``int32 [B, ceil(V / 32)]``, bit ``t % 32`` of word
+``t // 32`` set when token ``t`` is allowed), every pass reads disallowed tokens as -inf
+(``_load_chunk``), so the same launch samples constrained and free rows, greedy ones too, from
+the constrained distribution. ``HAS_MASK`` is a compile-time switch: a batch without
+constrained rows runs a kernel with no mask loads at all.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.runtime import check_device, interpreting
+
+_MAX_BLOCK_V = 1024
+_TILE_CUDA = 1024
+_TILE_INTERPRET = 65536
+_NUM_WARPS = 8
+
+
+@triton.jit
+def _ordered_key(x):
+    """uint32 key with the same order as the float32 ``x`` (-0.0 and +0.0 map to one key)."""
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = tl.full(bits.shape, 0x80000000, tl.uint32)
+    # ``bits ^ all_ones`` rather than ``~bits``: Triton 3.6's interpreter evaluates ``~`` on
+    # uint32 through a -1 that numpy 2 refuses to cast (compiled code is the same either way).
+    all_ones = tl.full(bits.shape, 0xFFFFFFFF, tl.uint32)
+    return tl.where((bits & sign) != 0, bits ^ all_ones, bits | sign)
+
+
+@triton.jit
+def _mass_of_higher_bins(mass):
+    """``[B, 16]`` bin masses -> ``[B, 16]``: for each bin ``d``, the mass of the bins above it.
+
+    A masked sum, not ``total - cumsum``: the bins above the highest non-empty one contribute
+    only zeros, so its result is exactly 0.0 whatever order the reduction adds in. (A GPU scans
+    with warp shuffles, so ``total - cum[d]`` is a few ulps off zero there, and a top-p walk
+    relying on it can find no qualifying bin, keep nothing and draw token 0.)
+    """
+    digits = tl.arange(0, 16)
+    higher = digits[None, :] > digits[:, None]  # [d, d']: bin d' is above bin d
+    return tl.sum(tl.where(higher[None, :, :], mass[:, None, :], 0.0), 2)
+
+
+@triton.jit
+def _div(a, b):
+    """``a / b`` rounded to nearest, as torch divides (the reference), for ``z`` and ``p``.
+
+    Triton's ``/`` is PTX ``div.full.f32``, an approximation built on a multiply, and ptxas may
+    fuse a multiply with the subtraction that follows it. Then ``z - z_max`` is not 0 at the
+    max but the product's rounding error, ~1e22 for a logit of 1e30 at T = 0.9, and ``exp``
+    goes to 0 or inf in some passes only. On an H200 such a row kept no token and drew token 0
+    (the hazard test's row 11); this is our reading of why. ``div_rn`` gives one correctly
+    rounded value in every pass; the interpreter divides with numpy either way.
+    """
+    return tl.math.div_rn(a, b)
+
+
+@triton.jit
+def _load_chunk(row_ptr, mask_row_ptr, rows_ok, v0, cols, vocab_size, HAS_MASK: tl.constexpr):
+    """One ``[BLOCK_B, BLOCK_V]`` chunk of logits from column ``v0``: ``(x, in_vocab)``.
+
+    Columns past the vocabulary and, with ``HAS_MASK``, tokens the row's packed bitmask does not
+    allow (bit ``t % 32`` of int32 word ``t // 32``) read as -inf, so every pass sees the
+    constrained distribution. Every pass loads through here.
+    """
+    idx = v0 + cols
+    in_vocab = rows_ok[:, None] & (idx < vocab_size)[None, :]
+    x = tl.load(row_ptr[:, None] + idx[None, :], mask=in_vocab, other=float("-inf"))
+    if HAS_MASK:
+        words = tl.load(mask_row_ptr[:, None] + (idx // 32)[None, :], mask=in_vocab, other=0)
+        allowed = ((words >> (idx % 32)[None, :]) & 1) != 0
+        x = tl.where(allowed, x, float("-inf"))
+    return x, in_vocab
+
+
+@triton.jit
+def _running_argmax(best, best_idx, values, v0):
+    """Fold a chunk ``values [B, BLOCK_V]`` that starts at column ``v0`` into a running max and
+    the first column holding it: ``(best, best_idx)``."""
+    c_max = tl.max(values, 1)
+    c_arg = tl.argmax(values, 1, tie_break_left=True)
+    best_idx = tl.where(c_max > best, v0 + c_arg, best_idx)  # strict: earlier chunk wins ties
+    best = tl.maximum(best, c_max)
+    return best, best_idx
+
+
+@triton.jit
+def _digit_histogram(
+    row_ptr,
+    mask_row_ptr,
+    rows_ok,
+    cols,
+    vocab_size,
+    temp,
+    z_max,
+    sum_z,
+    k_key,
+    prefix,
+    r: tl.constexpr,
+    OF_P: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """One radix pass over the row: ``(count, mass)``, both ``[B, 16]``, of digit ``r`` (key
+    bits ``31 - 4r`` down to ``28 - 4r``) among the keys whose higher digits equal ``prefix``'s.
+
+    Without ``OF_P`` the keys are those of ``z`` over the whole row and ``mass`` stays 0. With
+    ``OF_P`` they are those of ``p``, over the top-k set only (``key(z) >= k_key``), and
+    ``mass`` sums ``p`` per bin.
+    """
+    digits = tl.arange(0, 16)
+    count = tl.zeros([BLOCK_B, 16], dtype=tl.int32)
+    mass = tl.zeros([BLOCK_B, 16], dtype=tl.float32)
+    for v0 in range(0, vocab_size, BLOCK_V):
+        x, mask = _load_chunk(row_ptr, mask_row_ptr, rows_ok, v0, cols, vocab_size, HAS_MASK)
+        if OF_P:
+            z = _div(x, temp[:, None])
+            mask = mask & (_ordered_key(z) >= k_key[:, None])  # nucleus of the top-k set
+            p = _div(tl.exp(z - z_max[:, None]), sum_z[:, None])
+            key = _ordered_key(p)
+        else:
+            key = _ordered_key(_div(x, temp[:, None]))
+        if r > 0:
+            mask = mask & ((key >> (32 - 4 * r)) == (prefix >> (32 - 4 * r))[:, None])
+        digit = ((key >> (28 - 4 * r)) & 15).to(tl.int32)
+        onehot = (digit[:, :, None] == digits[None, None, :]) & mask[:, :, None]
+        count += tl.sum(onehot.to(tl.int32), 1)
+        if OF_P:
+            mass += tl.sum(tl.where(onehot, p[:, :, None], 0.0), 1)
+    return count, mass
+
+
+@triton.jit
+def _top_k_step(hist, k_rem, prefix, r: tl.constexpr):
+    """One level of the top-k radix select: ``(prefix, k_rem)`` with digit ``r`` of the prefix
+    set to the bin that holds the ``k_rem``-th largest matching key, and that key's rank among
+    the keys matching the longer prefix."""
+    digits = tl.arange(0, 16)
+    # at_or_above[d] = matching keys whose digit is >= d; the k-th largest is in the highest bin
+    # where that count reaches k.
+    at_or_above = tl.sum(hist, 1)[:, None] - tl.cumsum(hist, 1) + hist
+    d_sel = tl.max(tl.where(at_or_above >= k_rem[:, None], digits[None, :], 0), 1)
+    k_rem -= tl.sum(tl.where(digits[None, :] > d_sel[:, None], hist, 0), 1)
+    return prefix | (d_sel.to(tl.uint32) << (28 - 4 * r)), k_rem
+
+
+@triton.jit
+def _top_p_step(count, mass, mass_above, target, empty, prefix, r: tl.constexpr):
+    """One level of the top-p walk: ``(prefix, mass_above, empty)`` with digit ``r`` of the
+    prefix set to the lowest bin holding a kept value (non-empty, mass strictly above it
+    ``< target``), the mass above that bin's keys, and ``empty`` or'ed with "no bin qualified"
+    (the digit is then 15)."""
+    digits = tl.arange(0, 16)
+    # Mass strictly above the largest key of bin d; exactly mass_above for the highest
+    # non-empty bin, so the previous level's choice always qualifies here.
+    above = mass_above[:, None] + _mass_of_higher_bins(mass)
+    holds_kept = (count > 0) & (above < target[:, None])
+    d_sel = tl.min(tl.where(holds_kept, digits[None, :], 16), 1)
+    empty = empty | (d_sel == 16)
+    d_sel = tl.minimum(d_sel, 15)
+    mass_above = tl.sum(tl.where(digits[None, :] == d_sel[:, None], above, 0.0), 1)
+    return prefix | (d_sel.to(tl.uint32) << (28 - 4 * r)), mass_above, empty
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr,
+    temperature_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    seeds_ptr,
+    steps_ptr,
+    tokens_ptr,
+    logprobs_ptr,
+    token_mask_ptr,
+    num_rows,
+    vocab_size,
+    stride_row,
+    stride_mask_row,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    row_mask = rows < num_rows
+    row_ptr = logits_ptr + rows * stride_row
+    mask_row_ptr = token_mask_ptr + rows * stride_mask_row
+    cols = tl.arange(0, BLOCK_V)
+
+    temperature = tl.load(temperature_ptr + rows, mask=row_mask, other=1.0)
+    temp = tl.where(temperature > 0.0, temperature, 1.0)  # greedy rows: keep rule at T=1
+    top_k = tl.load(top_k_ptr + rows, mask=row_mask, other=0)
+    top_p = tl.load(top_p_ptr + rows, mask=row_mask, other=1.0)
+    min_p = tl.load(min_p_ptr + rows, mask=row_mask, other=0.0)
+    k_on = row_mask & (top_k > 0) & (top_k < vocab_size)
+    p_on = row_mask & (top_p < 1.0)
+
+    # -- pass 1: max and first argmax of the raw logits; rows holding NaN or +inf
+    x_max = tl.full([BLOCK_B], float("-inf"), dtype=tl.float32)
+    greedy = tl.zeros([BLOCK_B], dtype=tl.int32)
+    num_bad = tl.zeros([BLOCK_B], dtype=tl.int32)
+    for v0 in range(0, vocab_size, BLOCK_V):
+        x, mask = _load_chunk(row_ptr, mask_row_ptr, row_mask, v0, cols, vocab_size, HAS_MASK)
+        num_bad += tl.sum(((x != x) | (x == float("inf"))).to(tl.int32), 1)
+        # NaN never reaches the reductions: a GPU's tl.max skips it while tl.argmax keeps it
+        # or not depending on the reduction tree (the row's token is -1 anyway).
+        x = tl.where(x != x, float("-inf"), x)
+        x_max, greedy = _running_argmax(x_max, greedy, x, v0)
+    invalid = (num_bad > 0) | (x_max == float("-inf"))  # NaN, +inf or nothing finite
+    x_ref = tl.where(x_max == float("-inf"), 0.0, x_max)
+    z_max = _div(x_ref, temp)
+
+    # -- pass 2: softmax denominators of the raw logits and of z = logits / temperature
+    sum_x = tl.zeros([BLOCK_B], dtype=tl.float32)
+    sum_z = tl.zeros([BLOCK_B], dtype=tl.float32)
+    for v0 in range(0, vocab_size, BLOCK_V):
+        x, mask = _load_chunk(row_ptr, mask_row_ptr, row_mask, v0, cols, vocab_size, HAS_MASK)
+        sum_x += tl.sum(tl.exp(x - x_ref[:, None]), 1)
+        sum_z += tl.sum(tl.exp(_div(x, temp[:, None]) - z_max[:, None]), 1)
+    sum_z = tl.where(sum_z > 0.0, sum_z, 1.0)
+
+    # -- passes 3..10: top-k threshold = exact key of the k-th largest z (radix select)
+    k_key = tl.zeros([BLOCK_B], dtype=tl.uint32)  # key 0 keeps every token
+    if tl.max(k_on.to(tl.int32), 0) > 0:
+        prefix = tl.zeros([BLOCK_B], dtype=tl.uint32)
+        k_rem = tl.where(k_on, top_k, 1)  # rank still to find among keys matching the prefix
+        for r in tl.static_range(8):
+            hist, _ = _digit_histogram(
+                row_ptr, mask_row_ptr, row_mask, cols, vocab_size, temp, z_max, sum_z, k_key,
+                prefix, r, False, HAS_MASK, BLOCK_B, BLOCK_V,
+            )  # fmt: skip
+            prefix, k_rem = _top_k_step(hist, k_rem, prefix, r)
+        k_key = tl.where(k_on, prefix, k_key)
+
+    # -- passes 11..18: top-p threshold = smallest p whose strictly-greater mass < target
+    p_key = tl.zeros([BLOCK_B], dtype=tl.uint32)
+    p_empty = tl.zeros([BLOCK_B], dtype=tl.int1)  # top_p <= 0 keeps nothing (as the reference)
+    if tl.max(p_on.to(tl.int32), 0) > 0:
+        prefix = tl.zeros([BLOCK_B], dtype=tl.uint32)
+        mass_above = tl.zeros([BLOCK_B], dtype=tl.float32)  # mass of keys above the prefix
+        target = tl.zeros([BLOCK_B], dtype=tl.float32)
+        for r in tl.static_range(8):
+            count, mass = _digit_histogram(
+                row_ptr, mask_row_ptr, row_mask, cols, vocab_size, temp, z_max, sum_z, k_key,
+                prefix, r, True, HAS_MASK, BLOCK_B, BLOCK_V,
+            )  # fmt: skip
+            if r == 0:
+                target = top_p * tl.sum(mass, 1)
+            prefix, mass_above, p_empty = _top_p_step(
+                count, mass, mass_above, target, p_empty, prefix, r
+            )
+        p_key = tl.where(p_on, prefix, p_key)
+        p_empty = p_on & p_empty
+
+    # -- final pass: keep mask and exponential race (lowest index wins ties)
+    seed = tl.load(seeds_ptr + rows, mask=row_mask, other=0)
+    counter_hi = tl.load(steps_ptr + rows, mask=row_mask, other=0) << 32
+    min_p_rel = min_p * (1.0 / sum_z)  # min_p * max p
+    best = tl.full([BLOCK_B], float("-inf"), dtype=tl.float32)
+    drawn = tl.zeros([BLOCK_B], dtype=tl.int32)
+    for v0 in range(0, vocab_size, BLOCK_V):
+        x, mask = _load_chunk(row_ptr, mask_row_ptr, row_mask, v0, cols, vocab_size, HAS_MASK)
+        z = _div(x, temp[:, None])
+        p = _div(tl.exp(z - z_max[:, None]), sum_z[:, None])
+        keep = (_ordered_key(z) >= k_key[:, None]) & (_ordered_key(p) >= p_key[:, None])
+        keep = keep & (p >= min_p_rel[:, None]) & ~p_empty[:, None]
+        idx = v0 + cols
+        u = tl.rand(seed[:, None], counter_hi[:, None] + idx[None, :].to(tl.int64))
+        race = p / -tl.log(tl.maximum(u, 1.1754943508222875e-38))
+        race = tl.where(mask, tl.where(keep, race, -1.0), float("-inf"))
+        best, drawn = _running_argmax(best, drawn, race, v0)
+
+    token = tl.where(invalid, -1, tl.where(temperature > 0.0, drawn, greedy))
+    x_tok = tl.load(row_ptr + token, mask=row_mask & ~invalid, other=float("nan"))
+    logprob = x_tok - x_ref - tl.log(tl.where(sum_x > 0.0, sum_x, 1.0))
+    tl.store(tokens_ptr + rows, token.to(tl.int64), mask=row_mask)
+    tl.store(logprobs_ptr + rows, logprob, mask=row_mask)
+
+
+@triton.jit
+def _uniforms_kernel(seeds_ptr, steps_ptr, out_ptr, vocab_size, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    idx = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    seed = tl.load(seeds_ptr + row)
+    counter_hi = tl.load(steps_ptr + row) << 32
+    u = tl.rand(seed, counter_hi + idx.to(tl.int64))
+    tl.store(out_ptr + row * vocab_size + idx, u, mask=idx < vocab_size)
+
+
+def _tile_shape(vocab_size: int) -> tuple[int, int]:
+    block_v = min(triton.next_power_of_2(vocab_size), _MAX_BLOCK_V)
+    tile = _TILE_INTERPRET if interpreting() else _TILE_CUDA
+    return max(1, tile // block_v), block_v
+
+
+def _check_row_param(
+    name: str, t: torch.Tensor, dtype: torch.dtype, num_rows: int, device: torch.device
+) -> None:
+    if t.dtype != dtype or t.shape != (num_rows,):
+        raise ValueError(f"{name} must be {dtype} [{num_rows}], got {t.dtype} {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, logits on {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def sample(
+    logits: torch.Tensor,
+    *,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    token_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; returns ``(token_ids [B] int64, logprobs [B] fp32)``.
+
+    Rows holding a NaN or +inf, or no finite value, get token -1 and logprob NaN.
+    token_mask: optional ``[B, ceil(V / 32)]`` int32 packed bitmask of the allowed tokens
+    (grammar-constrained rows; all ones for free rows). Disallowed tokens count as -inf in
+    every pass, greedy rows included, and the logprob is then over the allowed tokens. Without
+    it the kernel is compiled without the mask loads.
+
+    logits: ``[B, V]`` fp32 (last dim contiguous); temperature, top_p, min_p: ``[B]`` fp32
+    (temperature 0 = greedy); top_k: ``[B]`` int32 (``<= 0`` or ``>= V`` disables); seeds,
+    steps: ``[B]`` int64 -- the draw's uniforms are keyed by (seed, step, token index).
+    """
+    # logits: [B, V]
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"logits must be fp32 [B, V], got {logits.dtype} {tuple(logits.shape)}")
+    num_rows, vocab_size = logits.shape
+    if vocab_size == 0:
+        raise ValueError("logits must have a non-empty vocabulary")
+    if logits.stride(-1) != 1:
+        raise ValueError(f"logits' last dim must be contiguous, got strides {logits.stride()}")
+    device = logits.device
+    check_device(device)
+    _check_row_param("temperature", temperature, torch.float32, num_rows, device)
+    _check_row_param("top_k", top_k, torch.int32, num_rows, device)
+    _check_row_param("top_p", top_p, torch.float32, num_rows, device)
+    _check_row_param("min_p", min_p, torch.float32, num_rows, device)
+    _check_row_param("seeds", seeds, torch.int64, num_rows, device)
+    _check_row_param("steps", steps, torch.int64, num_rows, device)
+    words = (vocab_size + 31) // 32
+    if token_mask is not None:
+        if token_mask.dtype != torch.int32 or tuple(token_mask.shape) != (num_rows, words):
+            raise ValueError(
+                f"token_mask must be int32 [{num_rows}, {words}], "
+                f"got {token_mask.dtype} {tuple(token_mask.shape)}"
+            )
+        if token_mask.device != device or token_mask.stride(-1) != 1:
+            raise ValueError("token_mask must be on the logits' device with a contiguous last dim")
+
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
+    logprobs = torch.empty(num_rows, dtype=torch.float32, device=device)
+    if num_rows == 0:
+        return tokens, logprobs
+    block_b, block_v = _tile_shape(vocab_size)
+    _sample_kernel[(triton.cdiv(num_rows, block_b),)](
+        logits,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        seeds,
+        steps,
+        tokens,
+        logprobs,
+        token_mask if token_mask is not None else tokens,  # unused without HAS_MASK
+        num_rows,
+        vocab_size,
+        logits.stride(0),
+        token_mask.stride(0) if token_mask is not None else 0,
+        BLOCK_B=block_b,
+        BLOCK_V=block_v,
+        HAS_MASK=token_mask is not None,
+        num_warps=_NUM_WARPS,
+    )
+    return tokens, logprobs
+
+
+def sampling_uniforms(*, seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The uniforms ``[B, V]`` fp32 that :func:`sample` draws for rows (seeds, steps).
+
+    Feeding them to ``reference.sample_ref`` reproduces ``sample`` token for token (up to
+    float rounding at exact ties). For tests and for cross-checking a backend.
+    """
+    if seeds.dtype != torch.int64 or steps.dtype != torch.int64 or seeds.dim() != 1:
+        raise ValueError(f"seeds/steps must be int64 [B], got {seeds.dtype}, {steps.dtype}")
+    if steps.shape != seeds.shape or steps.device != seeds.device:
+        raise ValueError(f"steps {tuple(steps.shape)} must match seeds {tuple(seeds.shape)}")
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    check_device(seeds.device)
+    num_rows = seeds.shape[0]
+    out = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=seeds.device)
+    if num_rows == 0:
+        return out
+    block_v = min(triton.next_power_of_2(vocab_size), _MAX_BLOCK_V)
+    _uniforms_kernel[(num_rows, triton.cdiv(vocab_size, block_v))](
+        seeds.contiguous(), steps.contiguous(), out, vocab_size, BLOCK_V=block_v
+    )
+    return out
