@@ -32,7 +32,6 @@ from engine.model.loader import LoadedModel
 from engine.observe.engine_state import EngineState, StateWatch
 from engine.observe.metrics import EngineStats, SnapshotCollector
 from engine.outputs import RequestOutput
-from engine.platform.cpu.openmp_pool import release_openmp_pool
 from engine.sampling_params import SamplingParams
 from engine.sched.forks import sample_ids
 
@@ -111,7 +110,7 @@ class AsyncEngine:
         # The engine thread's OpenMP pool must be the only one, or libgomp stops spinning
         # between parallel regions and every CPU step slows down
         # (engine/platform/cpu/openmp_pool.py).
-        release_openmp_pool()
+        self.engine.platform.release_thread_pool()
         self._thread = threading.Thread(target=self._run, name="paged-serve-engine", daemon=True)
         self._thread.start()
 

@@ -23,7 +23,7 @@ from engine.model.prep import prepare_model
 from engine.observe.metrics import EngineStats
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.parallel.workers import TensorParallelWorkers
-from engine.platform.dtype_choice import choose_dtype
+from engine.platform.platform import platform_for
 from engine.runner.model_runner import ModelRunner, StepResult
 from engine.sample.sampler import INVALID_TOKEN
 from engine.sampling_params import SamplingParams
@@ -35,22 +35,17 @@ from engine.sched.scheduler import ScheduledBatch, Scheduler
 logger = logging.getLogger(__name__)
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 class LLMEngine:
     """Owns the model runner, the scheduler and every live request."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
-        self.device = resolve_device(config.device)
+        self.platform = platform_for(config.device)
+        self.device = self.platform.device
         tensor_parallel = config.tensor_parallel_size > 1
         share_model = loaded is not None
         if loaded is None:
-            choice = choose_dtype(config.dtype, self.device)
+            choice = self.platform.dtype(config.dtype)
             logger.info("weights in %s", choice)
             # Under tensor parallelism the whole model never goes to one device: only shards.
             load_device = torch.device("cpu") if tensor_parallel else self.device
@@ -117,7 +112,7 @@ class LLMEngine:
     @property
     def backend_name(self) -> str:
         """The attention backend the runner uses: ``torch`` or ``triton``."""
-        return self.runner.backend_name
+        return self.runner.backend.name
 
     @property
     def workers_alive(self) -> bool:

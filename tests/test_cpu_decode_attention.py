@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.platform.cpu.attention import PlannedTorchAttention
-from engine.runner.attention_backend import make_backend
+from engine.platform.kernel_backend import make_kernels
 from kernels.cpu import decode_attention as cpu_decode_attention
 from kernels.cpu.decode_attention import CpuDecodeAttention
 from kernels.reference import paged_attention_ref, write_kv_ref
@@ -193,9 +193,9 @@ def test_the_torch_backend_takes_it_for_decode_only_steps(kernel, monkeypatch):
 def test_the_cpu_backend_loads_it():
     """The engine's CPU backend has the kernel wherever it builds, so the engine tests (greedy
     equality with Hugging Face among them) run through it."""
-    backend = make_backend("torch")
+    backend = make_kernels("torch")
     assert isinstance(backend.paged_attention.__self__.decode_kernel, CpuDecodeAttention)
-    assert make_backend("torch", decode_kernel=False).paged_attention.__self__.decode_kernel is None
+    assert make_kernels("torch", decode_kernel=False).paged_attention.__self__.decode_kernel is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

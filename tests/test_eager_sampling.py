@@ -108,7 +108,7 @@ def test_the_torch_sampler_draws_the_reference_token():
         steps=steps,
         all_greedy=False,
     )
-    tokens, logprobs = Sampler("torch").draw(logits, batch)
+    tokens, logprobs = Sampler().draw(logits, batch)
     uniforms = torch.stack(
         [row_uniforms(int(s), int(t), 2000, logits.device) for s, t in zip(seeds, steps)]
     )

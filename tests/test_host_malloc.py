@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import engine.runner.model_runner as model_runner
+import engine.platform.cpu.host_malloc as host_malloc
 from engine.llm import LLM
 from engine.platform.cpu.host_malloc import keep_freed_memory
 from tests.conftest import loaded, tiny_model
@@ -67,6 +67,6 @@ def test_kept_memory_spares_the_page_faults_of_repeated_large_temporaries():
 
 def test_a_cpu_engine_keeps_freed_memory(monkeypatch: pytest.MonkeyPatch):
     calls: list[bool] = []
-    monkeypatch.setattr(model_runner, "keep_freed_memory", lambda: calls.append(True) or True)
+    monkeypatch.setattr(host_malloc, "keep_freed_memory", lambda: calls.append(True) or True)
     LLM(loaded=loaded(tiny_model("llama")), kv_cache_memory=1 << 20, device="cpu")
     assert calls == [True]

@@ -9,6 +9,7 @@ import threading
 import torch
 
 import engine.async_engine as async_engine
+import engine.platform.cpu.openmp_pool as openmp_pool
 from engine import EngineConfig
 from engine.platform.cpu.openmp_pool import release_openmp_pool
 from tests.conftest import loaded, tiny_model
@@ -48,7 +49,7 @@ def test_async_engine_releases_the_pool_before_its_thread_starts(monkeypatch) ->
         calls.append(threading.current_thread() is threading.main_thread())
         return True
 
-    monkeypatch.setattr(async_engine, "release_openmp_pool", record)
+    monkeypatch.setattr(openmp_pool, "release_openmp_pool", record)
     eng = async_engine.AsyncEngine(
         EngineConfig(kv_cache_memory=2 << 20), loaded=loaded(tiny_model("llama"))
     )

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.platform.kernel_backend import fused_sampler
 from engine.sample.sampler import Sampler, SamplingBatch
 from tests.conftest import assert_pool_clean, loaded, random_prompts, tiny_model
 
@@ -153,7 +154,7 @@ def test_sampler_gives_minus_one_for_non_finite_rows(backend, temperature):
             all_greedy=temperature == 0,
         )
 
-    sampler = Sampler(backend)
+    sampler = Sampler(fused_sampler(backend))
     tokens, logprobs = sampler.draw(logits, batch(4))
     assert tokens[1:].tolist() == [-1, -1, -1]
     assert logprobs[1:].isnan().all()

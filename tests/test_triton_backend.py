@@ -46,17 +46,17 @@ def test_seeded_n2_sampling_through_the_kernels(model):
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
     """The backend choice and the launchers ask ``kernels.triton.runtime`` the same question."""
-    from engine.runner.attention_backend import resolve_backend_name
+    from engine.platform.platform import platform_for
     from kernels.triton.kv_write import write_kv
 
-    cpu = torch.device("cpu")
+    cpu = platform_for(torch.device("cpu"))
     x = torch.zeros(1, 1, 16)
     cache = torch.zeros(1, 16, 1, 16)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        resolve_backend_name("triton", cpu)
+        cpu.kernel_backend_name("triton")
     with pytest.raises(ValueError, match="tensors on cpu need TRITON_INTERPRET=1"):
         write_kv(x, x, cache, cache, slot_mapping=torch.zeros(1, dtype=torch.int64))
-    assert resolve_backend_name("auto", cpu) == "torch"
+    assert cpu.kernel_backend_name("auto") == "torch"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert resolve_backend_name("triton", cpu) == "triton"
+    assert cpu.kernel_backend_name("triton") == "triton"

@@ -31,6 +31,7 @@ from torch import nn
 
 from engine.model.attention_swap import paged_attention_flat
 from engine.model.fused_projections import FusedLinear
+from engine.platform.platform import platform_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,10 +40,12 @@ class RMSNorm:
 
     weight: torch.Tensor
     eps: float
+    fused: bool  # the platform's F.rms_norm has HF's bits (checked on the CPU)
 
     @classmethod
     def of(cls, norm: nn.Module) -> RMSNorm:
-        return cls(norm.weight, norm.variance_epsilon)
+        fused = platform_for(norm.weight.device).fused_rms_norm
+        return cls(norm.weight, norm.variance_epsilon, fused)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """HF's values: ``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)``, ``x32`` being x
@@ -54,7 +57,7 @@ class RMSNorm:
         weight comes after the cast, as in HF, since ``F.rms_norm`` with a bf16 weight rounds
         once where HF rounds twice. Its bits were checked on the CPU only, so other devices run
         ``hf_ops``."""
-        if x.device.type != "cpu":
+        if not self.fused:
             return self.hf_ops(x)
         dtype, width = x.dtype, (x.shape[-1],)
         if dtype == torch.float32 and self.weight.dtype == torch.float32:

@@ -44,6 +44,7 @@ from torch import nn
 
 from engine.model.linear_swap import swap_linears
 from engine.model.packed_weights import PackedWeights, pack
+from engine.platform.platform import platform_for
 
 GROUP_SIZE = 32  # inputs per scale and offset, as llama.cpp's Q4_1
 MAX_KERNEL_ROWS = 8  # more rows go to the bf16 GEMM (faster from about 10 rows: measured)
@@ -129,8 +130,7 @@ def quantize_int4(model: nn.Module, device: torch.device) -> int:
     """Swap every ``nn.Linear`` of the decoder layers whose shape fits for ``Int4Linear``, in
     place; returns how many were swapped (the LM head and misfits stay as they are). Raises
     ValueError off the CPU (the kernels are torch's CPU ones)."""
-    if device.type != "cpu":
-        raise ValueError(f"int4 weight-only quantization runs on the CPU, not {device.type}")
+    platform_for(device).check_quantization("int4")
     head = model.get_output_embeddings()
     return swap_linears(
         model, lambda linear: Int4Linear(linear) if fits(linear) and linear is not head else None

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from engine.model.linear_swap import swap_linears
+from engine.platform.platform import platform_for
 
 
 class Int8Linear(nn.Module):
@@ -54,7 +55,6 @@ def quantize_int8(model: nn.Module, device: torch.device) -> int:
     """Swap every ``nn.Linear`` of the decoder layers and the LM head for ``Int8Linear``, in
     place; returns how many were swapped. Raises ValueError off the CPU (the kernel is torch's
     CPU one)."""
-    if device.type != "cpu":
-        raise ValueError(f"int8 weight-only quantization runs on the CPU, not {device.type}")
+    platform_for(device).check_quantization("int8")
     # The LM head is untied from the embeddings, which stay as they are.
     return swap_linears(model, Int8Linear)

@@ -1,6 +1,7 @@
 """Turn a loaded (and, under tensor parallelism, sharded) Hugging Face model into the one the
 runner drives: paged attention swapped in, q/k/v and gate/up fused, int8 or int4 weights if
-asked, and on the CPU the projections' faster exact kernels (engine/platform/cpu/linears.py).
+asked, and what the device's platform adds (on the CPU the projections' faster exact kernels,
+engine/platform/cpu/linears.py).
 
 The driver and every tensor-parallel worker rank call this one function, so all ranks run the
 same layout.
@@ -18,20 +19,20 @@ from engine.model.attention_swap import install_paged_attention
 from engine.model.fused_projections import fuse_projections
 from engine.model.int4_weights import quantize_int4
 from engine.model.int8_weights import quantize_int8
-from engine.platform.cpu.linears import speed_up_cpu_linears
+from engine.platform.platform import platform_for
 
 logger = logging.getLogger(__name__)
 
 
 def prepare_model(model: PreTrainedModel, config: EngineConfig, device: torch.device) -> None:
-    """In place; ``device`` is where the model runs (int8 and int4 are refused off the CPU)."""
+    """In place; ``device`` is where the model runs (a quantization its platform does not run
+    is refused)."""
+    platform = platform_for(device)
+    platform.check_quantization(config.quantization)
     install_paged_attention(model)
     fuse_projections(model)  # one GEMM for q/k/v and one for gate/up; exact
     if config.quantization is not None:
         quantize = quantize_int8 if config.quantization == "int8" else quantize_int4
         swapped = quantize(model, device)
         logger.info("%s weight-only: %d projections quantized", config.quantization, swapped)
-    if device.type == "cpu":
-        swapped = speed_up_cpu_linears(model)  # after quantizing: packs what stays an nn.Linear
-        if swapped:
-            logger.info("CPU projections on their faster exact kernels: %d", swapped)
+    platform.prepare_model(model)  # after quantizing: packs what stays an nn.Linear

@@ -34,6 +34,7 @@ from engine.parallel.rendezvous import (
     restore_environment,
 )
 from engine.parallel.step_message import StepMessage, pack_step, unpack_step
+from engine.platform.platform import platform_for
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 IDLE_TIMEOUT = datetime.timedelta(days=3650)  # workers wait for the next step indefinitely
@@ -75,7 +76,8 @@ class TensorParallelGroup:
             raise RuntimeError(
                 "a tensor-parallel engine already runs in this process: shut it down first"
             )
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        platform = platform_for(device)
+        backend = platform.communicator
         pinned = pin_sockets_to_loopback() if is_loopback(address) else {}
         try:
             store = open_store(
@@ -92,7 +94,7 @@ class TensorParallelGroup:
                 rank=rank,
                 world_size=world_size,
                 timeout=COLLECTIVE_TIMEOUT,
-                **({"device_id": device} if device.type == "cuda" else {}),
+                **platform.group_options(),
             )
             channel = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         except BaseException:

@@ -28,7 +28,7 @@ from engine.model.prep import prepare_model
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.sharding import shard_model
 from engine.parallel.step_message import SHUTDOWN
-from engine.platform.dtype_choice import resolve_dtype
+from engine.platform.platform import platform_for
 from engine.runner.model_runner import ModelRunner
 
 
@@ -45,11 +45,6 @@ class WorkerSpec:
     port: int
     max_model_len: int | None
     model: PreTrainedModel | None
-
-
-def rank_device(device: torch.device, local_rank: int) -> torch.device:
-    """A rank runs on ``cuda:LOCAL_RANK`` (its node's GPU) on CUDA, on the CPU otherwise."""
-    return torch.device("cuda", local_rank) if device.type == "cuda" else device
 
 
 def _exit_when_driver_dies(pipe: Connection) -> None:
@@ -80,19 +75,16 @@ def run_worker(spec: WorkerSpec, pipe: Connection | None) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = spec.config
     world = config.tensor_parallel_size
-    auto = "cuda" if torch.cuda.is_available() else "cpu"
-    base = torch.device(auto if config.device == "auto" else config.device)
-    device = rank_device(base, spec.local_rank)
-    if device.type == "cpu":  # the ranks share the host's cores
-        torch.set_num_threads(max(1, torch.get_num_threads() // world))
-    else:
-        torch.cuda.set_device(device)
+    # cuda:LOCAL_RANK (its node's GPU) on CUDA, the CPU otherwise
+    platform = platform_for(platform_for(config.device).rank_device(spec.local_rank))
+    device = platform.device
+    platform.enter_rank(world)
     group = None
     try:
         model = spec.model
         max_model_len = spec.max_model_len
         if model is None:
-            dtype = resolve_dtype(config.dtype, device)
+            dtype = platform.dtype(config.dtype).dtype
             loaded = load_model(config.model, dtype=dtype, device=torch.device("cpu"))
             model, native = loaded.model, loaded.max_model_len
             max_model_len = max_model_len or min(config.max_model_len or native, native)

@@ -38,10 +38,11 @@ from transformers import PreTrainedModel
 
 from engine.config import EngineConfig
 from engine.parallel.group import TensorParallelGroup
-from engine.parallel.rank import WorkerSpec, rank_device, run_worker
+from engine.parallel.rank import WorkerSpec, run_worker
 from engine.parallel.rendezvous import Rendezvous
 from engine.parallel.sharding import shard_model, shard_shape
 from engine.parallel.step_message import StepMessage
+from engine.platform.platform import platform_for
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,8 @@ class TensorParallelWorkers:
             logger.info("tensor-parallel rank %d started (pid %d)", rank, proc.pid)
         workers = cls(processes, pipes)
         try:
-            own_device = rank_device(device, 0)  # cuda:0, with its index (NCCL's device_id)
+            # cuda:0, with its index (NCCL's device_id)
+            own_device = platform_for(device).rank_device(0)
             shard_model(model, rank=0, world_size=world)
             model.to(own_device)
             workers._wait_loaded()

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.runner.attention_backend import AttentionBackend
+    from engine.platform.kernel_backend import KernelBackend
     from engine.runner.kv_cache import KVCache
 
 
@@ -38,7 +38,7 @@ class AttentionContext:
     max_seqlen_q: int
     max_seqlen_k: int
     kv_cache: KVCache
-    backend: AttentionBackend
+    backend: KernelBackend
 
 
 _state = threading.local()

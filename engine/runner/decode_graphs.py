@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 
 from engine.platform.host_tensors import host_tensor
-from engine.runner.attention_backend import AttentionBackend
+from engine.platform.kernel_backend import KernelBackend
 from engine.runner.attention_context import AttentionContext, attention_context
 from engine.runner.kv_cache import KVCache
 from engine.runner.step_inputs import StepInputs
@@ -108,7 +108,7 @@ class DecodeGraphs:
         self,
         model: torch.nn.Module,
         kv_cache: KVCache,
-        backend: AttentionBackend,
+        backend: KernelBackend,
         *,
         max_batch_size: int,
         max_model_len: int,

@@ -6,23 +6,7 @@ import logging
 
 import torch
 
-from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-
 logger = logging.getLogger(__name__)
-
-
-def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
-    """Bytes for the KV cache: ``kv_cache_memory`` when given; else 1 GiB on CPU, or on CUDA the
-    memory left free under ``gpu_memory_utilization`` of the device (after the weights)."""
-    if config.kv_cache_memory is not None:
-        return config.kv_cache_memory
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        # Memory torch's caching allocator holds but no tensor uses (a previous engine's
-        # cache, say) is free for us too, though the driver counts it as used.
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return int(free - total * (1.0 - config.gpu_memory_utilization))
-    return DEFAULT_CPU_KV_CACHE_BYTES
 
 
 class KVCache:

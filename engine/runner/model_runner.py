@@ -20,12 +20,11 @@ from engine.config import EngineConfig
 from engine.model.body import ModelBody
 from engine.outputs import TokenLogprob
 from engine.parallel.step_message import STEP, StepMessage
-from engine.platform.cpu.host_malloc import keep_freed_memory
 from engine.platform.host_tensors import to_device
-from engine.runner.attention_backend import make_backend, resolve_backend_name
+from engine.platform.platform import platform_for
 from engine.runner.attention_context import AttentionContext, attention_context
 from engine.runner.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
-from engine.runner.kv_cache import KVCache, kv_budget_bytes
+from engine.runner.kv_cache import KVCache
 from engine.runner.prompt_logprobs import (
     PromptScores,
     PromptScoring,
@@ -91,9 +90,9 @@ class ModelRunner:
     """Owns the model, the KV cache, the attention backend and the sampler; executes
     ``ScheduledBatch``es.
 
-    Construction sizes the KV cache from the memory budget (``kv_budget_bytes``) and, on CUDA
-    with the triton backend unless ``enforce_eager``, captures decode graphs for batch sizes up
-    to ``max_num_seqs``.
+    Construction sizes the KV cache from the platform's memory budget
+    (``Platform.kv_budget_bytes``) and, where the platform captures them (CUDA with the triton
+    backend, unless ``enforce_eager``), decode graphs for batch sizes up to ``max_num_seqs``.
 
     With ``tp`` (tensor parallelism) the model is this rank's shard: the KV cache holds the
     local KV heads, its budget is the smallest of all ranks', the driver (rank 0) sends each
@@ -114,21 +113,19 @@ class ModelRunner:
         self.tp = tp
         self.eos_token_ids = eos_token_ids  # blocked while a row is short of its min_tokens
         self.device = device
-        self.backend_name = resolve_backend_name(config.attention_backend, device)
+        self.platform = platform_for(device)
         dtype = next(model.parameters()).dtype
         # Quantized weights are not HF's: in bf16, HF's slow layout for a row alone would buy
         # nothing (in fp32 both layouts take the same time, and HF's keeps the tests exact).
         group_alone = config.quantization is not None and dtype != torch.float32
-        self.backend = make_backend(
-            self.backend_name, group_alone=group_alone, decode_kernel=config.cpu_decode_kernel
-        )
+        self.backend = self.platform.kernels(config, group_alone=group_alone)
         self.sampler = Sampler(
-            self.backend_name,
+            self.backend.sample,
             device=device,
             eos_token_ids=eos_token_ids,
             fill_timeout_s=config.grammar_fill_timeout_s,
         )
-        budget = kv_budget_bytes(config, device)
+        budget = self.platform.kv_budget_bytes(config)
         if tp is not None:  # equal blocks on every rank: the smallest budget decides
             budget = tp.min_over_ranks(budget)
         self.kv_cache = KVCache.for_model(
@@ -145,18 +142,13 @@ class ModelRunner:
         # own forward, which equals it bit for bit (the tests' and benchmarks' reference).
         self.body: ModelBody | None = ModelBody(model)
         self.graphs: DecodeGraphs | None = None
-        if device.type == "cpu":
-            # steps reuse their temporaries' pages (engine/platform/cpu/host_malloc.py)
-            keep_freed_memory()
-        if not config.enforce_eager and device.type == "cuda":
+        self.platform.prepare_host()
+        if self.platform.captures_decode_graphs(config, self.backend):
             self._capture_decode_graphs(config.max_num_seqs, max_model_len)
 
     def _capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
         """Capture decode graphs; a capture that fails is logged and the runner stays eager:
         slower, never wrong."""
-        if self.backend_name != "triton":
-            logger.info("decode graphs need the triton backend: running eagerly")
-            return
         graphs = DecodeGraphs(
             self.model,
             self.kv_cache,

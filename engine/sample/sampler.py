@@ -14,7 +14,7 @@ never on its row index or on the rest of the batch, and survives preemption unch
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,27 +65,23 @@ class SampledRows:
 
 
 class Sampler:
-    """Samples one token per row. ``backend`` is ``torch`` or ``triton``; ``device`` holds the
-    logits; ``eos_token_ids`` are held back while a row is short of its ``min_tokens``;
+    """Samples one token per row. ``fused`` is the platform's fused draw
+    (``KernelBackend.sample``), or None for the eager one; ``device`` holds the logits;
+    ``eos_token_ids`` are held back while a row is short of its ``min_tokens``;
     ``fill_timeout_s`` is each row's grammar-mask budget per step."""
 
     def __init__(
         self,
-        backend: str,
+        fused: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
         *,
         device: torch.device | None = None,
         eos_token_ids: Sequence[int] = (),
         fill_timeout_s: float = 0.1,
     ):
-        self.backend = backend
         self.device = device if device is not None else torch.device("cpu")
         self.eos_token_ids = tuple(eos_token_ids)
         self.masks = MaskFiller(fill_timeout_s)
-        self._triton_sample = None
-        if backend == "triton":
-            from kernels.triton.sampling import sample
-
-            self._triton_sample = sample
+        self._fused = fused
 
     def begin(self, rows: list[Request], vocab_size: int) -> PendingDraw:
         """Start the step's draw for ``rows`` (call before the forward: the grammar masks fill
@@ -120,14 +116,14 @@ class Sampler:
         """logits: ``[B, V]``; returns (token ids ``[B]`` int64, logprobs ``[B]`` fp32).
 
         token_mask: optional packed ``int32 [B, ceil(V / 32)]`` bitmask of allowed tokens (see
-        ``engine/sample/token_mask.py``); the triton backend applies it inside the sampling kernel,
-        the torch backend with the reference first.
+        ``engine/sample/token_mask.py``); the fused draw applies it inside the sampling kernel,
+        the eager one with the reference first.
         A row holding a NaN or +inf, or no finite value, gets token -1 (logprob NaN) on every
         path: the engine fails that request rather than emit a token chosen from garbage.
         """
         logits = logits.float()
-        if self._triton_sample is not None and (token_mask is not None or not batch.all_greedy):
-            return self._triton_sample(
+        if self._fused is not None and (token_mask is not None or not batch.all_greedy):
+            return self._fused(
                 logits,
                 temperature=batch.temperature,
                 top_k=batch.top_k,

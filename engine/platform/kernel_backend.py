@@ -1,9 +1,11 @@
-"""Attention backends: which functions run the KV write, paged attention and block copy.
+"""Kernel backends: which functions run the KV write, paged attention, block copy and the
+fused draw.
 
 ``torch`` runs the eager references' arithmetic (the CPU default: Triton's interpreter is far too
 slow to serve), with each step's metadata derived once rather than per layer
-(``engine/platform/cpu/attention.py``); ``triton`` runs our kernels (the CUDA default). Both sets
-of functions share one keyword signature, so a backend is just the three functions.
+(``engine/platform/cpu/attention.py``), and draws with the eager sampler; ``triton`` runs our
+kernels (the CUDA default). Both sets of attention functions share one keyword signature, so a
+backend is just its functions. ``engine/platform/platform.py`` chooses one for the device.
 """
 
 from __future__ import annotations
@@ -17,34 +19,34 @@ from engine.model.loader import cache_root
 from engine.platform.cpu.attention import PlannedTorchAttention
 from kernels import reference
 from kernels.cpu import decode_attention as cpu_decode_attention
-from kernels.triton.runtime import can_run_on
 
 
 @dataclass(frozen=True, slots=True)
-class AttentionBackend:
-    """The functions a step calls (signatures: see ``kernels/reference.py``)."""
+class KernelBackend:
+    """The functions a step calls (signatures: see ``kernels/reference.py``). ``sample`` is the
+    fused draw (``kernels/triton/sampling.py``), or None for the eager one; ``graph_safe``: the
+    functions can be captured in a CUDA graph."""
 
     name: str
     write_kv: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
     copy_blocks: Callable[..., None]
+    sample: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    graph_safe: bool = False
 
 
-def resolve_backend_name(requested: str, device: torch.device) -> str:
-    """``auto`` is triton on CUDA and torch elsewhere; triton on CPU needs the interpreter."""
-    if requested == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if requested == "triton" and not can_run_on(device):
-        raise ValueError(
-            "the triton backend on a CPU needs TRITON_INTERPRET=1 (and is slow): "
-            "use --attention-backend torch"
-        )
-    return requested
+def fused_sampler(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """The fused draw of backend ``name`` (triton), or None (torch: the eager draw)."""
+    if name == "triton":
+        from kernels.triton.sampling import sample  # imported here, as the kernels below
+
+        return sample
+    return None
 
 
-def make_backend(
+def make_kernels(
     name: str, *, group_alone: bool = False, decode_kernel: bool = True
-) -> AttentionBackend:
+) -> KernelBackend:
     """``group_alone``: the torch backend attends a decode row alone in the grouped layout
     (``UniformGroup``), 3-4.5x faster in bf16, instead of Hugging Face's, which gives HF's own
     bf16 tokens. ``decode_kernel``: the torch backend runs decode-only steps with the CPU C
@@ -53,7 +55,7 @@ def make_backend(
         # One per runner: it remembers the current step.
         kernel = cpu_decode_attention.load(cache_root()) if decode_kernel else None
         planned = PlannedTorchAttention(group_alone=group_alone, decode_kernel=kernel)
-        return AttentionBackend(
+        return KernelBackend(
             name, planned.write_kv, planned.paged_attention, reference.copy_blocks_ref
         )
     if name == "triton":
@@ -62,5 +64,6 @@ def make_backend(
         from kernels.triton.kv_write import write_kv
         from kernels.triton.paged_attention import paged_attention
 
-        return AttentionBackend(name, write_kv, paged_attention, copy_blocks)
+        sample = fused_sampler(name)
+        return KernelBackend(name, write_kv, paged_attention, copy_blocks, sample, graph_safe=True)
     raise ValueError(f"unknown attention backend {name!r}")
