@@ -28,6 +28,8 @@ from transformers import (  # noqa: E402
     Qwen3ForCausalLM,
 )
 
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model.fused_projections import fuse_projections  # noqa: E402
 from engine.model.loader import LoadedModel  # noqa: E402
 from engine.sched.block_manager import BlockManager  # noqa: E402
@@ -86,6 +88,23 @@ def loaded(model: PreTrainedModel, name: str = "tiny") -> LoadedModel:
         max_model_len=int(model.config.max_position_embeddings),
         load_seconds=0.0,
     )
+
+
+def tokenizer_engine(tokenizer: object, seed: int, **config: object) -> LLMEngine:
+    """An engine on a random-weight Llama over ``tokenizer``'s vocabulary (EOS id 2, 1024
+    positions), with ``config`` (kv_cache_memory 8 MiB, max_num_seqs 8 unless given)."""
+
+    model = tiny_model("llama", seed=seed, vocab_size=len(tokenizer))
+    wrapped = LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name="tiny-random",
+        eos_token_ids=(2,),
+        max_model_len=1024,
+        load_seconds=0.0,
+    )
+    settings = {"kv_cache_memory": 8 << 20, "max_num_seqs": 8, **config}
+    return LLMEngine(EngineConfig(**settings), loaded=wrapped)
 
 
 @torch.inference_mode()

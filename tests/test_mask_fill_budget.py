@@ -15,12 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import EngineConfig, SamplingParams
+from engine import SamplingParams
 from engine.grammar.structured_output import StructuredOutput
 from engine.llm_engine import LLMEngine
-from engine.model.loader import LoadedModel
 from engine.sample.token_mask import MASK_FILL_THREADS, MaskFiller
-from tests.conftest import assert_pool_clean, tiny_model
+from tests.conftest import assert_pool_clean, tokenizer_engine
 
 EOS = 2
 SLOW_GRAMMAR = "root ::= " + " ".join(["w"] * 2000) + '\nw ::= [^"]*\n'
@@ -28,17 +27,7 @@ SLOW_GRAMMAR = "root ::= " + " ".join(["w"] * 2000) + '\nw ::= [^"]*\n'
 
 @pytest.fixture(scope="module")
 def budget_engine(default_tokenizer) -> LLMEngine:
-    model = tiny_model("llama", seed=3, vocab_size=len(default_tokenizer))
-    loaded = LoadedModel(
-        model=model,
-        tokenizer=default_tokenizer,
-        name="tiny-random",
-        eos_token_ids=(EOS,),
-        max_model_len=1024,
-        load_seconds=0.0,
-    )
-    config = EngineConfig(kv_cache_memory=8 << 20, max_num_seqs=8, grammar_fill_timeout_s=0.05)
-    engine = LLMEngine(config, loaded=loaded)
+    engine = tokenizer_engine(default_tokenizer, seed=3, grammar_fill_timeout_s=0.05)
     yield engine
     engine.shutdown()
 

@@ -12,27 +12,17 @@ import re
 
 import pytest
 
-from engine import EngineConfig, SamplingParams
+from engine import SamplingParams
 from engine.grammar.structured_output import StructuredOutput
 from engine.llm_engine import LLMEngine
-from engine.model.loader import LoadedModel
-from tests.conftest import assert_pool_clean, tiny_model
+from tests.conftest import assert_pool_clean, tokenizer_engine
 
 EOS = 2
 
 
 @pytest.fixture(scope="module")
 def random_engine(default_tokenizer) -> LLMEngine:
-    model = tiny_model("llama", seed=5, vocab_size=len(default_tokenizer))
-    loaded = LoadedModel(
-        model=model,
-        tokenizer=default_tokenizer,
-        name="tiny-random",
-        eos_token_ids=(EOS,),
-        max_model_len=1024,
-        load_seconds=0.0,
-    )
-    return LLMEngine(EngineConfig(kv_cache_memory=8 << 20, max_num_seqs=8), loaded=loaded)
+    return tokenizer_engine(default_tokenizer, seed=5)
 
 
 def run(engine: LLMEngine) -> dict[str, tuple[list[int], str, str, str | None]]:

@@ -19,7 +19,7 @@ from engine.errors import InvalidRequestError
 from engine.grammar.structured_output import MAX_SPEC_CHARS, StructuredOutput
 from engine.llm_engine import LLMEngine
 from engine.model.loader import LoadedModel
-from tests.conftest import assert_pool_clean, tiny_model
+from tests.conftest import assert_pool_clean, tiny_model, tokenizer_engine
 
 SCHEMAS = {
     "nested": {
@@ -71,16 +71,7 @@ MAX_TOKENS = 96
 @pytest.fixture(scope="module")
 def random_engine(default_tokenizer) -> LLMEngine:
     """A random-weight Llama over the default tokenizer's vocabulary."""
-    model = tiny_model("llama", seed=3, vocab_size=len(default_tokenizer))
-    loaded = LoadedModel(
-        model=model,
-        tokenizer=default_tokenizer,
-        name="tiny-random",
-        eos_token_ids=(2,),
-        max_model_len=1024,
-        load_seconds=0.0,
-    )
-    return LLMEngine(EngineConfig(kv_cache_memory=8 << 20, max_num_seqs=16), loaded=loaded)
+    return tokenizer_engine(default_tokenizer, seed=3, max_num_seqs=16)
 
 
 def run(engine: LLMEngine) -> dict[str, tuple[list[int], str, str]]:
