@@ -133,6 +133,20 @@ def _let_go(state: ServerState) -> float:
 
 
 # ------------------------------------------------------------------------------ the tests
+def echo_stream(max_tokens: int) -> dict:
+    """A greedy completions stream that echoes ``LONG_PROMPT`` with 5 logprobs a token: a lot
+    of output per token, so a client that does not read falls behind fast."""
+    return {
+        "prompt": LONG_PROMPT,
+        "echo": True,
+        "logprobs": 5,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+
+
 def test_a_stream_whose_client_stops_reading_is_cut_at_the_unsent_bound(
     engine: AsyncEngine, unsent_bound, small_send_buffers, aborts: AbortRecorder
 ):
@@ -167,15 +181,7 @@ def test_a_stream_nobody_reads_is_aborted_at_the_write_timeout(
     engine: AsyncEngine, write_timeout, small_send_buffers, aborts: AbortRecorder
 ):
     url, state = write_timeout
-    body = {
-        "prompt": LONG_PROMPT,
-        "echo": True,
-        "logprobs": 5,
-        "max_tokens": 200,
-        "ignore_eos": True,
-        "temperature": 0,
-        "stream": True,
-    }
+    body = echo_stream(max_tokens=200)
     with _connect(url, state) as silent:
         silent.sendall(_post("/v1/completions", body))
         _let_go(state)
@@ -206,15 +212,7 @@ def test_a_client_that_reads_slowly_but_steadily_gets_its_whole_stream(
     """~130 KB read at ~40 KB/s keeps the transport paused for seconds, longer than the 1 s
     write timeout, but every quarter of it the client takes some: nothing is cut."""
     url, state = write_timeout
-    body = {
-        "prompt": LONG_PROMPT,
-        "echo": True,
-        "logprobs": 5,
-        "max_tokens": 8,
-        "ignore_eos": True,
-        "temperature": 0,
-        "stream": True,
-    }
+    body = echo_stream(max_tokens=8)
     with _connect(url, state) as reader:
         reader.sendall(_post("/v1/completions", body))
         answer = _read_to_close(reader, chunk=8192, pause_s=0.2)
