@@ -21,16 +21,17 @@ from engine.model.attention_swap import check_supported
 from engine.model.loader import LoadedModel, load_model
 from engine.model.prep import prepare_model
 from engine.observe.metrics import EngineStats
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.outputs import RequestOutput
 from engine.parallel.workers import TensorParallelWorkers
 from engine.platform.platform import platform_for
-from engine.runner.model_runner import ModelRunner, StepResult
-from engine.sample.sampler import INVALID_TOKEN
+from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
+from engine.sched.admission import check_request, prompt_token_ids
 from engine.sched.block_manager import BlockManager
-from engine.sched.forks import detach, join_forks, make_samples, sample_ids, with_pending_forks
-from engine.sched.live_request import LiveRequest, request_metrics
-from engine.sched.scheduler import ScheduledBatch, Scheduler
+from engine.sched.forks import join_forks, make_samples, sample_ids
+from engine.sched.live_request import LiveRequest
+from engine.sched.scheduler import Scheduler
+from engine.sched.step_outputs import StepOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,12 @@ class LLMEngine:
         # Seeds of unseeded requests: from the OS, so a restart does not replay the same
         # "random" outputs, unless the engine itself is given a seed (reproducible runs).
         self._rng = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
-        self._tracked: dict[str, LiveRequest] = {}
+        self.outputs = StepOutputs(
+            self.scheduler,
+            self.stats,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+        )
         self._next_id = 0
         self.num_steps = 0  # steps that ran a batch through the model
 
@@ -130,51 +136,21 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a text prompt (with the tokenizer's special tokens) or a checked id list."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass token ids")
-            return list(self.tokenizer(prompt).input_ids)
-        ids = list(prompt)
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-            raise ValueError("a token-id prompt must be a list of integers")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        return ids
+        return prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError if the request can never run (empty, too long, larger than the pool)."""
-        n = len(prompt_token_ids)
-        if params.n > self.config.max_num_seqs:
-            raise InvalidRequestError(
-                f"n ({params.n}) is more than this engine runs at once (max_num_seqs "
-                f"{self.config.max_num_seqs}): a request's samples run together",
-                "n",
-            )
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens; this model's context is {self.max_model_len} tokens"
-            )
-        if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
-                f"length of {self.max_model_len} tokens"
-            )
-        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"logit_bias token {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
-            )
+        """Raise ValueError if the request can never run (engine/sched/admission.py), or its
+        output constraint does not compile."""
+        check_request(
+            prompt_token_ids,
+            params,
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            block_manager=self.block_manager,
+        )
         if params.structured_output is not None:
             self.compile_grammar(params.structured_output)
-        need = self.block_manager.blocks_for(n + params.max_tokens)
-        if need > self.block_manager.num_blocks:
-            raise ValueError(
-                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) needs {need} KV blocks;"
-                f" the cache has {self.block_manager.num_blocks}"
-            )
 
     def compile_grammar(self, constraint: StructuredOutput) -> object:
         """The compiled grammar of a structured-output constraint (cached; thread-safe, so a
@@ -201,7 +177,7 @@ class LLMEngine:
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
-        if any(rid in self._tracked for rid in sample_ids(request_id, params.n)):
+        if any(rid in self.outputs.live for rid in sample_ids(request_id, params.n)):
             raise ValueError(f"request id {request_id!r} is already in use")
         samples = make_samples(request_id, ids, params, lambda: self._rng.getrandbits(63))
         if params.structured_output is not None:
@@ -213,21 +189,21 @@ class LLMEngine:
                 else:
                     sample.matcher = self.grammars.matcher(compiled)
         for sample in samples:
-            self._tracked[sample.request_id] = LiveRequest.start(sample, self.tokenizer)
+            self.outputs.live[sample.request_id] = LiveRequest.start(sample, self.tokenizer)
         self.scheduler.add(samples[0])
         self.stats.prompt_tokens_total += len(ids)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish a request now (its blocks are freed at once); None if it is not live."""
-        live = self._tracked.get(request_id)
+        live = self.outputs.live.get(request_id)
         if live is None:
             return None
-        return self._finish(live, "abort", now=time.monotonic())
+        return self.outputs.finish(live, "abort", now=time.monotonic())
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self._tracked)
+        return bool(self.outputs.live)
 
     @property
     def num_waiting(self) -> int:
@@ -261,7 +237,9 @@ class LLMEngine:
             # The step's size is bounded by the configuration, but a device can still run short
             # (another process, fragmentation): fail this step's requests, keep the engine.
             logger.error("step of %d requests ran out of memory: %s", len(batch.requests), exc)
-            return self._fail_step(batch, "the server ran out of memory running this request")
+            return self.outputs.fail_step(
+                batch, "the server ran out of memory running this request"
+            )
         except RuntimeError as exc:
             if self.tp is None:
                 raise
@@ -275,99 +253,4 @@ class LLMEngine:
             if req.request_id in result.prompt_logprobs:
                 req.prompt_logprobs += result.prompt_logprobs[req.request_id]
         join_forks(batch, bm, self.scheduler)
-        return self._process(result)
-
-    def _fail_step(self, batch: ScheduledBatch, message: str) -> list[RequestOutput]:
-        """Finish every request of a step that could not run (and the forks waiting on them)
-        with ``finish_reason="error"``; their blocks return to the pool."""
-        now = time.monotonic()
-        doomed = with_pending_forks(s.request for s in batch.requests)
-        return [
-            self._finish(self._tracked[r.request_id], "error", now=now, error=message)
-            for r in doomed
-            if r.request_id in self._tracked
-        ]
-
-    def _process(self, result: StepResult) -> list[RequestOutput]:
-        now = time.monotonic()
-        outputs: list[RequestOutput] = []
-        for i, request_id in enumerate(result.request_ids):
-            live = self._tracked[request_id]
-            try:
-                outputs.append(self._process_token(live, result, i, now))
-            except Exception as exc:  # one request's fault must not stop the others
-                logger.exception("request %s failed while processing its output", request_id)
-                live.forget_text()  # never touch a detokenizer that raised again
-                error = f"internal error: {type(exc).__name__}"
-                outputs.append(self._finish(live, "error", now=now, error=error))
-        return outputs
-
-    def _process_token(
-        self, live: LiveRequest, result: StepResult, i: int, now: float
-    ) -> RequestOutput:
-        """Append the sampled token, detokenize, and decide whether the request is done."""
-        req = live.request
-        token = result.token_ids[i]
-        if req.params.max_tokens == 0:  # scoring only: the prompt is done, nothing to generate
-            return self._finish(live, "length", now=now)
-        failure = result.failed.get(req.request_id)
-        if failure is not None:  # its grammar mask outran the budget (engine/sample/token_mask.py)
-            logger.warning("request %s: %s", req.request_id, failure)
-            return self._finish(live, "error", now=now, error=failure)
-        if token == INVALID_TOKEN:
-            # The sampler found no usable logit in the row (NaN, +inf, or nothing finite):
-            # fail the request rather than emit an arbitrary token.
-            logger.error("request %s: non-finite logits, failing it", req.request_id)
-            error = "the model produced non-finite logits"
-            return self._finish(live, "error", now=now, error=error)
-        if req.matcher is not None and not req.matcher.accept_token(token):
-            # The mask allowed only tokens the grammar accepts: this is a matcher fault.
-            logger.error("request %s: the grammar refused sampled token %d", req.request_id, token)
-            error = "the output grammar refused the sampled token"
-            return self._finish(live, "error", now=now, error=error)
-        if req.deferred_matcher is not None and token == req.params.structured_output_after:
-            req.matcher, req.deferred_matcher = req.deferred_matcher, None  # from the next token
-        req.output_token_ids.append(token)
-        self.stats.generation_tokens_total += 1
-        if req.first_token_time is None:
-            req.first_token_time = now
-        logprob = None
-        if req.params.logprobs is not None:
-            top = result.top_logprobs[i][: req.params.logprobs]
-            logprob = [TokenLogprob(token, result.logprobs[i], top)]
-        reason, stop_reason = live.stop_reason(
-            token, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len
-        )
-        if reason is None:
-            return live.output([token], logprob)
-        return self._finish(
-            live, reason, now=now, tokens=[token], logprobs=logprob, stop_reason=stop_reason
-        )
-
-    def _finish(
-        self,
-        live: LiveRequest,
-        reason: str,
-        *,
-        now: float,
-        tokens: Sequence[int] = (),
-        logprobs: list[TokenLogprob] | None = None,
-        stop_reason: str | int | None = None,
-        error: str | None = None,
-    ) -> RequestOutput:
-        """End the request for ``reason`` (its blocks are freed now); ``tokens`` and
-        ``logprobs`` are this step's last ones; ``now`` is ``time.monotonic()`` seconds."""
-        req = live.request
-        detach(req, self.scheduler)
-        self.scheduler.finish(req, reason)
-        self._tracked.pop(req.request_id, None)
-        metrics = request_metrics(req, now)
-        self.stats.observe_finished(metrics, reason, first_token=req.first_token_time is not None)
-        return live.output(
-            list(tokens),
-            logprobs,
-            finish_reason=reason,
-            stop_reason=stop_reason,
-            metrics=metrics,
-            error=error,
-        )
+        return self.outputs.process(result)

@@ -28,7 +28,7 @@ def test_a_failing_request_does_not_stop_the_others(model):
     def explode(token: int) -> bool:
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "boom")
 
-    engine._tracked[bad].detokenizer.add_token = explode
+    engine.outputs.live[bad].detokenizer.add_token = explode
     outs: dict[str, list] = {bad: [], good: []}
     while engine.has_unfinished:
         for out in engine.step():

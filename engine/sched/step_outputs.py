@@ -1,0 +1,138 @@
+"""The output side of a step: each sampled token appended to its request, the detokenizer and
+stop checks run, and a request that is done finished (its blocks freed, its metrics observed).
+
+``StepOutputs`` holds the live requests by id (``live``); ``LLMEngine`` adds to it, and every
+request leaves it through ``finish``. One request's fault (a detokenizer that raises, a grammar
+that refuses a token, a row without a usable logit, a mask past its budget) ends that request
+alone with ``finish_reason="error"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from engine.observe.metrics import EngineStats
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.runner.model_runner import StepResult
+from engine.sample.sampler import INVALID_TOKEN
+from engine.sched.forks import detach, with_pending_forks
+from engine.sched.live_request import LiveRequest, request_metrics
+from engine.sched.scheduler import ScheduledBatch, Scheduler
+
+logger = logging.getLogger("engine.llm_engine")
+
+
+class StepOutputs:
+    """Appends each step's tokens and finishes requests; ``eos_token_ids`` and
+    ``max_model_len`` (tokens) are the stop checks' limits."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        stats: EngineStats,
+        *,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+    ):
+        self.scheduler = scheduler
+        self.stats = stats
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.live: dict[str, LiveRequest] = {}
+
+    def fail_step(self, batch: ScheduledBatch, message: str) -> list[RequestOutput]:
+        """Finish every request of a step that could not run (and the forks waiting on them)
+        with ``finish_reason="error"``; their blocks return to the pool."""
+        now = time.monotonic()
+        doomed = with_pending_forks(s.request for s in batch.requests)
+        return [
+            self.finish(self.live[r.request_id], "error", now=now, error=message)
+            for r in doomed
+            if r.request_id in self.live
+        ]
+
+    def process(self, result: StepResult) -> list[RequestOutput]:
+        """Each sampled token to its request: an output for every request that produced a
+        token or ended."""
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        for i, request_id in enumerate(result.request_ids):
+            live = self.live[request_id]
+            try:
+                outputs.append(self._token(live, result, i, now))
+            except Exception as exc:  # one request's fault must not stop the others
+                logger.exception("request %s failed while processing its output", request_id)
+                live.forget_text()  # never touch a detokenizer that raised again
+                error = f"internal error: {type(exc).__name__}"
+                outputs.append(self.finish(live, "error", now=now, error=error))
+        return outputs
+
+    def _token(self, live: LiveRequest, result: StepResult, i: int, now: float) -> RequestOutput:
+        """Append the sampled token, detokenize, and decide whether the request is done."""
+        req = live.request
+        token = result.token_ids[i]
+        if req.params.max_tokens == 0:  # scoring only: the prompt is done, nothing to generate
+            return self.finish(live, "length", now=now)
+        failure = result.failed.get(req.request_id)
+        if failure is not None:  # its grammar mask outran the budget (engine/sample/token_mask.py)
+            logger.warning("request %s: %s", req.request_id, failure)
+            return self.finish(live, "error", now=now, error=failure)
+        if token == INVALID_TOKEN:
+            # The sampler found no usable logit in the row (NaN, +inf, or nothing finite):
+            # fail the request rather than emit an arbitrary token.
+            logger.error("request %s: non-finite logits, failing it", req.request_id)
+            error = "the model produced non-finite logits"
+            return self.finish(live, "error", now=now, error=error)
+        if req.matcher is not None and not req.matcher.accept_token(token):
+            # The mask allowed only tokens the grammar accepts: this is a matcher fault.
+            logger.error("request %s: the grammar refused sampled token %d", req.request_id, token)
+            error = "the output grammar refused the sampled token"
+            return self.finish(live, "error", now=now, error=error)
+        if req.deferred_matcher is not None and token == req.params.structured_output_after:
+            req.matcher, req.deferred_matcher = req.deferred_matcher, None  # from the next token
+        req.output_token_ids.append(token)
+        self.stats.generation_tokens_total += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        logprob = None
+        if req.params.logprobs is not None:
+            top = result.top_logprobs[i][: req.params.logprobs]
+            logprob = [TokenLogprob(token, result.logprobs[i], top)]
+        reason, stop_reason = live.stop_reason(
+            token, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len
+        )
+        if reason is None:
+            return live.output([token], logprob)
+        return self.finish(
+            live, reason, now=now, tokens=[token], logprobs=logprob, stop_reason=stop_reason
+        )
+
+    def finish(
+        self,
+        live: LiveRequest,
+        reason: str,
+        *,
+        now: float,
+        tokens: Sequence[int] = (),
+        logprobs: list[TokenLogprob] | None = None,
+        stop_reason: str | int | None = None,
+        error: str | None = None,
+    ) -> RequestOutput:
+        """End the request for ``reason`` (its blocks are freed now); ``tokens`` and
+        ``logprobs`` are this step's last ones; ``now`` is ``time.monotonic()`` seconds."""
+        req = live.request
+        detach(req, self.scheduler)
+        self.scheduler.finish(req, reason)
+        self.live.pop(req.request_id, None)
+        metrics = request_metrics(req, now)
+        self.stats.observe_finished(metrics, reason, first_token=req.first_token_time is not None)
+        return live.output(
+            list(tokens),
+            logprobs,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            metrics=metrics,
+            error=error,
+        )
