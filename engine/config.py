@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("int8", "int4")  # weight-only, CPU (engine/model/int8_weights.py, int4_weights.py)
+
+
+def cache_root() -> Path:
+    """The folder paged-serve keeps its caches in (converted models, the C kernel's builds):
+    ``$PAGED_SERVE_CACHE``, else ``~/.cache/paged-serve``."""
+    return Path(os.environ.get("PAGED_SERVE_CACHE") or Path.home() / ".cache" / "paged-serve")
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from engine.sched.block_manager import BlockManager
 from engine.sched.forks import join_forks, make_samples, sample_ids
 from engine.sched.live_request import LiveRequest
 from engine.sched.scheduler import Scheduler
-from engine.sched.step_outputs import StepOutputs
+from engine.step_outputs import StepOutputs
 
 logger = logging.getLogger(__name__)
 

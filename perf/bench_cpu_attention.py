@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model.loader import cache_root
+from engine.config import cache_root
 from engine.platform.cpu.attention import PlannedTorchAttention
 from engine.platform.cpu.host_malloc import keep_freed_memory
 from kernels.cpu import decode_attention as cpu_decode_attention

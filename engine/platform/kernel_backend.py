@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model.loader import cache_root
+from engine.config import cache_root
 from engine.platform.cpu.attention import PlannedTorchAttention
 from kernels import reference
 from kernels.cpu import decode_attention as cpu_decode_attention
