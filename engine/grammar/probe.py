@@ -71,7 +71,10 @@ class GrammarProbe:
         self._info_json = tokenizer_info_json
         self._info_path: Path | None = None
         self._proc: subprocess.Popen | None = None
+        self._pending = b""  # what the probe wrote past its last whole line
         self._lock = threading.Lock()
+        # The probe's command line (the vocabulary file's path is appended).
+        self.command = [sys.executable, "-m", "engine.grammar.probe"]
 
     def check(self, constraint: StructuredOutput, cancelled: threading.Event) -> None:
         """Return when the probe compiled ``constraint`` within budget. Raises
@@ -86,9 +89,15 @@ class GrammarProbe:
             proc.stdin.write((json.dumps(request) + "\n").encode())
             proc.stdin.flush()
             wall0 = time.monotonic()
-            while not _readable(proc.stdout, POLL_S):
-                self._watch(proc, constraint, cancelled, cpu0, rss0, wall0)
-            reply = self._reply(proc, constraint)
+            try:
+                reply = self._message(
+                    proc, "ok", lambda: self._watch(proc, constraint, cancelled, cpu0, rss0, wall0)
+                )
+            except EOFError:
+                self.stop()
+                raise InvalidRequestError(
+                    f"the {constraint.kind} constraint crashed the grammar compiler"
+                ) from None
         if not reply["ok"]:
             raise InvalidRequestError(reply["error"])
         slowest = max(reply["fills_s"])
@@ -138,15 +147,30 @@ class GrammarProbe:
                 "(--grammar-compile-memory)",
             )
 
-    def _reply(self, proc: subprocess.Popen, constraint: StructuredOutput) -> dict[str, Any]:
+    def _message(
+        self, proc: subprocess.Popen, key: str, waiting: Callable[[], None]
+    ) -> dict[str, Any]:
+        """The probe's next answer: a JSON line holding ``key``; ``waiting()`` runs every
+        ``POLL_S`` seconds until it comes (it raises to give up). Other lines (a library that
+        printed to stdout before the probe took it over) are skipped; EOFError when the probe
+        closed its end."""
         assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line:
-            self.stop()
-            raise InvalidRequestError(
-                f"the {constraint.kind} constraint crashed the grammar compiler"
-            )
-        return json.loads(line)
+        while True:
+            while b"\n" not in self._pending:
+                if not _readable(proc.stdout, POLL_S):
+                    waiting()
+                    continue
+                chunk = os.read(proc.stdout.fileno(), 1 << 16)
+                if not chunk:
+                    raise EOFError
+                self._pending += chunk
+            line, _, self._pending = self._pending.partition(b"\n")
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(message, dict) and key in message:
+                return message
 
     def _started(self, cancelled: threading.Event) -> subprocess.Popen:
         """The running probe, started (and waited for) when there is none."""
@@ -160,23 +184,31 @@ class GrammarProbe:
         root = str(Path(__file__).resolve().parents[2])  # the folder holding engine/
         path = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
         env = {**os.environ, "PYTHONPATH": path}
+        self._pending = b""
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.grammar.probe", str(self._info_path)],
+            [*self.command, str(self._info_path)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            bufsize=0,
             env=env,
             preexec_fn=_lower_priority if os.name == "posix" else None,
         )
+        proc = self._proc
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not _readable(self._proc.stdout, POLL_S):
-            if cancelled.is_set() or self._proc.poll() is not None or time.monotonic() > deadline:
+
+        def waiting() -> None:
+            if cancelled.is_set() or proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 if cancelled.is_set():
                     raise ProbeCancelled
                 raise RuntimeError("the grammar probe process did not start")
-        assert self._proc.stdout is not None
-        self._proc.stdout.readline()  # its "ready" line
-        return self._proc
+
+        try:
+            self._message(proc, "ready", waiting)
+        except EOFError:
+            self.stop()
+            raise RuntimeError("the grammar probe process did not start") from None
+        return proc
 
     def stop(self) -> None:
         """Kill the probe process (a later ``check`` starts a new one)."""
@@ -260,13 +292,16 @@ def walk(
 
 def _serve(info_path: str) -> None:
     """Answer one JSON line per constraint on stdin: ``{"ok": true, "fills_s": [...]}`` or
-    ``{"ok": false, "error": ...}``."""
+    ``{"ok": false, "error": ...}``. The answers own stdout: anything a library prints there
+    (from Python or C) goes to stderr instead."""
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     import xgrammar
 
     info = xgrammar.TokenizerInfo.deserialize_json(Path(info_path).read_text())
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     stop = set(info.stop_token_ids)
-    out = sys.stdout
     out.write('{"ready": true}\n')
     out.flush()
     for line in sys.stdin:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 import time
 
@@ -232,3 +233,18 @@ def test_the_server_refuses_a_costly_schema_with_400_and_a_full_queue_with_503(
         assert later.status == 200
     finally:
         stop_server(server_thread, local)
+
+
+def test_lines_a_library_prints_on_the_probes_stdout_are_not_answers(compiles):
+    """Text on the probe's stdout before it takes stdout over (a library's print, a stray JSON
+    line) is skipped; its answers still come through."""
+    noisy = (
+        "import runpy, sys; print('a library says hello'); print('{\"not\": \"an answer\"}'); "
+        "sys.argv = ['probe', *sys.argv[1:]]; "
+        "runpy.run_module('engine.grammar.probe', run_name='__main__')"
+    )
+    compiles.probe.command = [sys.executable, "-c", noisy]
+    asyncio.run(compiles.compile(SMALL))
+    assert compiles.grammars.is_cached(SMALL)
+    with pytest.raises(InvalidRequestError, match="does not exist|invalid"):
+        asyncio.run(compiles.compile(StructuredOutput("grammar", "root ::= missing")))
