@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
@@ -111,15 +111,26 @@ class GrammarCompiles:
                 self._refused[constraint] = str(error)
                 while len(self._refused) > REFUSED_CACHE_SIZE:
                     self._refused.popitem(last=False)
-        if error is None:
-            job.future.set_result(None)
-        else:
-            job.future.set_exception(error)
+        _settle(job.future, error)
 
     def close(self) -> None:
-        """Stop the probe and the compile thread (a compile in progress finishes unwaited)."""
+        """Stop the probe and the compile thread; every waiter gets a RuntimeError (a compile
+        in progress in the server finishes unwaited)."""
         with self._lock:
-            for job in self._jobs.values():
-                job.cancelled.set()
+            jobs, self._jobs = list(self._jobs.values()), {}
+        for job in jobs:
+            job.cancelled.set()
+            _settle(job.future, RuntimeError("the engine is shutting down"))
         self.probe.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _settle(future: Future, error: BaseException | None) -> None:
+    """Give ``future`` its result (None) or ``error``, unless it has one already."""
+    try:
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+    except InvalidStateError:  # settled first by close()
+        pass

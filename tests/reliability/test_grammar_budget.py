@@ -248,3 +248,25 @@ def test_lines_a_library_prints_on_the_probes_stdout_are_not_answers(compiles):
     assert compiles.grammars.is_cached(SMALL)
     with pytest.raises(InvalidRequestError, match="does not exist|invalid"):
         asyncio.run(compiles.compile(StructuredOutput("grammar", "root ::= missing")))
+
+
+def test_closing_answers_every_waiter(default_tokenizer):
+    """A compile queued behind another when the engine shuts down: its waiter gets an error
+    at once rather than a future nobody will settle."""
+    grammars = GrammarCompiler(
+        default_tokenizer, vocab_size=len(default_tokenizer), stop_token_ids=[2]
+    )
+    budget = ProbeBudget(cpu_s=60.0, memory_bytes=1 << 30, fill_s=0.1)
+    queue = GrammarCompiles(grammars, budget, max_pending=4)
+
+    async def shut_down_while_waiting() -> list[object]:
+        tasks = [
+            asyncio.ensure_future(queue.compile(schema_constraint(MAX_OBJECT_PROPERTIES, t)))
+            for t in "xy"
+        ]
+        await asyncio.sleep(0.5)
+        queue.close()
+        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+
+    results = asyncio.run(shut_down_while_waiting())
+    assert all(isinstance(r, RuntimeError) and "shutting down" in str(r) for r in results)
