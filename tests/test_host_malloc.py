@@ -23,11 +23,19 @@ glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc
 
 # Temporaries shaped like one fp32 prefill layer of SmolLM2-135M over 1,560 tokens (6-19 MB),
 # made and freed 20 times; prints the minor page faults of the loop.
+#
+# "default" sets glibc's default thresholds (128 KiB) explicitly: left unset, glibc moves its
+# mmap threshold up as mmapped blocks are freed, by an amount that depends on what ran before,
+# and the default loop's faults varied from 10,814 to 186,584 between identical runs.
 LOOP = """
-import resource, sys, torch
-from engine.platform.cpu.host_malloc import keep_freed_memory
+import ctypes, resource, sys, torch
+from engine.platform.cpu.host_malloc import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
+else:
+    libc = ctypes.CDLL(None)
+    assert libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024) == 1
+    assert libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024) == 1
 def layer():
     qkv, gate_up, out = torch.ones(1560, 960), torch.ones(1560, 3072), torch.ones(1560, 576)
     act = gate_up[:, :1536] * gate_up[:, 1536:]
