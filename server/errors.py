@@ -75,6 +75,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def queue_full(exc: Exception) -> APIError:
+    """503 ``queue_full``: a queue the request needs (waiting requests, grammar compiles) is
+    at its limit; ``exc`` says which."""
+    return APIError(503, f"the server is overloaded: {exc}", type=SERVER_ERROR, code="queue_full")
+
+
 def from_decode_error(exc: msgspec.DecodeError) -> APIError:
     """400 for a body msgspec could not decode; ``param`` names the offending field if known."""
     if not isinstance(exc, msgspec.ValidationError):

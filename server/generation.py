@@ -26,7 +26,7 @@ from engine.async_engine import EngineDeadError, QueueFullError
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.sched.forks import sample_ids
-from server.errors import SERVER_ERROR, APIError, bad_request
+from server.errors import SERVER_ERROR, APIError, bad_request, queue_full
 from server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -185,9 +185,7 @@ def start_generation(
         raise bad_request(str(exc), getattr(exc, "param", None) or prompt_param) from None
     except QueueFullError as exc:
         generation.close()
-        raise APIError(
-            503, f"the server is overloaded: {exc}", type=SERVER_ERROR, code="queue_full"
-        ) from None
+        raise queue_full(exc) from None
     except EngineDeadError as exc:
         generation.close()
         raise engine_dead(exc) from None

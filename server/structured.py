@@ -26,7 +26,7 @@ from engine.errors import InvalidRequestError
 from engine.grammar.compiles import CompileQueueFullError
 from engine.grammar.structured_output import StructuredOutput
 from engine.sampling_params import SamplingParams
-from server.errors import SERVER_ERROR, APIError, bad_request
+from server.errors import bad_request, queue_full
 from server.response_objects import TextFormat
 
 JsonSchema = dict[str, Any] | bool
@@ -160,6 +160,4 @@ async def compile_constraint(engine: Any, params: SamplingParams, param: str) ->
     except InvalidRequestError as exc:
         raise bad_request(str(exc), param) from None
     except CompileQueueFullError as exc:
-        raise APIError(
-            503, f"the server is overloaded: {exc}", type=SERVER_ERROR, code="queue_full"
-        ) from None
+        raise queue_full(exc) from None
