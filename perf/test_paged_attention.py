@@ -7,8 +7,9 @@ split-KV factor ``choose_num_kv_splits`` picks, passed explicitly as a graph-cap
 must), achieved GB/s counting the KV bytes read plus q and out, that as a % of the device's copy
 bandwidth, and the speed-up over
 
-* ``paged_attention_ref`` -- the eager PyTorch reference (gather through the block table, fp32
-  matmuls; it synchronises with the host, so it runs eagerly and its host time counts), and
+* the eager PyTorch paged attention (``ref_us``): the torch backend's ``AttentionPlan``
+  (``engine/platform/cpu/attention_plan.py``) in fp32, gathering through the block table, fp32
+  matmuls; it synchronises with the host, so it runs eagerly and its host time counts, and
 * ``torch.nn.functional.scaled_dot_product_attention`` over the same keys and values laid out
   contiguously (``[B, Hkv, ctx, D]``, ``enable_gqa=True``; CUDA graph), what a user without a
   paged kernel would run.
@@ -35,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels.reference import paged_attention_ref
+from engine.platform.cpu.attention_plan import AttentionPlan
 from kernels.triton.paged_attention import choose_num_kv_splits, paged_attention, workspace_numel
 from perf.cuda_timing import (
     CudaTimer,
@@ -65,7 +66,7 @@ DEVICE = "cuda"  # a module constant so the builders can be exercised on CPU ten
 REF_GATHER_CAP_BYTES = 4 * 2**30
 REF_MAX_COPIES = 8
 REF_SKIP_NOTE = (
-    f"decode: paged_attention_ref is not timed (ref_us '-') where its fp32 gather of K and V "
+    f"decode: the eager AttentionPlan is not timed (ref_us '-') where its fp32 gather of K and V "
     f"would exceed {REF_GATHER_CAP_BYTES // 2**30} GiB"
 )
 # Leave this fraction of free device memory unused (allocator slack, graphs, workspaces).
@@ -165,16 +166,20 @@ def _paged_call(inputs: PagedInputs, i: int, **extra: object) -> Callable[[], ob
 
 
 def _ref_call(inputs: PagedInputs, i: int) -> Callable[[], object]:
-    return functools.partial(
-        paged_attention_ref,
-        inputs.q[i],
-        inputs.k_cache,
-        inputs.v_cache,
-        block_tables=inputs.block_tables[i],
-        seq_lens=inputs.seq_lens,
-        cu_seqlens_q=inputs.cu_seqlens_q,
-        scale=inputs.q.shape[-1] ** -0.5,
-    )
+    """The eager torch attention of copy ``i``, its plan derived in the call (host work counts)."""
+
+    def call() -> torch.Tensor:
+        plan = AttentionPlan.build(
+            cu_seqlens_q=inputs.cu_seqlens_q,
+            seq_lens=inputs.seq_lens,
+            block_tables=inputs.block_tables[i],
+            block_size=inputs.k_cache.shape[1],
+            num_tokens=inputs.q[i].shape[0],
+            sliding_window=None,
+        )
+        return plan.run(inputs.q[i], inputs.k_cache, inputs.v_cache, inputs.q.shape[-1] ** -0.5)
+
+    return call
 
 
 def _fits(nbytes: float) -> bool:
@@ -331,7 +336,7 @@ def test_decode(
     ref_note = ""
     if ref_gather > REF_GATHER_CAP_BYTES:
         ref_note = (
-            f"paged_attention_ref skipped: its fp32 gather of K and V would be {_gib(ref_gather)}"
+            f"eager AttentionPlan skipped: its fp32 gather of K and V would be {_gib(ref_gather)}"
             f" (cap {_gib(REF_GATHER_CAP_BYTES)})"
         )
     else:

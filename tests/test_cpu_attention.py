@@ -1,7 +1,8 @@
-"""The planned torch backend, which keeps one step's plan for all its layers, equals the
-references derived afresh on every call, bit for bit: on every attention case the kernel tests
-use, across "layers" that share one step's metadata, and from step to step. It computes in the
-model's dtype, and there it equals Hugging Face's sdpa attention bit for bit."""
+"""The CPU platform's attention: an ``AttentionPlan`` kept for all layers of a step equals a plan
+derived afresh on every call, bit for bit (on every attention case the kernel tests use, across
+"layers" that share one step's metadata, and from step to step), and the fp32 oracle
+``paged_attention_ref`` up to rounding. It computes in the model's dtype, and there it equals
+Hugging Face's sdpa attention bit for bit."""
 
 from __future__ import annotations
 
@@ -11,13 +12,33 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from engine.platform.cpu import attention_plan
 from engine.platform.cpu.attention import PlannedTorchAttention
-from kernels import reference
-from kernels.reference import kv_pair, paged_attention_ref, write_kv_ref
+from engine.platform.cpu.attention_plan import (
+    MIN_PADDING_SAVED,
+    AttentionPlan,
+    kv_pair,
+    length_groups,
+)
+from kernels.reference import paged_attention_ref, write_kv_ref
 from tests.kernels.conftest import build_paged_batch
 from tests.kernels.test_paged_attention import CASES, _seqs
+from tests.kernels.test_reference import _naive_attention
 
 CPU = torch.device("cpu")
+
+
+def _fresh_plan(q, k_cache, v_cache, dtype, *, scale, sliding_window=None, **metadata):
+    """A plan derived for this call alone, computing in ``dtype``."""
+    plan = AttentionPlan.build(
+        cu_seqlens_q=metadata["cu_seqlens_q"],
+        seq_lens=metadata["seq_lens"],
+        block_tables=metadata["block_tables"],
+        block_size=k_cache.shape[1],
+        num_tokens=q.shape[0],
+        sliding_window=sliding_window,
+    )
+    return plan.run(q, k_cache, v_cache, scale, dtype)
 
 
 def _batch(spec, heads, head_dim, block_size, dtype, seed=0):
@@ -38,7 +59,9 @@ def _batch(spec, heads, head_dim, block_size, dtype, seed=0):
     [(c[1], c[2], c[3], c[4], c[5], c[7]) for c in CASES],
     ids=[c[0] for c in CASES],
 )
-def test_equals_the_reference_bit_for_bit(spec, heads, head_dim, block_size, dtype, window):
+def test_a_kept_plan_equals_a_fresh_one_and_the_oracle(
+    spec, heads, head_dim, block_size, dtype, window
+):
     batch = _batch(spec, heads, head_dim, block_size, dtype)
     kwargs = dict(batch.kwargs(), scale=head_dim**-0.5, sliding_window=window)
     planned = PlannedTorchAttention()
@@ -46,12 +69,13 @@ def test_equals_the_reference_bit_for_bit(spec, heads, head_dim, block_size, dty
     other_k, other_v = batch.k_cache * -2, batch.v_cache * 3  # NaN stays where no token is
     for k_cache, v_cache in ((batch.k_cache, batch.v_cache), (other_k, other_v)):
         out = planned.paged_attention(batch.q, k_cache, v_cache, **kwargs)
-        ref = paged_attention_ref(batch.q, k_cache, v_cache, math_dtype=dtype, **kwargs)
-        assert out.dtype == ref.dtype
-        assert torch.equal(out, ref)
-        if dtype != torch.float32:  # the model's precision stays close to the fp32 reference
-            fp32 = paged_attention_ref(batch.q, k_cache, v_cache, **kwargs)
-            torch.testing.assert_close(out, fp32, rtol=2e-2, atol=2e-2)
+        fresh = _fresh_plan(batch.q, k_cache, v_cache, dtype, **kwargs)
+        assert out.dtype == fresh.dtype == dtype
+        assert torch.equal(out, fresh)
+        oracle = paged_attention_ref(batch.q, k_cache, v_cache, **kwargs)
+        # fp32: rounding only; the model's lower precision stays close to the fp32 oracle
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out, oracle, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize(
@@ -72,8 +96,8 @@ def test_k_and_v_in_one_allocation_gather_together_to_the_same_result(
     pair = kv_pair(k_view, v_view)
     assert pair is not None and pair.shape == (2, *k_view.shape)
     assert (pair[0].data_ptr(), pair[1].data_ptr()) == (k_view.data_ptr(), v_view.data_ptr())
-    together = paged_attention_ref(batch.q, k_view, v_view, math_dtype=dtype, **kwargs)
-    apart = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, math_dtype=dtype, **kwargs)
+    together = _fresh_plan(batch.q, k_view, v_view, dtype, **kwargs)
+    apart = _fresh_plan(batch.q, batch.k_cache, batch.v_cache, dtype, **kwargs)
     assert torch.equal(together, apart)
 
 
@@ -84,7 +108,7 @@ def test_a_new_step_gets_a_new_plan():
         kwargs = dict(batch.kwargs(), scale=0.125)
         out = planned.paged_attention(batch.q, batch.k_cache, batch.v_cache, **kwargs)
         assert torch.equal(
-            out, paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, **kwargs)
+            out, _fresh_plan(batch.q, batch.k_cache, batch.v_cache, torch.float32, **kwargs)
         )
 
 
@@ -196,11 +220,64 @@ def test_large_gathers_split_per_cache_to_the_same_values(
     layers = torch.randn(3, 2, 40, 16, 2, 32).to(dtype)  # [layers, K/V, blocks, slots, H, D]
     pair = kv_pair(layers[1, 0], layers[1, 1])
     blocks = torch.randint(0, 40, (5, 4))
-    monkeypatch.setattr(reference, "SPLIT_GATHER_BYTES", 1 << 40)
-    together = reference.gather_blocks(pair, blocks, 50)
-    monkeypatch.setattr(reference, "SPLIT_GATHER_BYTES", 0)
-    apart = reference.gather_blocks(pair, blocks, 50)
+    monkeypatch.setattr(attention_plan, "SPLIT_GATHER_BYTES", 1 << 40)
+    together = attention_plan.gather_blocks(pair, blocks, 50)
+    monkeypatch.setattr(attention_plan, "SPLIT_GATHER_BYTES", 0)
+    apart = attention_plan.gather_blocks(pair, blocks, 50)
     assert together.shape == apart.shape == (2, 5, 50, 2, 32)
     assert torch.equal(together, apart)
     want_k = layers[1, 0][blocks].reshape(5, 64, 2, 32)[:, :50]
     assert torch.equal(apart[0], want_k)
+
+
+def test_length_groups_split_decode_rows_only_where_padding_pays():
+    assert length_groups([100, 90, 80]) == [[0, 1, 2]]  # close: one group
+    assert length_groups([1, 15, 16, 17, 35, 80, 55]) == [[5, 6, 4, 3, 2, 1, 0]]  # too few rows
+    lens = [300] * 4 + [20] * 12  # 12 rows would each pad 280 tokens
+    assert length_groups(lens) == [[0, 1, 2, 3], list(range(4, 16))]
+    spread = [10 + 37 * i % 400 for i in range(64)]
+    groups = length_groups(spread)
+    assert sorted(i for g in groups for i in g) == list(range(64))  # each row once
+    assert len(groups) > 1
+    for g in groups:  # each group led by its longest row, groups longest first
+        assert spread[g[0]] == max(spread[i] for i in g)
+    assert [spread[g[0]] for g in groups] == sorted((spread[g[0]] for g in groups), reverse=True)
+    # the thresholds: half the longest and MIN_PADDING_SAVED tokens of padding
+    n = MIN_PADDING_SAVED
+    assert len(length_groups([2 * n, n])) == 2
+    assert len(length_groups([2 * n, n + 1])) == 1  # more than half as long
+    assert len(length_groups([2 * n - 2, n - 1])) == 1  # saves n - 1 tokens
+
+
+@pytest.mark.parametrize("with_prefill", [False, True])
+def test_decode_rows_split_by_length_match_naive_loop(with_prefill: bool):
+    """Decode rows of very different lengths are attended in several groups (and a prefill
+    chunk beside them in its own): every row still gets the documented attention."""
+    seqs = [(1, 70)] * 3 + [(1, 3 + i) for i in range(10)]
+    if with_prefill:
+        seqs.insert(5, (4, 12))
+    torch.manual_seed(0)
+    batch = build_paged_batch(
+        seqs,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    plan = AttentionPlan.build(
+        cu_seqlens_q=batch.cu_seqlens_q,
+        seq_lens=batch.seq_lens,
+        block_tables=batch.block_tables,
+        block_size=4,
+        num_tokens=batch.q.shape[0],
+        sliding_window=None,
+    )
+    decode_groups = [g for g in plan.groups if g.q_len == 1]
+    assert len(decode_groups) == 2 and not plan.pure_decode
+    assert [g.max_len for g in decode_groups] == [70, 12]
+    assert not any(g.alone for g in decode_groups)
+    out = plan.run(batch.q, batch.k_cache, batch.v_cache, 0.25)
+    expected = _naive_attention(batch, scale=0.25, sliding_window=None)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)

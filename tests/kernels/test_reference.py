@@ -13,11 +13,8 @@ import torch
 
 from kernels.reference import (
     ARGMAX_CHUNK,
-    MIN_PADDING_SAVED,
-    AttentionPlan,
     copy_blocks_ref,
     first_argmax,
-    length_groups,
     paged_attention_ref,
     sample_ref,
     sampling_keep_mask,
@@ -74,58 +71,6 @@ def test_paged_attention_ref_matches_naive_loop(paged_batch, sliding_window, dty
     # Without the max_seqlen hints the reference computes them itself.
     no_hints = dict(kwargs, max_seqlen_q=None, max_seqlen_k=None)
     assert torch.equal(paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, **no_hints), out)
-
-
-def test_length_groups_split_decode_rows_only_where_padding_pays():
-    assert length_groups([100, 90, 80]) == [[0, 1, 2]]  # close: one group
-    assert length_groups([1, 15, 16, 17, 35, 80, 55]) == [[5, 6, 4, 3, 2, 1, 0]]  # too few rows
-    lens = [300] * 4 + [20] * 12  # 12 rows would each pad 280 tokens
-    assert length_groups(lens) == [[0, 1, 2, 3], list(range(4, 16))]
-    spread = [10 + 37 * i % 400 for i in range(64)]
-    groups = length_groups(spread)
-    assert sorted(i for g in groups for i in g) == list(range(64))  # each row once
-    assert len(groups) > 1
-    for g in groups:  # each group led by its longest row, groups longest first
-        assert spread[g[0]] == max(spread[i] for i in g)
-    assert [spread[g[0]] for g in groups] == sorted((spread[g[0]] for g in groups), reverse=True)
-    # the thresholds: half the longest and MIN_PADDING_SAVED tokens of padding
-    n = MIN_PADDING_SAVED
-    assert len(length_groups([2 * n, n])) == 2
-    assert len(length_groups([2 * n, n + 1])) == 1  # more than half as long
-    assert len(length_groups([2 * n - 2, n - 1])) == 1  # saves n - 1 tokens
-
-
-@pytest.mark.parametrize("with_prefill", [False, True])
-def test_decode_rows_split_by_length_match_naive_loop(paged_batch, with_prefill: bool):
-    """Decode rows of very different lengths are attended in several groups (and a prefill
-    chunk beside them in its own): every row still gets the documented attention."""
-    seqs = [(1, 70)] * 3 + [(1, 3 + i) for i in range(10)]
-    if with_prefill:
-        seqs.insert(5, (4, 12))
-    batch = paged_batch(
-        seqs,
-        num_q_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        block_size=4,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
-    plan = AttentionPlan.build(
-        cu_seqlens_q=batch.cu_seqlens_q,
-        seq_lens=batch.seq_lens,
-        block_tables=batch.block_tables,
-        block_size=4,
-        num_tokens=batch.q.shape[0],
-        sliding_window=None,
-    )
-    decode_groups = [g for g in plan.groups if g.q_len == 1]
-    assert len(decode_groups) == 2 and not plan.pure_decode
-    assert [g.max_len for g in decode_groups] == [70, 12]
-    assert not any(g.alone for g in decode_groups)
-    out = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, **batch.kwargs(), scale=0.25)
-    expected = _naive_attention(batch, scale=0.25, sliding_window=None)
-    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_write_kv_ref_matches_naive_loop():

@@ -1,22 +1,21 @@
-"""The ``torch`` attention backend: the references, with each step's plan derived once.
+"""The ``torch`` attention backend: the CPU platform's attention plan, derived once a step.
 
-``paged_attention_ref`` derives an ``AttentionPlan`` (host copies of the metadata, which rows
-decode, gather blocks, tail positions, masks) on every call, and ``write_kv_ref`` the slots to
-write. A step calls both once per layer with the *same* metadata tensors (one
-``AttentionContext``), so this backend keeps the plan and the slots from the first layer for the
-others::
+An ``AttentionPlan`` (engine/platform/cpu/attention_plan.py: host copies of the metadata, which
+rows decode, gather blocks, tail positions, masks) depends on a step's metadata alone, and
+``write_kv_ref`` needs the slots to write. A step calls both once per layer with the *same*
+metadata tensors (one ``AttentionContext``), so this backend keeps the plan and the slots from
+the first layer for the others::
 
     layer 0:  plan = AttentionPlan.build(cu_seqlens_q, seq_lens, block_tables, ...)  # host work
     layer i:  plan.run(q, k_cache, v_cache, scale)                                  # tensor work
 
 They are keyed on the identity of those tensors (held, so an id is never reused while it is the
-key). The arithmetic is the reference's own code with one difference: the reference computes in
-fp32 (it is the kernels' ground truth), while this backend computes in the model's own dtype, as
-Hugging Face's ``sdpa`` attention does, with HF's layout. In fp32 the outputs equal the
-references bit for bit; in bf16 each sequence gets what HF computes for it alone, so a request
-alone decodes HF's own bf16 tokens (tests/test_cpu_attention.py, tests/test_greedy_equality.py).
-With ``group_alone`` (the runner sets it for weight-only quantized bf16 models, whose tokens are
-not HF's anyway) a decode row alone takes the grouped layout too, 3-4.5x faster in bf16.
+key). The plan computes in the model's own dtype, as Hugging Face's ``sdpa`` attention does,
+with HF's layout: in fp32 it equals the fp32 reference ``paged_attention_ref`` up to rounding,
+and in bf16 each sequence gets what HF computes for it alone, so a request alone decodes HF's
+own bf16 tokens (tests/test_cpu_attention.py, tests/test_greedy_equality.py). With
+``group_alone`` (the runner sets it for weight-only quantized bf16 models, whose tokens are not
+HF's anyway) a decode row alone takes the grouped layout too, 3-4.5x faster in bf16.
 
 A step whose every sequence brings one token (a decode-only step) skips the plan when the
 runner hands in ``decode_kernel``: the C kernel of ``kernels/cpu/decode_attention.py`` reads the
@@ -31,8 +30,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.platform.cpu.attention_plan import AttentionPlan
 from kernels.cpu.decode_attention import CpuDecodeAttention
-from kernels.reference import AttentionPlan, kept_slots, scatter_kv
+from kernels.reference import kept_slots, scatter_kv
 
 
 class PlannedTorchAttention:
