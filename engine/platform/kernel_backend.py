@@ -4,38 +4,36 @@ fused draw.
 ``torch`` runs the eager references' arithmetic (the CPU default: Triton's interpreter is far too
 slow to serve), with each step's metadata derived once rather than per layer
 (``engine/platform/cpu/attention.py``), and draws with the eager sampler; ``triton`` runs our
-kernels (the CUDA default). Both sets of attention functions share one keyword signature, so a
+kernels (the CUDA default). Both implement the interface of ``kernels/interface.py``, so a
 backend is just its functions. ``engine/platform/platform.py`` chooses one for the device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
 
 from engine.config import cache_root
 from engine.platform.cpu.attention import PlannedTorchAttention
 from kernels import reference
 from kernels.cpu import decode_attention as cpu_decode_attention
+from kernels.interface import CopyBlocks, FusedSample, PagedAttention, WriteKv
 
 
 @dataclass(frozen=True, slots=True)
 class KernelBackend:
-    """The functions a step calls (signatures: see ``kernels/reference.py``). ``sample`` is the
+    """The functions a step calls (``kernels/interface.py``). ``sample`` is the
     fused draw (``kernels/triton/sampling.py``), or None for the eager one; ``graph_safe``: the
     functions can be captured in a CUDA graph."""
 
     name: str
-    write_kv: Callable[..., None]
-    paged_attention: Callable[..., torch.Tensor]
-    copy_blocks: Callable[..., None]
-    sample: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    write_kv: WriteKv
+    paged_attention: PagedAttention
+    copy_blocks: CopyBlocks
+    sample: FusedSample | None = None
     graph_safe: bool = False
 
 
-def fused_sampler(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+def fused_sampler(name: str) -> FusedSample | None:
     """The fused draw of backend ``name`` (triton), or None (torch: the eager draw)."""
     if name == "triton":
         from kernels.triton.sampling import sample  # imported here, as the kernels below

@@ -14,7 +14,7 @@ never on its row index or on the rest of the batch, and survives preemption unch
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +25,7 @@ from engine.sample.logit_adjustments import adjust_logits
 from engine.sample.token_mask import MaskFiller, PendingMask
 from engine.sched.request import Request
 from kernels import reference
+from kernels.interface import FusedSample
 
 _SEED_MASK = (1 << 63) - 1
 INVALID_TOKEN = -1  # sampled for a row with no usable logit (NaN, +inf, or nothing finite)
@@ -72,7 +73,7 @@ class Sampler:
 
     def __init__(
         self,
-        fused: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+        fused: FusedSample | None = None,
         *,
         device: torch.device | None = None,
         eos_token_ids: Sequence[int] = (),

@@ -1,0 +1,78 @@
+"""The kernel interface: the calls a step makes, which every kernel backend implements.
+
+A backend is a set of functions (``engine/platform/kernel_backend.py``): the Triton kernels
+(``kernels/triton/``), the eager references (``kernels/reference.py``) and the CPU platform's
+planned attention (``engine/platform/cpu/attention.py``). Each is typed here once, as a callable
+``Protocol``; an implementation may take further keyword arguments, with defaults
+(tests/kernels/test_interface.py checks every backend against these signatures).
+
+Shapes: q ``[T, Hq, D]``; key/value ``[T, Hkv, D]``; k_cache, v_cache
+``[num_blocks, block_size, Hkv, D]``; block_tables ``[S, max_blocks]`` int32; seq_lens ``[S]``
+int32 (context including the new tokens); cu_seqlens_q ``[S + 1]`` int32; slot_mapping ``[T]``
+int64 (-1: do not write); block_mapping ``[N, 2]`` int64 ``(src, dst)`` rows; kv_caches
+``[num_layers, 2, num_blocks, block_size, Hkv, D]``. The semantics are the references'.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class WriteKv(Protocol):
+    """Scatter a step's new keys and values into one layer's caches, in place."""
+
+    def __call__(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        *,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...
+
+
+class PagedAttention(Protocol):
+    """Attention of ragged query chunks over the paged cache: ``[T, Hq, D]`` in q's dtype.
+    ``max_seqlen_q`` / ``max_seqlen_k``: the step's longest query chunk and context (tokens)."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        *,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        scale: float,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor: ...
+
+
+class CopyBlocks(Protocol):
+    """Copy whole blocks of every layer and side (copy-on-write of forked sequences), in place."""
+
+    def __call__(self, kv_caches: torch.Tensor, *, block_mapping: torch.Tensor) -> None: ...
+
+
+class FusedSample(Protocol):
+    """Draw one token per row of ``logits [B, V]``: ``(token_ids [B] int64, logprobs [B] fp32)``;
+    per-row parameters ``[B]``; ``token_mask`` ``[B, ceil(V / 32)]`` int32 packed bitmask."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        *,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        seeds: torch.Tensor,
+        steps: torch.Tensor,
+        token_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
