@@ -18,13 +18,12 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.grammar.structured_output import GrammarCompiler, StructuredOutput
 from engine.model.attention_swap import check_supported
-from engine.model.loader import LoadedModel, load_model
-from engine.model.prep import prepare_model
+from engine.model.loader import LoadedModel
 from engine.observe.metrics import EngineStats
 from engine.outputs import RequestOutput
 from engine.parallel.workers import TensorParallelWorkers
 from engine.platform.platform import platform_for
-from engine.runner.model_runner import ModelRunner
+from engine.runner.build import build_runner, context_length, load_for
 from engine.sampling_params import SamplingParams
 from engine.sched.admission import check_request, prompt_token_ids
 from engine.sched.block_manager import BlockManager
@@ -43,21 +42,16 @@ class LLMEngine:
         self.config = config
         self.platform = platform_for(config.device)
         self.device = self.platform.device
-        tensor_parallel = config.tensor_parallel_size > 1
         share_model = loaded is not None
         if loaded is None:
-            choice = self.platform.dtype(config.dtype)
-            logger.info("weights in %s", choice)
-            # Under tensor parallelism the whole model never goes to one device: only shards.
-            load_device = torch.device("cpu") if tensor_parallel else self.device
-            loaded = load_model(config.model, dtype=choice.dtype, device=load_device)
+            loaded = load_for(config, self.platform)
         self.loaded = loaded
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
-        self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        self.max_model_len = context_length(config, loaded.max_model_len)
         self.tp: TensorParallelWorkers | None = None
-        if tensor_parallel:  # shards the model in place; the workers shard their copies
+        if config.tensor_parallel_size > 1:  # shards the model in place, the workers their copies
             check_supported(loaded.model)
             self.tp = TensorParallelWorkers.start(
                 config,
@@ -73,7 +67,6 @@ class LLMEngine:
             raise
 
     def _build(self, config: EngineConfig, loaded: LoadedModel) -> None:
-        prepare_model(loaded.model, config, self.device)
         self.vocab_size = int(loaded.model.config.vocab_size)
         self.grammars = (
             GrammarCompiler(
@@ -84,13 +77,13 @@ class LLMEngine:
             if self.tokenizer is not None
             else None
         )
-        self.runner = ModelRunner(
+        self.runner = build_runner(
             loaded.model,
             config,
             self.device,
             max_model_len=self.max_model_len,
-            eos_token_ids=tuple(sorted(self.eos_token_ids)),
-            tp=None if self.tp is None else self.tp.group,
+            eos_token_ids=sorted(self.eos_token_ids),
+            group=lambda: None if self.tp is None else self.tp.group,
         )
         self.block_manager = BlockManager(
             self.runner.kv_cache.num_blocks,

@@ -84,7 +84,7 @@ def test_the_engine_loads_and_logs_the_choice(
     monkeypatch, caplog, tiny_model_dir, asked, native, expected
 ) -> None:
     _caps(monkeypatch, avx512_bf16=native)
-    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="engine.runner.build"):
         engine = LLMEngine(
             EngineConfig(model=str(tiny_model_dir), dtype=asked, kv_cache_memory=1 << 20)
         )

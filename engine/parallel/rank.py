@@ -19,17 +19,14 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-import torch
 from transformers import PreTrainedModel
 
 from engine.config import EngineConfig
-from engine.model.loader import load_model
-from engine.model.prep import prepare_model
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.sharding import shard_model
 from engine.parallel.step_message import SHUTDOWN
 from engine.platform.platform import platform_for
-from engine.runner.model_runner import ModelRunner
+from engine.runner.build import build_runner, context_length, load_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,23 +77,26 @@ def run_worker(spec: WorkerSpec, pipe: Connection | None) -> None:
     device = platform.device
     platform.enter_rank(world)
     group = None
-    try:
-        model = spec.model
-        max_model_len = spec.max_model_len
-        if model is None:
-            dtype = platform.dtype(config.dtype).dtype
-            loaded = load_model(config.model, dtype=dtype, device=torch.device("cpu"))
-            model, native = loaded.model, loaded.max_model_len
-            max_model_len = max_model_len or min(config.max_model_len or native, native)
-        shard_model(model, rank=spec.rank, world_size=world)
-        prepare_model(model, config, device)
-        model.to(device)
+
+    def join() -> TensorParallelGroup:
+        """Report the prepared shard to the driver, then join the groups."""
+        nonlocal group
         if pipe is not None:
             pipe.send(("loaded", None))
         group = TensorParallelGroup.join(
             rank=spec.rank, world_size=world, address=spec.address, port=spec.port, device=device
         )
-        runner = ModelRunner(model, config, device, max_model_len=max_model_len, tp=group)
+        return group
+
+    try:
+        model = spec.model
+        max_model_len = spec.max_model_len
+        if model is None:
+            loaded = load_for(config, platform)
+            model = loaded.model
+            max_model_len = max_model_len or context_length(config, loaded.max_model_len)
+        shard_model(model, rank=spec.rank, world_size=world)
+        runner = build_runner(model, config, device, max_model_len=max_model_len, group=join)
         while True:
             message = group.receive_step()
             if message.kind == SHUTDOWN:

@@ -1,0 +1,68 @@
+"""Building a model runner: load the weights the platform's way, prepare the model, make the runner.
+
+The engine (rank 0) and every tensor-parallel worker rank build theirs with these functions, so
+every rank loads in the same dtype, derives the same context length and prepares the same
+layout::
+
+    load_for(config, platform)            -> LoadedModel (under tensor parallelism: on the CPU)
+    (shard_model, under tensor parallelism)
+    build_runner(model, config, device)   -> prepare_model, onto the device, ModelRunner
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from engine.config import EngineConfig
+from engine.model.loader import LoadedModel, load_model
+from engine.model.prep import prepare_model
+from engine.parallel.group import TensorParallelGroup
+from engine.platform.platform import Platform
+from engine.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def load_for(config: EngineConfig, platform: Platform) -> LoadedModel:
+    """``config.model`` in the platform's dtype for ``config.dtype``, on the platform's device;
+    on the CPU under tensor parallelism, where only shards ever go to a device."""
+    choice = platform.dtype(config.dtype)
+    logger.info("weights in %s", choice)
+    tensor_parallel = config.tensor_parallel_size > 1
+    device = torch.device("cpu") if tensor_parallel else platform.device
+    return load_model(config.model, dtype=choice.dtype, device=device)
+
+
+def context_length(config: EngineConfig, native: int) -> int:
+    """The context length served (tokens): ``--max-model-len`` if set, never past the model's
+    own ``native``."""
+    return min(config.max_model_len or native, native)
+
+
+def build_runner(
+    model: PreTrainedModel,
+    config: EngineConfig,
+    device: torch.device,
+    *,
+    max_model_len: int,
+    eos_token_ids: Sequence[int] = (),
+    group: Callable[[], TensorParallelGroup | None] = lambda: None,
+) -> ModelRunner:
+    """Prepare ``model`` (loaded, and sharded under tensor parallelism) in place, move it to
+    ``device`` and make its runner. ``group`` is called once the model is prepared and gives
+    the tensor-parallel group the runner steps with (a worker rank reports itself loaded and
+    joins then); None without tensor parallelism."""
+    prepare_model(model, config, device)
+    model.to(device)
+    return ModelRunner(
+        model,
+        config,
+        device,
+        max_model_len=max_model_len,
+        eos_token_ids=tuple(eos_token_ids),
+        tp=group(),
+    )
