@@ -18,8 +18,8 @@ reader that goes away just stops reading. The log holds at most ``max_bytes`` of
 dropped first, and lives only while the run does: once it has finished, the stored Response is
 what ``GET`` returns.
 
-The events are the foreground stream's (``server.responses``), so ``response.created`` reports
-``in_progress``, not ``queued``: the run's task produces it as it starts.
+The events are the foreground stream's (``server.response_stream``), so ``response.created``
+reports ``in_progress``, not ``queued``: the run's task produces it as it starts.
 A cancelled run's stream ends without a terminal event (the reference has no
 ``response.cancelled``; a ``GET`` then says ``cancelled``); a failed one ends with
 ``response.failed``, its Response carrying ``error``.
@@ -188,8 +188,7 @@ class BackgroundRun:
         reply = self.reply
         if self.log is None:
             return await reply.complete(self.generation)
-        frames = reply.stream_tools if reply.plan.parser else reply.stream
-        async for data in frames(self.generation):
+        async for data in reply.events.frames(self.generation):
             self.log.append(data)
         assert reply.final is not None  # the stream stored it before its last event
         return reply.final
@@ -207,7 +206,7 @@ class BackgroundRun:
             self.final = self.reply.ended("failed", exc)
             if self.log is not None:
                 failed = ResponseEvent(type="response.failed", response=self.final)
-                self.log.append(self.reply.event_frame(failed))
+                self.log.append(self.reply.events.frame(failed))
         else:
             self.final = task.result()
         if self.log is not None:

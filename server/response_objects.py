@@ -8,7 +8,7 @@ text are always empty; ``logprobs`` are the chat shape's token entries
 ``text.format`` echoes the request's (``server.structured``).
 
 Events share ``{"type", "sequence_number"}``; the stream numbers them from 0 as it sends them
-(``ResponseReply`` in ``server.responses``).
+(``ResponseStream`` in ``server.response_stream``).
 """
 
 from __future__ import annotations

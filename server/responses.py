@@ -7,16 +7,8 @@ The prompt is ``instructions`` (as a system message), then the stored conversati
 is that message and each call a ``function_call`` item. A response that hit
 ``max_output_tokens`` has status ``incomplete``.
 
-A stream sends typed events, each ``event: <type>`` + ``data: {..., "sequence_number": k}``
-with k counting from 0: ``response.created``, ``response.in_progress``,
-``response.output_item.added``, ``response.content_part.added``, ``response.output_text.delta``
-(repeated), ``response.output_text.done``, ``response.content_part.done``,
-``response.output_item.done``, then ``response.completed`` (or ``response.incomplete``).
-With tools, each call adds ``response.output_item.added`` (a ``function_call`` item),
-``response.function_call_arguments.delta`` (repeated), ``response.function_call_arguments.done``
-and ``response.output_item.done``, at its own ``output_index``.
-A failure mid-stream sends an ``error`` event and ends the stream. The response is stored
-(``store``, default true) before its last event is sent.
+``stream: true`` sends the response as typed, numbered events (``server.response_stream``).
+The response is stored (``store``, default true) for ``GET`` and ``previous_response_id``.
 
 ``include: ["message.output_text.logprobs"]`` (with ``top_logprobs`` alternatives, 0-20) gives
 the ``output_text`` part, each ``response.output_text.delta`` (its own tokens) and
@@ -34,7 +26,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Sequence
 
 import msgspec
 from aiohttp import web
@@ -47,26 +39,18 @@ from server.logprobs import ChatTokenLogprob, chat_logprobs
 from server.prompts import chat_prompt_ids
 from server.protocol import ChatMessage, ResponsesRequest, read_request
 from server.response_objects import (
-    ContentPartEvent,
-    ErrorEvent,
-    FunctionCallArgumentsDelta,
-    FunctionCallArgumentsDone,
     IncompleteDetails,
     InputTokensDetails,
-    OutputItemEvent,
     OutputMessage,
     OutputText,
     Response,
     ResponseDeleted,
     ResponseError,
-    ResponseEvent,
     ResponseUsage,
-    StreamEvent,
     TextConfig,
-    TextDeltaEvent,
-    TextDoneEvent,
 )
 from server.response_store import StoredResponse
+from server.response_stream import ResponseStream
 from server.response_tools import (
     FunctionCallItem,
     assistant_message,
@@ -76,11 +60,10 @@ from server.response_tools import (
     new_item_id,
 )
 from server.sampling import output_limit
-from server.sse import frame, respond
+from server.sse import respond
 from server.state import OWNER, STATE, ServerState
 from server.structured import compile_constraint
 from server.tools import (
-    ToolCallStream,
     ToolPlan,
     conversation,
     plan_tools,
@@ -147,9 +130,11 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         return json_response(run.snapshot())
     with generation:
         if body.stream:
-            stream = reply.stream_tools if plan.parser else reply.stream
             return await respond(
-                request, stream(generation), on_error=reply.error_event, done_marker=False
+                request,
+                reply.events.frames(generation),
+                on_error=reply.events.error_frame,
+                done_marker=False,
             )
         return json_response(await reply.complete(generation))
 
@@ -279,7 +264,8 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
 
 
 class ResponseReply:
-    """Builds the Response object and, for a stream, its events; stores the result."""
+    """Builds the Response object and stores the result; ``events`` makes a stream's events
+    (``server.response_stream``)."""
 
     def __init__(
         self,
@@ -299,17 +285,18 @@ class ResponseReply:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.sequence = 0
         self.with_logprobs = body.output_logprobs is not None
-        self.final: Response | None = None  # set by _finish (and ended)
+        self.final: Response | None = None  # set by finish (and ended)
+        self.events = ResponseStream(self)
 
-    def _response(
+    def response(
         self,
         status: str,
         output: list[OutputMessage | FunctionCallItem],
         usage: ResponseUsage | None,
         error: ResponseError | None = None,
     ) -> Response:
+        """The Response object at ``status``, echoing the request's settings."""
         b = self.body
         return Response(
             id=self.id,
@@ -348,13 +335,13 @@ class ResponseReply:
 
     def running(self, status: str) -> Response:
         """A background response that has not ended (``queued``, ``in_progress``)."""
-        return self._response(status, [], None)
+        return self.response(status, [], None)
 
     def ended(self, status: str, err: APIError | None = None) -> Response:
         """A background response that ended without output: ``cancelled``, or ``failed``
         with ``err``; stored (background responses always are), its conversation the input."""
         error = ResponseError(code="server_error", message=err.message) if err else None
-        response = self._response(status, [], None, error)
+        response = self.response(status, [], None, error)
         self._store(response, self.messages)
         return response
 
@@ -370,16 +357,17 @@ class ResponseReply:
             )
             self.state.store.put(self.id, entry)
 
-    def _token_logprobs(self, logprobs: Sequence[TokenLogprob] | None) -> list[ChatTokenLogprob]:
+    def token_logprobs(self, logprobs: Sequence[TokenLogprob] | None) -> list[ChatTokenLogprob]:
         """The tokens' logprob entries if the request includes them, else none."""
         if not (self.with_logprobs and logprobs):
             return []
         return chat_logprobs(self.state.engine.tokenizer, logprobs).content
 
-    def _message(self, status: str, parts: list[OutputText]) -> OutputMessage:
+    def message(self, status: str, parts: list[OutputText]) -> OutputMessage:
+        """The reply's one message item (the same id in every event and the final Response)."""
         return OutputMessage(id=self.message_id, status=status, content=parts)
 
-    def _finish(
+    def finish(
         self,
         content: str,
         calls: list[FunctionCallItem],
@@ -400,9 +388,9 @@ class ResponseReply:
         output: list[OutputMessage | FunctionCallItem] = []
         if content or not calls:
             part = OutputText(text=content, logprobs=logprobs or [])
-            output.append(self._message(status, [part]))
+            output.append(self.message(status, [part]))
         output += calls
-        response = self._response(status, output, usage)
+        response = self.response(status, output, usage)
         self._store(response, [*self.messages, assistant_message(content, calls)])
         return response
 
@@ -421,188 +409,11 @@ class ResponseReply:
                 )
                 for c in tool_calls
             ]
-        return self._finish(
+        return self.finish(
             content,
             calls,
             choice.finish_reason,
             choice.num_cached_tokens,
             generation.completion_tokens,
-            logprobs=self._token_logprobs(choice.logprobs),
+            logprobs=self.token_logprobs(choice.logprobs),
         )
-
-    def _send(self, event: StreamEvent) -> bytes:
-        """``event`` as a frame, numbered next."""
-        event.sequence_number = self.sequence
-        self.sequence += 1
-        return frame(event, event=event.type)
-
-    def event_frame(self, event: StreamEvent) -> bytes:
-        """``event`` as the stream's next frame (for a background run's last event)."""
-        return self._send(event)
-
-    def error_event(self, err: APIError) -> bytes:
-        return self._send(ErrorEvent(code=err.code, message=err.message, param=err.param))
-
-    async def stream(self, generation: Generation) -> AsyncGenerator[bytes, None]:
-        item_id = self.message_id
-        started = self._response("in_progress", [], None)
-        yield self._send(ResponseEvent(type="response.created", response=started))
-        yield self._send(ResponseEvent(type="response.in_progress", response=started))
-        yield self._send(
-            OutputItemEvent(
-                type="response.output_item.added", item=self._message("in_progress", [])
-            )
-        )
-        yield self._send(
-            ContentPartEvent(
-                type="response.content_part.added", item_id=item_id, part=OutputText(text="")
-            )
-        )
-        text, finish_reason, cached = "", None, 0
-        logprobs: list[ChatTokenLogprob] = []
-        async for _, out in generation.outputs():
-            cached = out.num_cached_tokens
-            new_logprobs = self._token_logprobs(out.new_logprobs)
-            if out.new_text or new_logprobs:
-                text += out.new_text
-                logprobs += new_logprobs
-                yield self._send(
-                    TextDeltaEvent(
-                        type="response.output_text.delta",
-                        item_id=item_id,
-                        delta=out.new_text,
-                        logprobs=new_logprobs,
-                    )
-                )
-            if out.finished:
-                finish_reason = out.finish_reason
-        response = self._finish(
-            text, [], finish_reason, cached, generation.completion_tokens, logprobs=logprobs
-        )
-        [message] = response.output
-        [part] = message.content
-        yield self._send(
-            TextDoneEvent(
-                type="response.output_text.done", item_id=item_id, text=text, logprobs=logprobs
-            )
-        )
-        yield self._send(
-            ContentPartEvent(type="response.content_part.done", item_id=item_id, part=part)
-        )
-        yield self._send(OutputItemEvent(type="response.output_item.done", item=message))
-        yield self._send(ResponseEvent(type=f"response.{response.status}", response=response))
-
-    async def stream_tools(self, generation: Generation) -> AsyncGenerator[bytes, None]:
-        """A stream whose reply is parsed for calls: a message item opens with the first
-        content, a function_call item with each call (its arguments as
-        ``response.function_call_arguments.delta`` events); all close at the end."""
-        assert self.plan.parser is not None
-        started = self._response("in_progress", [], None)
-        yield self._send(ResponseEvent(type="response.created", response=started))
-        yield self._send(ResponseEvent(type="response.in_progress", response=started))
-        parsed = ToolCallStream(self.plan.parser)
-        message_index: int | None = None
-        calls: dict[int, tuple[int, FunctionCallItem]] = {}  # call index -> (output index, item)
-        finish_reason, cached, next_index = None, 0, 0
-        async for _, out in generation.outputs():
-            cached = out.num_cached_tokens
-            if out.finished:
-                finish_reason = out.finish_reason
-            content, deltas = parsed.feed(out.new_text, final=out.finished)
-            if content or (out.finished and message_index is None and not calls):
-                if message_index is None:
-                    message_index, next_index = next_index, next_index + 1
-                    for frame_ in self._open_message(message_index):
-                        yield frame_
-                if content:
-                    yield self._send(
-                        TextDeltaEvent(
-                            type="response.output_text.delta",
-                            item_id=self.message_id,
-                            output_index=message_index,
-                            delta=content,
-                        )
-                    )
-            for d in deltas:
-                if d.index not in calls:
-                    item = FunctionCallItem(
-                        id=new_item_id(),
-                        call_id=str(d.id),
-                        name=str(d.function.name),
-                        arguments="",
-                        status="in_progress",
-                    )
-                    calls[d.index] = (next_index, item)
-                    yield self._send(
-                        OutputItemEvent(
-                            type="response.output_item.added", output_index=next_index, item=item
-                        )
-                    )
-                    next_index += 1
-                if d.function.arguments:  # a call comes whole: its arguments follow at once
-                    index, item = calls[d.index]
-                    item.arguments += str(d.function.arguments)
-                    yield self._send(
-                        FunctionCallArgumentsDelta(
-                            item_id=item.id, output_index=index, delta=str(d.function.arguments)
-                        )
-                    )
-        items = [item for _, item in calls.values()]
-        for item in items:
-            item.status = "completed"
-        response = self._finish(
-            parsed.content, items, finish_reason, cached, generation.completion_tokens
-        )
-        if message_index is not None:
-            message = response.output[0]
-            text = parsed.content
-            yield self._send(
-                TextDoneEvent(
-                    type="response.output_text.done",
-                    item_id=self.message_id,
-                    output_index=message_index,
-                    text=text,
-                )
-            )
-            yield self._send(
-                ContentPartEvent(
-                    type="response.content_part.done",
-                    item_id=self.message_id,
-                    output_index=message_index,
-                    part=OutputText(text=text),
-                )
-            )
-            yield self._send(
-                OutputItemEvent(
-                    type="response.output_item.done", output_index=message_index, item=message
-                )
-            )
-        for index, item in calls.values():
-            yield self._send(
-                FunctionCallArgumentsDone(
-                    item_id=item.id, output_index=index, name=item.name, arguments=item.arguments
-                )
-            )
-            yield self._send(
-                OutputItemEvent(type="response.output_item.done", output_index=index, item=item)
-            )
-        yield self._send(ResponseEvent(type=f"response.{response.status}", response=response))
-
-    def _open_message(self, output_index: int) -> list[bytes]:
-        return [
-            self._send(
-                OutputItemEvent(
-                    type="response.output_item.added",
-                    output_index=output_index,
-                    item=self._message("in_progress", []),
-                )
-            ),
-            self._send(
-                ContentPartEvent(
-                    type="response.content_part.added",
-                    item_id=self.message_id,
-                    output_index=output_index,
-                    part=OutputText(text=""),
-                )
-            ),
-        ]

@@ -25,7 +25,9 @@ Families (``PARSERS``; ``parser_for_template`` picks one from the chat template)
   of one named tool; a JSON list of ``{"name", "arguments"}``).
 
 Whole JSON values are read with the standard library's ``raw_decode``, which tells where a
-value ends; the growing ``{"response": "..."}`` text of the generic envelope with
+value ends; the growing ``{"response": "..."}`` text of the generic envelope as the decoded
+prefix of its JSON string (``string_prefix``), and a ``response`` that is not a string (which
+the grammar forbids, but a ``--tool-call-parser`` override may not) with
 ``partial-json-parser`` (what vLLM's tool parsers use).
 """
 
