@@ -1,7 +1,8 @@
-"""Triton kernels of paged-serve and their eager PyTorch references.
-
-One kernel family per module; `reference.py` holds the fp32 eager references that the tests, the
-benchmarks and the engine's `torch` backend share. This package imports nothing from the project.
+"""The kernels of paged-serve: Triton (``kernels/triton/``), the CPU's C decode kernel
+(``kernels/cpu/``), the calls every backend implements (``interface.py``) and the fp32 eager
+references that define their semantics (``reference.py``: the tests' and benchmarks' oracle;
+the engine's `torch` backend also runs its KV write, block copy and sampling). This package
+imports nothing from the project.
 """
 
 __paged_serve__ = True  # the engine checks it: see engine/__init__.py
