@@ -134,12 +134,13 @@ def _attention_source(cfg: Config):
         if arg in constants:
             signature[arg] = "constexpr"
         elif arg.endswith("_ptr"):
-            fp32_scratch = arg.startswith("part_")
+            fp32_scratch = arg.startswith("part_") or arg == "sinks_ptr"
             dtype = "*i32" if arg in int_ptrs else "*fp32" if fp32_scratch else DTYPES[cfg.dtype]
             signature[arg] = dtype
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            signature[arg] = "fp32" if arg == "scale_log2" else "i32"
+            fp32_args = {"scale_log2", "softcap_in", "softcap_out"}
+            signature[arg] = "fp32" if arg in fp32_args else "i32"
             if arg in aligned and cfg.head_dim % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return ASTSource(_paged_attention_kernel, signature, constants, attrs), launch.options()

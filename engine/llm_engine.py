@@ -17,7 +17,7 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.grammar.structured_output import GrammarCompiler, StructuredOutput
-from engine.model.attention_swap import check_supported
+from engine.model.architecture import check_servable
 from engine.model.loader import LoadedModel
 from engine.observe.metrics import EngineStats
 from engine.outputs import RequestOutput
@@ -52,7 +52,7 @@ class LLMEngine:
         self.max_model_len = context_length(config, loaded.max_model_len)
         self.tp: TensorParallelWorkers | None = None
         if config.tensor_parallel_size > 1:  # shards the model in place, the workers their copies
-            check_supported(loaded.model)
+            check_servable(loaded.model)
             self.tp = TensorParallelWorkers.start(
                 config,
                 loaded.model,

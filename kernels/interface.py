@@ -36,7 +36,11 @@ class WriteKv(Protocol):
 
 class PagedAttention(Protocol):
     """Attention of ragged query chunks over the paged cache: ``[T, Hq, D]`` in q's dtype.
-    ``max_seqlen_q`` / ``max_seqlen_k``: the step's longest query chunk and context (tokens)."""
+    ``max_seqlen_q`` / ``max_seqlen_k``: the step's longest query chunk and context (tokens);
+    ``sliding_window``: each query sees its ``w`` most recent positions; ``softcap`` c: each
+    score ``s`` (scaled) becomes ``c * tanh(s / c)`` before the mask (Gemma 2); ``sinks``:
+    ``[Hq]`` fp32 logits, one per query head, that join each row's softmax denominator and
+    attend to nothing (gpt-oss)."""
 
     def __call__(
         self,
@@ -51,6 +55,8 @@ class PagedAttention(Protocol):
         max_seqlen_q: int,
         max_seqlen_k: int,
         sliding_window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 

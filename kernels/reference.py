@@ -49,6 +49,8 @@ def paged_attention_ref(
     sliding_window: int | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ragged query chunks over the paged KV cache, in fp32, one sequence at a time.
 
@@ -57,6 +59,9 @@ def paged_attention_ref(
     cu_seqlens_q: ``[S + 1]`` int32. ``sliding_window`` w (if set) limits each query to the
     ``w`` most recent positions (its own included), as HF's Mistral does.
     ``max_seqlen_q`` / ``max_seqlen_k`` are accepted for interface parity with the kernel.
+    ``softcap`` c replaces each scaled score ``s`` by ``c * tanh(s / c)`` before masking (Gemma
+    2); ``sinks [Hq]`` adds ``exp(sink_h)`` to each row's softmax denominator, a logit that
+    attends to nothing (gpt-oss's ``s_aux``).
     Returns ``[T, Hq, D]`` in ``q.dtype``. Written for clarity, not speed: the CPU platform's
     production attention is ``engine/platform/cpu/attention_plan.py``.
     """
@@ -74,13 +79,20 @@ def paged_attention_ref(
         v = v_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
         queries = q[first:last].float().transpose(0, 1)  # [Hq, Lq, D]
         scores = queries @ k.permute(1, 2, 0) * scale  # [Hq, Lq, L]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - (last - first), seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
         allowed = k_pos <= q_pos
         if sliding_window is not None:
             allowed &= k_pos > q_pos - sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        out[first:last] = (torch.softmax(scores, dim=-1) @ v.transpose(0, 1)).transpose(0, 1)
+        if sinks is not None:  # one more column per head, dropped after the softmax
+            sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out[first:last] = (probs @ v.transpose(0, 1)).transpose(0, 1)
     return out.to(q.dtype)
 
 

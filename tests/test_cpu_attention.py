@@ -281,3 +281,31 @@ def test_decode_rows_split_by_length_match_naive_loop(with_prefill: bool):
     out = plan.run(batch.q, batch.k_cache, batch.v_cache, 0.25)
     expected = _naive_attention(batch, scale=0.25, sliding_window=None)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap,with_sinks", [(3.0, False), (None, True), (4.0, True)])
+def test_softcap_and_sinks_equal_the_oracle(dtype, softcap, with_sinks: bool) -> None:
+    """Soft-capped scores and sinks take the plan's explicit path (torch's SDPA has neither),
+    on every kind of group: decode rows together, a prefill chunk, a window; the C kernel
+    never takes such a step."""
+    spec = [(1, (3, 5)), (None, (1, 1)), (1, (0, 1)), (6, (2, 2)), (1, (1, 0))]
+    batch = _batch(spec, (8, 2), 64, 16, dtype)
+    sinks = torch.linspace(-1.0, 2.0, 8).to(dtype) if with_sinks else None
+    kwargs = dict(batch.kwargs(), scale=0.5, sliding_window=20, softcap=softcap)
+    planned = PlannedTorchAttention()
+    out = planned.paged_attention(batch.q, batch.k_cache, batch.v_cache, sinks=sinks, **kwargs)
+    oracle = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, sinks=sinks, **kwargs)
+    # bf16: the scores are rounded to bf16 before the softmax, as HF's eager attention rounds
+    # them (2^-8 of scores up to ~10: a few % of a weight), where SDPA keeps them in fp32
+    tol = 1e-5 if dtype == torch.float32 else 6e-2
+    torch.testing.assert_close(out, oracle, rtol=tol, atol=tol)
+    decode = _batch([(1, (3, 5)), (1, (2, 1))], (8, 2), 64, 16, dtype)
+    decode_kwargs = dict(decode.kwargs(), scale=0.5, softcap=softcap)
+    got = planned.paged_attention(
+        decode.q, decode.k_cache, decode.v_cache, sinks=sinks, **decode_kwargs
+    )
+    want = paged_attention_ref(
+        decode.q, decode.k_cache, decode.v_cache, sinks=sinks, **decode_kwargs
+    )
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import transformers
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.model.attention_swap import install_paged_attention
 from tests.conftest import assert_pool_clean, loaded, tiny_model
 
 
@@ -67,9 +67,32 @@ def test_a_request_larger_than_the_kv_pool_is_refused():
         llm.generate([[1] * 30], SamplingParams(max_tokens=5))
 
 
-def test_unsupported_architecture_is_refused_at_load():
-    from transformers import GPT2Config, GPT2LMHeadModel
+REFUSED = {
+    # what the engine lacks -> a tiny model that needs it
+    "multi-head latent attention": lambda: transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(
+            num_hidden_layers=1, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+            n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, vocab_size=64,
+        )
+    ),  # fmt: skip
+    "linear_attention layers": lambda: transformers.Qwen3NextForCausalLM(
+        transformers.Qwen3NextConfig(
+            num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_attention_heads=2,
+            num_key_value_heads=1, vocab_size=64,
+            layer_types=["linear_attention", "full_attention"],
+        )
+    ),  # fmt: skip
+    "elsewhere than model.model.layers": lambda: transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    ),
+}
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(ValueError, match="unsupported architecture GPT2LMHeadModel"):
-        install_paged_attention(model)
+
+@pytest.mark.parametrize("missing", sorted(REFUSED))
+def test_a_model_the_engine_cannot_serve_is_refused_naming_what_is_missing(missing: str):
+    """Refused at load, before the runner allocates any KV memory, with the reason."""
+    model = REFUSED[missing]().eval()
+    with pytest.raises(ValueError, match=missing):
+        LLM(loaded=loaded(model), kv_cache_memory=1 << 20)

@@ -15,18 +15,10 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
+from engine.model.architecture import check_servable
 from engine.runner.attention_context import current_attention_context
 
 ATTN_NAME = "paged_serve"
-
-# Architectures whose attention modules call the attention interface with RoPE already applied
-# and expose ``layer_idx``; others are refused at load rather than silently computed wrong.
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
 
 
 def paged_attention_forward(
@@ -38,9 +30,16 @@ def paged_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: returns ``([1, T, Hq, D], None)``."""
+    """transformers attention function: returns ``([1, T, Hq, D], None)``.
+
+    What the family's attention module passes is honoured: ``scaling`` (Granite's
+    ``attention_multiplier``, Gemma's ``query_pre_attn_scalar``), the layer's ``sliding_window``
+    (None on full layers), ``softcap`` (Gemma 2: scores soft-capped before the softmax) and
+    ``s_aux`` (gpt-oss: one learned sink logit per query head in the softmax denominator)."""
     if query.shape[0] != 1:
         raise ValueError(f"paged attention takes one flat batch, got batch size {query.shape[0]}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -51,6 +50,8 @@ def paged_attention_forward(
         value[0].transpose(0, 1),
         scale,
         sliding_window,
+        softcap=softcap or None,
+        sinks=s_aux,
     )
     return out.unsqueeze(0), None
 
@@ -62,9 +63,12 @@ def paged_attention_flat(
     v: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Layer ``layer_idx`` of the current step: write ``k, v [T, Hkv, D]`` at the step's slots,
-    then attend ``q [T, Hq, D]`` over each sequence's blocks; ``[T, Hq, D]``."""
+    then attend ``q [T, Hq, D]`` over each sequence's blocks; ``[T, Hq, D]``. ``softcap`` and
+    ``sinks [Hq]`` as in ``kernels/interface.py``."""
     ctx = current_attention_context()
     k_cache, v_cache = ctx.kv_cache.layer(layer_idx)
     ctx.backend.write_kv(k, v, k_cache, v_cache, slot_mapping=ctx.slot_mapping)
@@ -79,23 +83,16 @@ def paged_attention_flat(
         max_seqlen_q=ctx.max_seqlen_q,
         max_seqlen_k=ctx.max_seqlen_k,
         sliding_window=sliding_window,
+        softcap=softcap,
+        sinks=sinks,
     )
 
 
 AttentionInterface.register(ATTN_NAME, paged_attention_forward)
 
 
-def check_supported(model: PreTrainedModel) -> None:
-    """Raise ValueError unless ``model`` is one of the architectures the swap is tested on."""
-    name = type(model).__name__
-    if name not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported architecture {name}: paged-serve runs "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-
-
 def install_paged_attention(model: PreTrainedModel) -> None:
-    """Point every attention layer of ``model`` at the paged attention function."""
-    check_supported(model)
+    """Point every attention layer of ``model`` at the paged attention function (ValueError,
+    naming what is missing, for a model the engine cannot serve: engine/model/architecture.py)."""
+    check_servable(model)
     model.set_attn_implementation(ATTN_NAME)

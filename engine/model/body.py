@@ -18,7 +18,7 @@ ops that give the same bits, ``RMSNorm``), so it equals HF's forward bit for bit
 no transposes. It calls the projection modules the model holds when the runner is built (fused
 or not, quantized or not, tensor-parallel shards) and reads the norms' weights, so module swaps
 must come before, as ``prepare_model`` does. It runs the families of
-``attention_swap.SUPPORTED_ARCHITECTURES``.
+``architecture.FAST_BODY_ARCHITECTURES``; the runner runs HF's own decoder forward for the rest.
 """
 
 from __future__ import annotations

@@ -64,6 +64,39 @@ def shard_shape(hf_config: object, world_size: int) -> ShardShape:
     return ShardShape(heads // world_size, kv_heads // world_size, intermediate // world_size)
 
 
+def check_shardable(model: nn.Module) -> None:
+    """Raise ValueError naming what this module swap cannot shard: each decoder layer needs
+    ``self_attn.{q,k,v,o}_proj`` and a dense ``mlp.{gate,up,down}_proj`` as ``nn.Linear``s,
+    per-head q/k norms only (a norm over all heads, as OLMo 2's, would need every rank's heads),
+    and no per-head sinks (gpt-oss: not sliced yet)."""
+    name = type(model).__name__
+    head_dim = getattr(model.config, "head_dim", None)
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, getattr(layer, "mlp", None)
+        missing = [n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if not _linear(attn, n)]
+        if missing:
+            raise ValueError(f"tensor parallelism: {name} layer {i} has no {missing} Linear")
+        if mlp is None or not all(_linear(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            raise ValueError(
+                f"tensor parallelism shards dense gate/up/down MLPs; {name} layer {i}'s MLP is "
+                f"{type(mlp).__name__} (mixture-of-experts layers are not sharded yet)"
+            )
+        for norm_name in ("q_norm", "k_norm"):
+            norm = getattr(attn, norm_name, None)
+            weight = getattr(norm, "weight", None)
+            if weight is not None and head_dim is not None and weight.numel() != head_dim:
+                raise ValueError(
+                    f"tensor parallelism: {name}'s {norm_name} normalises over all heads "
+                    f"({weight.numel()} wide), which needs every rank's heads"
+                )
+        if getattr(attn, "sinks", None) is not None:
+            raise ValueError(f"tensor parallelism: {name}'s attention sinks are not sliced yet")
+
+
+def _linear(module: nn.Module, name: str) -> bool:
+    return isinstance(getattr(module, name, None), nn.Linear)
+
+
 class RowParallelLinear(nn.Module):
     """``y = all_reduce(x_r @ W_r^T) + b``: this rank's input slice times its weight columns,
     summed over the ranks of ``group``; the bias (replicated) is added once, after the sum.

@@ -159,7 +159,7 @@ class DecodeGraphs:
         )
         with attention_context(ctx):
             if not self.with_logits:
-                self.model.model(
+                self.model.base_model(
                     input_ids=self.input_ids[:, :size],
                     position_ids=self.positions[:, :size],
                     use_cache=False,

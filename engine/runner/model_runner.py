@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import EngineConfig
+from engine.model.architecture import runs_fast_body
 from engine.model.body import ModelBody
+from engine.model.logits_head import LogitsHead
 from engine.outputs import TokenLogprob
 from engine.parallel.step_message import STEP, StepMessage
 from engine.platform.host_tensors import to_device
@@ -138,9 +140,10 @@ class ModelRunner:
         )
         self.block_size = config.block_size
         self.vocab_size = int(model.config.vocab_size)
-        # The decoder body without HF's per-layer Python (engine/model/body.py); None runs HF's
-        # own forward, which equals it bit for bit (the tests' and benchmarks' reference).
-        self.body: ModelBody | None = ModelBody(model)
+        # The decoder body without HF's per-layer Python (engine/model/body.py) for the families
+        # it reproduces bit for bit; None runs HF's own decoder forward (every other family).
+        self.body: ModelBody | None = ModelBody(model) if runs_fast_body(model) else None
+        self.lm_head = LogitsHead.of(model)
         self.graphs: DecodeGraphs | None = None
         self.platform.prepare_host()
         if self.platform.captures_decode_graphs(config, self.backend):
@@ -212,7 +215,7 @@ class ModelRunner:
         with attention_context(ctx):
             if self.body is not None:
                 return self.body(input_ids, position_ids)
-            out = self.model.model(
+            out = self.model.base_model(
                 input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False
             )
             return out.last_hidden_state[0]
@@ -236,7 +239,7 @@ class ModelRunner:
         by chunk, on the prompt rows being scored."""
         hidden = self.hidden_states(inputs)  # [T, H]
         return self._sampled_logits(hidden, inputs), score_prompt(
-            hidden, self.model.get_output_embeddings(), scoring
+            hidden, self.lm_head, scoring
         )
 
     def _forward_logits(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -253,7 +256,7 @@ class ModelRunner:
         if not inputs.logit_rows:
             return None
         rows = self._tensor(inputs.logit_rows, torch.long)
-        return self.model.get_output_embeddings()(hidden.index_select(0, rows))
+        return self.lm_head(hidden.index_select(0, rows))
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> LaunchedStep:

@@ -14,6 +14,7 @@ prefix cache: a cached block has no logits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +86,7 @@ class PromptScores:
 
 
 def score_prompt(
-    hidden: torch.Tensor, lm_head: torch.nn.Module, plan: PromptScoring
+    hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor], plan: PromptScoring
 ) -> PromptScores:
     """Run the LM head on the plan's rows of ``hidden [T, H]``, chunk by chunk, keeping each
     row's logprob of its target (fp32 ``log_softmax``) and its top ``plan.top_k``."""

@@ -101,6 +101,23 @@ def check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def check_sinks(
+    sinks: torch.Tensor | None, shapes: AttentionShapes, device: torch.device
+) -> torch.Tensor | None:
+    """``sinks`` as contiguous fp32 ``[Hq]`` (a small copy when it is in another dtype, as a
+    model's bf16 parameter is), or None; ValueError for another shape or device."""
+    if sinks is None:
+        return None
+    if sinks.shape != (shapes.num_q_heads,) or sinks.device != device:
+        raise ValueError(
+            f"sinks must be [{shapes.num_q_heads}] (one per query head) on {device}, got "
+            f"{tuple(sinks.shape)} on {sinks.device}"
+        )
+    if not sinks.is_floating_point():
+        raise ValueError(f"sinks must be a float tensor, got {sinks.dtype}")
+    return sinks.detach().to(torch.float32).contiguous()
+
+
 def check_workspace(
     workspace: torch.Tensor | None, *, numel: int, device: torch.device
 ) -> torch.Tensor:

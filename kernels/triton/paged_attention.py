@@ -72,6 +72,7 @@ from kernels.triton.attention_checks import (
     AttentionShapes,
     check_attention_inputs,
     check_out,
+    check_sinks,
     check_workspace,
 )
 from kernels.triton.runtime import interpreting
@@ -185,15 +186,26 @@ def _attend_key_tile(
     q_pos,
     sliding_window,
     scale_log2,
+    softcap_in,
+    softcap_out,
     m_i,
     l_i,
     acc,
     USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step over a key tile: ``(m_i, l_i, acc)`` updated with the scores
-    ``q . k`` (log2 units) of the keys each row may see (causal, in the window)."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    ``q . k`` (log2 units) of the keys each row may see (causal, in the window). With
+    ``USE_SOFTCAP`` a score is ``c * tanh(scale * q.k / c)``: ``softcap_in = scale / c``,
+    ``softcap_out = c * log2(e)``."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if USE_SOFTCAP:
+        # tanh(x) = 1 - 2 / (e^2x + 1): exact at both ends (e^2x -> inf gives 1, -> 0 gives -1)
+        e2x = tl.exp2(s * (softcap_in * 2.0 * 1.4426950408889634))
+        s = (1.0 - 2.0 / (e2x + 1.0)) * softcap_out
+    else:
+        s = s * scale_log2
     allowed = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
     if USE_WINDOW:
         allowed = allowed & (offs_n[None, :] > q_pos[:, None] - sliding_window)
@@ -226,6 +238,9 @@ def _paged_attention_kernel(
     num_kv_splits,
     sliding_window,
     scale_log2,
+    softcap_in,
+    softcap_out,
+    sinks_ptr,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -243,6 +258,8 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     DECODE_ONLY: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -294,9 +311,17 @@ def _paged_attention_kernel(
             stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE, DOT_FP32,
         )  # fmt: skip
         m_i, l_i, acc = _attend_key_tile(
-            q, k, v, offs_n, n_valid, q_pos, sliding_window, scale_log2, m_i, l_i, acc,
-            USE_WINDOW, DOT_PRECISION,
+            q, k, v, offs_n, n_valid, q_pos, sliding_window, scale_log2, softcap_in, softcap_out,
+            m_i, l_i, acc, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION,
         )  # fmt: skip
+    if USE_SINKS and not SPLIT:  # (split-KV: the reduce adds the sink once)
+        # the head's sink logit joins the denominator like a key whose value is zero
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
+        m_i = m_new
 
     # -- normalise; with split-KV, the partial output and its log-sum-exp go to the workspace
     has_keys = l_i > 0.0
@@ -320,6 +345,7 @@ def _paged_attention_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
+    sinks_ptr,
     num_q_heads,
     num_kv_splits,
     stride_ot,
@@ -328,6 +354,7 @@ def _paged_attention_reduce_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -344,8 +371,13 @@ def _paged_attention_reduce_kernel(
         other=float("-inf"),
     )
     lse_max = tl.max(lse_all, 1)
+    if USE_SINKS:  # the sink: one more term of the denominator, with no output
+        sink = tl.load(sinks_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
+        lse_max = tl.maximum(lse_max, sink)
     lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     w_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if USE_SINKS:
+        w_sum += tl.exp2(sink - lse_ref)
     acc = tl.zeros([BLOCK_H, HEAD_DIM_PAD], dtype=tl.float32)
     for j in range(num_kv_splits):
         lse = tl.load(part_lse_ptr + part_base + j, mask=h_mask, other=float("-inf"))
@@ -427,6 +459,8 @@ class AttentionLaunch:
     use_window: bool
     dot_fp32: bool
     dot_precision: str
+    use_softcap: bool = False
+    use_sinks: bool = False
 
     @property
     def split(self) -> bool:
@@ -463,6 +497,8 @@ class AttentionLaunch:
             BLOCK_SIZE=self.shapes.block_size,
             DECODE_ONLY=self.decode_only,
             USE_WINDOW=self.use_window,
+            USE_SOFTCAP=self.use_softcap,
+            USE_SINKS=self.use_sinks,
             SPLIT=self.split,
             DOT_FP32=self.dot_fp32,
             DOT_PRECISION=self.dot_precision,
@@ -482,6 +518,8 @@ def attention_launch(
     max_seqlen_k: int,
     sliding_window: int | None,
     num_kv_splits: int | None,
+    softcap: float | None = None,
+    sinks: bool = False,
 ) -> AttentionLaunch:
     """The launch settings of one call (``num_kv_splits=None``: :func:`choose_num_kv_splits`).
 
@@ -508,6 +546,8 @@ def attention_launch(
         use_window=sliding_window is not None,
         dot_fp32=dot_fp32,
         dot_precision="ieee" if dtype == torch.float32 or dot_fp32 else "tf32",
+        use_softcap=softcap is not None,
+        use_sinks=sinks,
     )
 
 
@@ -547,6 +587,8 @@ def paged_attention(
     max_seqlen_q: int,
     max_seqlen_k: int,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
@@ -557,6 +599,8 @@ def paged_attention(
     block_tables: ``[S, max_blocks]`` int32; seq_lens: ``[S]`` int32 (context incl. the new
     tokens); cu_seqlens_q: ``[S + 1]`` int32. ``max_seqlen_q`` / ``max_seqlen_k`` must be the
     true maxima (they size the launch; they are not checked against the device tensors).
+    ``softcap`` (> 0) and ``sinks`` (``[Hq]``, any float dtype, on q's device) as in
+    ``kernels/interface.py``.
     ``num_kv_splits``: split-KV factor, None = :func:`choose_num_kv_splits`. ``out``: optional
     ``[T, Hq, D]`` output in q's dtype. ``workspace``: optional contiguous fp32 scratch of at
     least :func:`workspace_numel` elements for split-KV (allocated here when omitted).
@@ -576,6 +620,9 @@ def paged_attention(
         max_seqlen_k=max_seqlen_k,
         sliding_window=sliding_window,
     )
+    sinks = check_sinks(sinks, shapes, q.device)
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0, got {softcap}")
     out = check_out(out, q)
     if shapes.num_tokens == 0 or shapes.num_seqs == 0 or max_seqlen_q == 0:
         return out
@@ -586,6 +633,8 @@ def paged_attention(
         max_seqlen_k=max_seqlen_k,
         sliding_window=sliding_window,
         num_kv_splits=num_kv_splits,
+        softcap=softcap,
+        sinks=sinks is not None,
     )
     if launch.split:
         part_out, part_lse = _partials(workspace, shapes, launch.num_kv_splits, q.device)
@@ -607,6 +656,9 @@ def paged_attention(
         launch.num_kv_splits,
         sliding_window or 0,
         scale * _LOG2_E,
+        scale / softcap if softcap else 0.0,
+        softcap * _LOG2_E if softcap else 0.0,
+        sinks if sinks is not None else part_lse,  # unused without USE_SINKS
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -623,6 +675,7 @@ def paged_attention(
             part_out,
             part_lse,
             out,
+            sinks if sinks is not None else part_lse,
             shapes.num_q_heads,
             launch.num_kv_splits,
             out.stride(0),
@@ -631,6 +684,7 @@ def paged_attention(
             HEAD_DIM_PAD=launch.tiles.head_dim_pad,
             BLOCK_H=launch.reduce_block_h,
             SPLITS_PAD=triton.next_power_of_2(launch.num_kv_splits),
+            USE_SINKS=launch.use_sinks,
         )
     return out
 

@@ -127,6 +127,59 @@ def test_matches_reference(
     _check(batch, dtype=dtype, num_kv_splits=num_kv_splits, sliding_window=sliding_window)
 
 
+SCORE_CASES = [
+    # id, seqs, (Hq, Hkv), head_dim, dtype, num_kv_splits, sliding_window, softcap, sinks
+    ("mixed-7-softcap-window", MIXED_7, (9, 3), 64, torch.float32, None, 20, 3.0, False),
+    ("decode-7-sinks-split3", DECODE_7, (16, 2), 64, torch.float16, 3, None, None, True),
+    ("mixed-3-both-split4", MIXED_3, (8, 2), 128, torch.float32, 4, None, 4.0, True),
+    ("prefill-3-sinks", PREFILL_3, (8, 2), 80, torch.float32, None, 9, None, True),
+]
+
+
+@pytest.mark.parametrize(
+    "spec,heads,head_dim,dtype,num_kv_splits,sliding_window,softcap,with_sinks",
+    [c[1:] for c in SCORE_CASES],
+    ids=[c[0] for c in SCORE_CASES],
+)
+def test_softcap_and_sinks_match_reference(
+    paged_batch,
+    device,
+    spec,
+    heads,
+    head_dim,
+    dtype,
+    num_kv_splits,
+    sliding_window,
+    softcap,
+    with_sinks,
+):
+    """Gemma 2's soft-capped scores and gpt-oss's sinks, split and unsplit, beside windows."""
+    batch = paged_batch(
+        _seqs(spec, 16),
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        block_size=16,
+        dtype=dtype,
+        device=device,
+    )
+    # bf16 sinks, as a model holds them: the launcher takes them to fp32
+    sinks = torch.linspace(-1.0, 2.5, heads[0], device=device) if with_sinks else None
+    kwargs = dict(
+        batch.kwargs(),
+        scale=head_dim**-0.5 * 4,  # large scores, so that a cap of 3-4 bends them
+        sliding_window=sliding_window,
+        softcap=softcap,
+    )
+    out = paged_attention(
+        batch.q, batch.k_cache, batch.v_cache, num_kv_splits=num_kv_splits, sinks=sinks, **kwargs
+    )
+    ref = paged_attention_ref(batch.q.float(), batch.k_cache, batch.v_cache, sinks=sinks, **kwargs)
+    assert not out.isnan().any()
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
+
+
 def test_auto_split_kv_long_decode(paged_batch, device):
     """Few sequences with long contexts: the automatic choice splits, and the merge is exact."""
     seqs = [(1, 1100), (1, 17), (1, 600)]

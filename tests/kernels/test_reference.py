@@ -22,8 +22,16 @@ from kernels.reference import (
 )
 
 
-def _naive_attention(batch, *, scale: float, sliding_window: int | None) -> torch.Tensor:
-    """Token by token, head by head, key by key through the block table, in float64."""
+def _naive_attention(
+    batch,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Token by token, head by head, key by key through the block table, in float64; a
+    ``softcap`` bends each score, a head's sink logit joins its softmax and is dropped."""
     q, k_cache, v_cache = batch.q.double(), batch.k_cache.double(), batch.v_cache.double()
     block_size = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
@@ -43,7 +51,12 @@ def _naive_attention(batch, *, scale: float, sliding_window: int | None) -> torc
                     keys.append(k_cache[block, j % block_size, kv_head])
                     values.append(v_cache[block, j % block_size, kv_head])
                 scores = torch.stack(keys) @ q[token, h] * scale
-                out[token, h] = torch.softmax(scores, dim=0) @ torch.stack(values)
+                if softcap is not None:
+                    scores = softcap * torch.tanh(scores / softcap)
+                if sinks is not None:
+                    scores = torch.cat((scores, sinks[h : h + 1].double()))
+                probs = torch.softmax(scores, dim=0)[: len(keys)]
+                out[token, h] = probs @ torch.stack(values)
     return out
 
 
@@ -71,6 +84,29 @@ def test_paged_attention_ref_matches_naive_loop(paged_batch, sliding_window, dty
     # Without the max_seqlen hints the reference computes them itself.
     no_hints = dict(kwargs, max_seqlen_q=None, max_seqlen_k=None)
     assert torch.equal(paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, **no_hints), out)
+
+
+@pytest.mark.parametrize("softcap,with_sinks", [(4.0, False), (None, True), (2.5, True)])
+def test_softcap_and_sinks_match_naive_loop(paged_batch, softcap, with_sinks: bool) -> None:
+    seqs = [(1, 9), (6, 6), (3, 11), (1, 1)]
+    batch = paged_batch(
+        seqs,
+        num_q_heads=6,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    sinks = torch.linspace(-2.0, 3.0, 6) if with_sinks else None
+    kwargs = dict(batch.kwargs(), scale=0.5, sliding_window=5)
+    out = paged_attention_ref(
+        batch.q, batch.k_cache, batch.v_cache, softcap=softcap, sinks=sinks, **kwargs
+    )
+    expected = _naive_attention(batch, scale=0.5, sliding_window=5, softcap=softcap, sinks=sinks)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    plain = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, **kwargs)
+    assert not torch.allclose(out, plain, atol=1e-3)  # the case is one where they matter
 
 
 def test_write_kv_ref_matches_naive_loop():

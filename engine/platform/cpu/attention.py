@@ -79,10 +79,13 @@ class PlannedTorchAttention:
         sliding_window: int | None = None,
         max_seqlen_q: int | None = None,
         max_seqlen_k: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As ``paged_attention_ref``: ``q [T, Hq, D]`` over the paged cache, the math in q's
         dtype (fp32 in the C kernel, which decode-only steps take: ``_decodes_in_place``)."""
-        if self._decodes_in_place(q, k_cache, v_cache, seq_lens):
+        plain = softcap is None and sinks is None  # the C kernel has neither
+        if plain and self._decodes_in_place(q, k_cache, v_cache, seq_lens):
             return self.decode_kernel.attend(
                 q,
                 k_cache,
@@ -103,7 +106,9 @@ class PlannedTorchAttention:
                 sliding_window=sliding_window,
             )
             self._plan_key = key
-        return self._plan.run(q, k_cache, v_cache, scale, q.dtype, self.group_alone)
+        return self._plan.run(
+            q, k_cache, v_cache, scale, q.dtype, self.group_alone, softcap=softcap, sinks=sinks
+        )
 
     def _decodes_in_place(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor

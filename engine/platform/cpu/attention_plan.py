@@ -141,9 +141,13 @@ class UniformGroup:
         scale: float,
         dtype: torch.dtype = torch.float32,
         group_alone: bool = False,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``q [S, Lq, Hq, D]`` over the group's contexts; ``[S, Lq, Hq, D]`` in ``dtype``, the
-        precision q, k and v are taken to for the math (``group_alone``: see the class)."""
+        precision q, k and v are taken to for the math (``group_alone``: see the class).
+        ``softcap`` and ``sinks [Hq]`` (kernels/interface.py) take the explicit path,
+        ``_attend_explicit``: torch's SDPA has neither."""
         q_len = q.shape[1]
         pair = kv_pair(k_cache, v_cache)
         if pair is not None:  # the engine's cache: K and V gathered together
@@ -158,6 +162,8 @@ class UniformGroup:
             seq_idx, pos_idx = self.tail
             k[seq_idx, :, pos_idx] = 0.0
             v[seq_idx, :, pos_idx] = 0.0
+        if softcap is not None or sinks is not None:
+            return self._attend_explicit(q.to(dtype), k, v, scale, softcap, sinks)
         if q_len == 1 and (not self.alone or group_alone):  # grouped decode rows (see above)
             num_seqs, _, num_q_heads, head_dim = q.shape
             qg = q.to(dtype).reshape(num_seqs, k.shape[1], num_q_heads // k.shape[1], head_dim)
@@ -174,6 +180,40 @@ class UniformGroup:
             enable_gqa=True,
         )
         return out.transpose(1, 2)
+
+    def _attend_explicit(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Hugging Face's eager attention, op for op: ``q [S, Lq, Hq, D]``, ``k, v [S, Hkv, L,
+        D]``; scores scaled, soft-capped, masked, a sink column per head joined to the softmax
+        (in fp32) and dropped after it; ``[S, Lq, Hq, D]``."""
+        q = q.transpose(1, 2)  # [S, Hq, Lq, D]
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(2, 3)) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        q_len, max_len = q.shape[2], k.shape[2]
+        allowed = self.mask
+        if allowed is None and q_len > 1:  # one fresh prompt: causal
+            allowed = torch.ones(q_len, max_len, dtype=torch.bool, device=q.device)
+            allowed = allowed.tril(max_len - q_len)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        if sinks is not None:
+            column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+            scores = torch.cat((scores, column), dim=-1)
+            scores = scores - scores.amax(dim=-1, keepdim=True)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        return torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
 
 
 # Decode rows are attended in groups padded to each group's longest context. A shorter row
@@ -269,15 +309,19 @@ class AttentionPlan:
         scale: float,
         dtype: torch.dtype = torch.float32,
         group_alone: bool = False,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``q [T, Hq, D]`` -> ``[T, Hq, D]`` in q's dtype, with the math in ``dtype`` (fp32 for
-        the reference; the model's own dtype reproduces Hugging Face's ``sdpa`` attention);
-        ``group_alone`` as in ``UniformGroup``."""
+        the reference; the model's own dtype reproduces Hugging Face's attention);
+        ``group_alone`` as in ``UniformGroup``; ``softcap``, ``sinks`` as in
+        ``kernels/interface.py``."""
+        extra = {"group_alone": group_alone, "softcap": softcap, "sinks": sinks}
         if self.pure_decode:
-            out = self.groups[0].attend(q.unsqueeze(1), k_cache, v_cache, scale, dtype, group_alone)
+            out = self.groups[0].attend(q.unsqueeze(1), k_cache, v_cache, scale, dtype, **extra)
             return out.squeeze(1).to(q.dtype)
         out = torch.empty(q.shape, dtype=dtype, device=q.device)
         for g in self.groups:
             rows = g.rows.view(g.num_seqs, g.q_len)
-            out[rows] = g.attend(q[rows], k_cache, v_cache, scale, dtype, group_alone)
+            out[rows] = g.attend(q[rows], k_cache, v_cache, scale, dtype, **extra)
         return out.to(q.dtype)

@@ -1,0 +1,86 @@
+"""Which Hugging Face causal LMs the engine serves, and the reason it refuses one.
+
+The engine swaps its paged attention in through transformers' attention interface and runs the
+model's own modules, so any causal LM whose attention layers call that interface and know their
+``layer_idx`` runs, dense or mixture-of-experts: RoPE, NoPE layers, per-layer sliding windows,
+soft-capped scores, attention sinks and any ``scaling`` arrive as the arguments HF passes. The
+families whose decoder ``engine/model/body.py`` reproduces without HF's per-layer Python run on
+it (``FAST_BODY_ARCHITECTURES``); every other one runs HF's own decoder forward over the flat
+batch. What cannot be right is refused at load, before any KV memory is allocated, with what is
+missing: latent attention (MLA), linear-attention or state-space layers, ALiBi biases,
+bidirectional attention, attention that does not go through the interface, encoder-decoders.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from transformers import PreTrainedModel
+
+# Decoders engine/model/body.py runs op for op (tests/test_model_body.py).
+FAST_BODY_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def attention_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's attention modules: those named ``*Attention`` that know their ``layer_idx``."""
+    return [
+        m
+        for m in model.modules()
+        if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")
+    ]
+
+
+def check_servable(model: PreTrainedModel) -> None:
+    """Raise ValueError naming what the engine lacks to serve ``model``; None when it can."""
+    name, config = type(model).__name__, model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model: paged-serve serves decoder-only LMs")
+    if model.get_output_embeddings() is None or model.base_model is model:
+        raise ValueError(f"{name} is not a causal LM: an LM head over a decoder (base_model)")
+    if not isinstance(getattr(getattr(model, "model", None), "layers", None), nn.ModuleList):
+        raise ValueError(
+            f"{name} keeps its decoder layers elsewhere than model.model.layers, the list the "
+            "engine's module swaps (fused and quantized projections, sharding) walk"
+        )
+    if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", "") == "alibi":
+        raise ValueError(f"{name} uses ALiBi position biases, which the paged kernels do not add")
+    if getattr(config, "kv_lora_rank", None) or getattr(config, "q_lora_rank", None):
+        raise ValueError(
+            f"{name} uses multi-head latent attention (MLA), which paged-serve does not support "
+            "yet: its KV cache holds one latent vector a token, not per-head keys and values"
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+    if other:
+        raise ValueError(
+            f"{name} has {', '.join(other)} layers, which paged-serve does not support yet "
+            f"(it pages softmax attention: {', '.join(ATTENTION_LAYER_TYPES)})"
+        )
+    if not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(
+            f"{name}'s attention does not go through transformers' attention interface, so "
+            "paged attention cannot be swapped in"
+        )
+    modules = attention_layers(model)
+    if any(getattr(m, "is_causal", True) is False for m in modules):
+        raise ValueError(
+            f"{name} has bidirectional attention layers: paged-serve serves causal LMs"
+        )
+    found = sorted({m.layer_idx for m in modules})
+    layers = int(config.num_hidden_layers)
+    if found != list(range(layers)):
+        shown = ", ".join(map(str, found[:8])) + (", ..." if len(found) > 8 else "")
+        raise ValueError(
+            f"{name}: attention modules found for layers [{shown}] of {layers}; paged attention "
+            "needs one per decoder layer, numbered by layer_idx"
+        )
+
+
+def runs_fast_body(model: PreTrainedModel) -> bool:
+    """Whether ``engine/model/body.py`` runs this model's decoder (else HF's own forward)."""
+    return type(model).__name__ in FAST_BODY_ARCHITECTURES

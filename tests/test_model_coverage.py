@@ -1,0 +1,213 @@
+"""The architectures people serve, each as a tiny random-weight model built from its own
+``transformers`` config: greedy tokens equal Hugging Face ``generate`` (fp32, eager attention,
+which honours soft-capping and sinks) token for token, alone, batched with prompts of
+different lengths through chunked prefill and a prefix-cache hit, and after a preemption.
+The block pool is intact after every scenario."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    PreTrainedModel,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
+)
+
+from engine import LLM, SamplingParams
+from tests.conftest import TINY_VOCAB, assert_pool_clean, hf_greedy, loaded, random_prompts
+
+COMMON = dict(
+    vocab_size=TINY_VOCAB,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=1024,
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+WINDOW = 8  # tokens: shorter than most prompts, so the sliding layers cut
+MOE = dict(moe_intermediate_size=64, num_experts_per_tok=2)
+ARCHITECTURES: dict[str, tuple[type, type, dict]] = {
+    "phi3": (Phi3Config, Phi3ForCausalLM, {}),
+    "olmo2": (Olmo2Config, Olmo2ForCausalLM, {}),
+    "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, {"no_rope_layers": [1, 0]}),  # layer 1 NoPE
+    "granite": (
+        GraniteConfig,
+        GraniteForCausalLM,
+        {
+            "embedding_multiplier": 12.0,
+            "residual_multiplier": 0.22,
+            "attention_multiplier": 0.05,
+            "logits_scaling": 4.0,
+        },
+    ),
+    "gemma2": (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        {
+            "sliding_window": WINDOW,
+            "attn_logit_softcapping": 5.0,  # small, so that the cap bends real scores
+            "final_logit_softcapping": 3.0,
+            "query_pre_attn_scalar": 24,
+        },
+    ),
+    "gemma3": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        {
+            "head_dim": 256,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 256,
+        },
+    ),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {"num_experts": 4, **MOE}),
+    "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 4, **MOE}),
+    "olmoe": (OlmoeConfig, OlmoeForCausalLM, {"num_experts": 4, **MOE}),
+    "gpt_oss": (
+        GptOssConfig,
+        GptOssForCausalLM,
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+}
+LENGTHS = [1, 6, 17, 33]
+MAX_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def tiny_architecture(name: str, seed: int = 0) -> PreTrainedModel:
+    config_cls, model_cls, extra = ARCHITECTURES[name]
+    config = config_cls(**{**COMMON, **extra})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    if name == "gpt_oss":  # sinks start at zero: make them matter
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def expected(request: pytest.FixtureRequest):
+    model = tiny_architecture(request.param)
+    prompts = random_prompts(LENGTHS, seed=3)
+    prompts.append(prompts[-1][:20] + prompts[1])  # shares 20 tokens (a cached block) with one
+    want = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+    return model, prompts, want
+
+
+def test_alone(expected) -> None:
+    model, prompts, want = expected
+    llm = LLM(loaded=loaded(model), kv_cache_memory=4 << 20)
+    for prompt, tokens in zip(prompts, want):
+        [result] = llm.generate([prompt], GREEDY)
+        assert result.token_ids == tokens
+    assert_pool_clean(llm.engine.block_manager)
+
+
+def test_batched_chunked_with_a_prefix_hit(expected) -> None:
+    """One batch, 8 tokens a step: long prompts in chunks beside decodes; the last prompt's
+    first block is the cache's (the previous prompt filled it)."""
+    model, prompts, want = expected
+    llm = LLM(loaded=loaded(model), kv_cache_memory=4 << 20, max_num_batched_tokens=8)
+    [first] = llm.generate([prompts[-2]], GREEDY)
+    results = llm.generate(prompts, GREEDY)
+    assert first.token_ids == want[-2]
+    assert [r.token_ids for r in results] == want
+    assert results[-1].metrics.num_cached_tokens >= 16
+    assert_pool_clean(llm.engine.block_manager)
+
+
+def test_preemption(expected) -> None:
+    """Three requests that grow to 3-4 blocks each in a pool of 6: the running ones outgrow it,
+    so some are preempted and recomputed."""
+    model, prompts, _ = expected
+    prompts, steps = prompts[:3], 40
+    want = [hf_greedy(model, p, steps) for p in prompts]
+    hf = model.config
+    block_bytes = hf.num_hidden_layers * 2 * 16 * hf.num_key_value_heads * hf.head_dim * 4
+    llm = LLM(loaded=loaded(model), kv_cache_memory=6 * block_bytes, max_num_batched_tokens=64)
+    assert llm.engine.block_manager.num_blocks == 6
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    results = llm.generate(prompts, params)
+    assert [r.token_ids for r in results] == want
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_pool_clean(llm.engine.block_manager)
+
+
+def test_logprobs_and_prompt_logprobs_follow_the_models_head(expected) -> None:
+    """The logprobs the engine reports are HF's ``log_softmax`` of its logits, the family's
+    logit transforms included (Granite's scaling, Gemma's final soft-cap): greedy tokens alone
+    cannot tell, since both transforms keep the order."""
+    model, prompts, _ = expected
+    prompt = prompts[2]
+    with torch.inference_mode():
+        hf = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    llm = LLM(loaded=loaded(model), kv_cache_memory=4 << 20)
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2, prompt_logprobs=0)
+    [result] = llm.generate([prompt], params)
+    [first] = result.logprobs
+    assert first.logprob == pytest.approx(hf[-1, first.token_id].item(), abs=1e-4)
+    assert [t for t, _ in first.top] == hf[-1].topk(2).indices.tolist()
+    scored = [entry.logprob for entry in result.prompt_logprobs[1:]]
+    want = hf[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].tolist()
+    assert scored == pytest.approx(want, abs=1e-4)
+    assert_pool_clean(llm.engine.block_manager)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_tensor_parallel_gemma_equals_hf(name: str) -> None:
+    """TP=2 over gloo: soft-capping, sliding layers and Gemma's scalings hold on sharded heads."""
+    model = tiny_architecture(name)
+    prompts = random_prompts(LENGTHS, seed=3)
+    want = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+    tp2 = LLM(loaded=loaded(model), tensor_parallel_size=2, kv_cache_memory=4 << 20)
+    try:
+        assert [r.token_ids for r in tp2.generate(prompts, GREEDY)] == want
+        assert_pool_clean(tp2.engine.block_manager)
+    finally:
+        tp2.shutdown()
+
+
+@pytest.mark.parametrize(
+    "name,missing",
+    [
+        ("qwen3_moe", "mixture-of-experts layers are not sharded yet"),
+        ("olmo2", "q_norm normalises over all heads"),
+        ("phi3", r"no \['q_proj', 'k_proj', 'v_proj'\] Linear"),
+    ],
+)
+def test_tensor_parallel_refuses_what_it_cannot_shard(name: str, missing: str) -> None:
+    """Before any worker process starts, naming what the module swap cannot shard."""
+    with pytest.raises(ValueError, match=missing):
+        LLM(loaded=loaded(tiny_architecture(name)), tensor_parallel_size=2)
