@@ -10,11 +10,13 @@ Shapes: q ``[T, Hq, D]``; key/value ``[T, Hkv, D]``; k_cache, v_cache
 ``[num_blocks, block_size, Hkv, D]``; block_tables ``[S, max_blocks]`` int32; seq_lens ``[S]``
 int32 (context including the new tokens); cu_seqlens_q ``[S + 1]`` int32; slot_mapping ``[T]``
 int64 (-1: do not write); block_mapping ``[N, 2]`` int64 ``(src, dst)`` rows; kv_caches
-``[num_layers, 2, num_blocks, block_size, Hkv, D]``. The semantics are the references'.
+``[num_layers, 2, num_blocks, block_size, Hkv, D]``. The semantics are the references'
+(``fused_moe_ref`` for ``FusedMoe``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -82,3 +84,22 @@ class FusedSample(Protocol):
         steps: torch.Tensor,
         token_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class FusedMoe(Protocol):
+    """``hidden [T, H]`` through its routed experts: ``[T, H]``. ``w_gate_up [E, 2I, H]``,
+    ``w_down [E, H, I]`` (views of any strides), ``topk_ids``/``topk_weights [T, k]``,
+    ``apply_gate [S, 2I] -> [S, I]`` (the model's gate), biases ``[E, 2I]`` / ``[E, H]``."""
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        apply_gate: Callable[[torch.Tensor], torch.Tensor],
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...

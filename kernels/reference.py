@@ -34,6 +34,8 @@ Shared conventions (the kernels follow them exactly):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -322,3 +324,36 @@ def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor) -> torc
     """A copy of ``logits [B, V]`` with every token the packed ``bitmask`` disallows at -inf."""
     allowed = unpack_token_bitmask(bitmask, logits.shape[1])
     return logits.masked_fill(~allowed, float("-inf"))
+
+
+def fused_moe_ref(
+    hidden: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    apply_gate: Callable[[torch.Tensor], torch.Tensor],
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mixture of experts, pair by pair, in fp32: token ``t`` gets
+    ``sum_j w_tj * (gate(x_t @ W1[e]^T + b1[e]) @ W2[e]^T + b2[e])`` with ``e = topk_ids[t, j]``.
+
+    hidden: ``[T, H]``; w_gate_up: ``[E, 2I, H]``; w_down: ``[E, H, I]``; topk_ids,
+    topk_weights: ``[T, k]``; biases ``[E, 2I]`` and ``[E, H]``; ``apply_gate``: the model's
+    gate, ``[..., 2I] -> [..., I]``. Returns ``[T, H]`` in hidden's dtype.
+    """
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    x = hidden.float()
+    for t in range(hidden.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            h = w_gate_up[e].float() @ x[t]
+            if gate_up_bias is not None:
+                h = h + gate_up_bias[e].float()
+            y = w_down[e].float() @ apply_gate(h[None])[0].float()
+            if down_bias is not None:
+                y = y + down_bias[e].float()
+            out[t] += topk_weights[t, j].float() * y
+    return out.to(hidden.dtype)

@@ -13,6 +13,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     GptOssConfig,
     GptOssForCausalLM,
     GraniteConfig,
@@ -26,6 +28,8 @@ from transformers import (
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedModel,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
     SmolLM3Config,
@@ -87,6 +91,23 @@ ARCHITECTURES: dict[str, tuple[type, type, dict]] = {
         },
     ),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {"num_experts": 4, **MOE}),
+    "qwen2_moe": (  # a shared expert beside the routed ones, behind its own sigmoid gate
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        {"num_experts": 4, "shared_expert_intermediate_size": 128, **MOE},
+    ),
+    "glm4_moe": (  # DeepSeek's router: sigmoid scores, a correction bias, group-limited top-k
+        Glm4MoeConfig,
+        Glm4MoeForCausalLM,
+        {
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,  # layer 0 dense, layer 1 mixture-of-experts
+            **MOE,
+        },
+    ),
     "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 4, **MOE}),
     "olmoe": (OlmoeConfig, OlmoeForCausalLM, {"num_experts": 4, **MOE}),
     "gpt_oss": (
@@ -111,9 +132,11 @@ def tiny_architecture(name: str, seed: int = 0) -> PreTrainedModel:
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = model_cls(config).eval()
-    if name == "gpt_oss":  # sinks start at zero: make them matter
-        for layer in model.model.layers:
-            torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
+    for module in model.modules():  # parameters that start at zero: make them matter
+        if name == "gpt_oss" and hasattr(module, "sinks"):
+            torch.nn.init.normal_(module.sinks, std=1.0)
+        if hasattr(module, "e_score_correction_bias"):
+            torch.nn.init.normal_(module.e_score_correction_bias, std=0.5)
     return model
 
 
@@ -185,9 +208,10 @@ def test_logprobs_and_prompt_logprobs_follow_the_models_head(expected) -> None:
     assert_pool_clean(llm.engine.block_manager)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_tensor_parallel_gemma_equals_hf(name: str) -> None:
-    """TP=2 over gloo: soft-capping, sliding layers and Gemma's scalings hold on sharded heads."""
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "qwen3_moe", "mixtral"])
+def test_tensor_parallel_equals_hf(name: str) -> None:
+    """TP=2 over gloo: soft-capping, sliding layers and Gemma's scalings hold on sharded heads;
+    the experts' width is sharded and their partial sums all-reduced."""
     model = tiny_architecture(name)
     prompts = random_prompts(LENGTHS, seed=3)
     want = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
@@ -202,7 +226,7 @@ def test_tensor_parallel_gemma_equals_hf(name: str) -> None:
 @pytest.mark.parametrize(
     "name,missing",
     [
-        ("qwen3_moe", "mixture-of-experts layers are not sharded yet"),
+        ("gpt_oss", "biased or transposed experts are not sharded yet"),
         ("olmo2", "q_norm normalises over all heads"),
         ("phi3", r"no \['q_proj', 'k_proj', 'v_proj'\] Linear"),
     ],

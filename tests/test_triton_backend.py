@@ -33,6 +33,24 @@ def test_greedy_matches_torch_backend_and_hf(model):
     assert_pool_clean(triton.engine.block_manager)
 
 
+@pytest.mark.parametrize("name", ["gpt_oss", "gemma2"])
+def test_moe_sinks_and_softcap_through_the_kernels(name: str):
+    """gpt-oss (the fused-MoE kernel with biases and its clamped gate, attention sinks, sliding
+    layers) and Gemma 2 (soft-capped scores) on the triton backend: HF's greedy tokens."""
+    from tests.test_model_coverage import tiny_architecture
+
+    hf = tiny_architecture(name)
+    llm = LLM(
+        loaded=loaded(hf),
+        kv_cache_memory=2 << 20,
+        attention_backend="triton",
+        max_num_batched_tokens=24,
+    )
+    got = [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
+    assert got == [hf_greedy(hf, p, 6) for p in PROMPTS]
+    assert_pool_clean(llm.engine.block_manager)
+
+
 def test_seeded_n2_sampling_through_the_kernels(model):
     llm = LLM(loaded=loaded(model), kv_cache_memory=2 << 20, attention_backend="triton")
     params = SamplingParams(max_tokens=4, temperature=1.0, top_k=20, seed=5, n=2, ignore_eos=True)

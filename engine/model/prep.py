@@ -1,7 +1,7 @@
 """Turn a loaded (and, under tensor parallelism, sharded) Hugging Face model into the one the
-runner drives: paged attention swapped in, q/k/v and gate/up fused, int8 or int4 weights if
-asked, and what the device's platform adds (on the CPU the projections' faster exact kernels,
-engine/platform/cpu/linears.py).
+runner drives: paged attention and the fused mixture-of-experts swapped in, q/k/v and gate/up
+fused, int8 or int4 weights if asked, and what the device's platform adds (on the CPU the
+projections' faster exact kernels, engine/platform/cpu/linears.py).
 
 The driver and every tensor-parallel worker rank call this one function, so all ranks run the
 same layout.
@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from engine.config import EngineConfig
 from engine.model.attention_swap import install_paged_attention
+from engine.model.experts_swap import install_paged_experts
 from engine.model.fused_projections import fuse_projections
 from engine.model.int4_weights import quantize_int4
 from engine.model.int8_weights import quantize_int8
@@ -30,6 +31,9 @@ def prepare_model(model: PreTrainedModel, config: EngineConfig, device: torch.de
     platform = platform_for(device)
     platform.check_quantization(config.quantization)
     install_paged_attention(model)
+    experts = install_paged_experts(model)  # mixture-of-experts layers: the fused MoE
+    if experts:
+        logger.info("%d experts modules on the fused mixture-of-experts pass", experts)
     fuse_projections(model)  # one GEMM for q/k/v and one for gate/up; exact
     if config.quantization is not None:
         quantize = quantize_int8 if config.quantization == "int8" else quantize_int4

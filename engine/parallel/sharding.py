@@ -76,10 +76,15 @@ def check_shardable(model: nn.Module) -> None:
         missing = [n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if not _linear(attn, n)]
         if missing:
             raise ValueError(f"tensor parallelism: {name} layer {i} has no {missing} Linear")
-        if mlp is None or not all(_linear(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        dense = mlp is not None and all(
+            _linear(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
+        )
+        if not dense and not _plain_experts(mlp):
             raise ValueError(
-                f"tensor parallelism shards dense gate/up/down MLPs; {name} layer {i}'s MLP is "
-                f"{type(mlp).__name__} (mixture-of-experts layers are not sharded yet)"
+                f"tensor parallelism shards dense gate/up/down MLPs and routed experts with "
+                f"concatenated gate/up weights and no biases; {name} layer {i}'s MLP is "
+                f"{type(mlp).__name__} (shared experts, biased or transposed experts are not "
+                "sharded yet)"
             )
         for norm_name in ("q_norm", "k_norm"):
             norm = getattr(attn, norm_name, None)
@@ -95,6 +100,41 @@ def check_shardable(model: nn.Module) -> None:
 
 def _linear(module: nn.Module, name: str) -> bool:
     return isinstance(getattr(module, name, None), nn.Linear)
+
+
+def _plain_experts(mlp: nn.Module | None) -> bool:
+    """A mixture-of-experts block this swap shards: a router (``gate``) and ``experts`` holding
+    ``gate_up_proj [E, 2I, H]`` (gate rows, then up rows) and ``down_proj [E, H, I]``, nothing
+    else (no shared expert)."""
+    experts = getattr(mlp, "experts", None)
+    if experts is None or set(dict(mlp.named_children())) != {"gate", "experts"}:
+        return False
+    return (
+        getattr(experts, "is_concatenated", False)
+        and not getattr(experts, "is_transposed", True)
+        and not getattr(experts, "has_bias", True)
+        and getattr(experts, "has_gate", False)
+    )
+
+
+def _shard_experts(experts: nn.Module, rank: int, world_size: int, group: object | None) -> None:
+    """Rank ``r`` keeps rows ``r*I/N .. (r+1)*I/N`` of each expert's gate and of its up
+    projection and the matching input columns of its down projection; the experts' partial sums
+    are all-reduced (``tp_group``, read by engine/model/experts_swap.py)."""
+    gate_up, down = experts.gate_up_proj.data, experts.down_proj.data
+    width = down.shape[2]
+    if width % world_size:
+        raise ValueError(
+            f"tensor_parallel_size {world_size} does not divide the experts' width {width}"
+        )
+    part = width // world_size
+    rows = slice(rank * part, (rank + 1) * part)
+    gate, up = gate_up[:, :width][:, rows], gate_up[:, width:][:, rows]
+    experts.gate_up_proj = nn.Parameter(torch.cat((gate, up), dim=1), requires_grad=False)
+    experts.down_proj = nn.Parameter(down[:, :, rows].contiguous(), requires_grad=False)
+    experts.intermediate_dim = part
+    experts.tp_group = group
+    experts.tp_reduce = True
 
 
 class RowParallelLinear(nn.Module):
@@ -171,6 +211,9 @@ def shard_model(
         attn.o_proj = _columns(attn.o_proj, rank, world_size, group)
         # The ratio is unchanged, but keep the module's own bookkeeping true to its heads.
         attn.num_key_value_groups = shape.num_heads // shape.num_kv_heads
+        if _plain_experts(mlp):
+            _shard_experts(mlp.experts, rank, world_size, group)
+            continue
         for name in ("gate_proj", "up_proj"):
             setattr(mlp, name, _rows(getattr(mlp, name), rank, world_size))
         mlp.down_proj = _columns(mlp.down_proj, rank, world_size, group)

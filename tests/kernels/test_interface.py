@@ -10,8 +10,9 @@ from collections.abc import Callable
 import pytest
 
 from engine.platform.cpu.attention import PlannedTorchAttention
+from engine.platform.cpu.moe import grouped_moe
 from kernels import interface, reference
-from kernels.triton import block_copy, kv_write, paged_attention, sampling
+from kernels.triton import block_copy, fused_moe, kv_write, paged_attention, sampling
 
 PLANNED = PlannedTorchAttention()
 IMPLEMENTATIONS: list[tuple[type, Callable]] = [
@@ -24,6 +25,9 @@ IMPLEMENTATIONS: list[tuple[type, Callable]] = [
     (interface.CopyBlocks, block_copy.copy_blocks),
     (interface.CopyBlocks, reference.copy_blocks_ref),
     (interface.FusedSample, sampling.sample),
+    (interface.FusedMoe, fused_moe.fused_moe),
+    (interface.FusedMoe, reference.fused_moe_ref),
+    (interface.FusedMoe, grouped_moe),
 ]
 
 

@@ -1,0 +1,72 @@
+"""Swap a mixture-of-experts model's experts for the platform's fused MoE, without forking
+modeling code.
+
+transformers dispatches each experts module's forward by name (``config._experts_implementation``)
+through its ``ExpertsInterface``, as it dispatches attention; we register ``paged_serve`` there.
+The function receives what HF's own forward receives: the layer's flat ``hidden_states [T, H]``,
+the router's ``top_k_index`` and ``top_k_weights [T, k]`` (each family's router: softmax top-k
+with or without renormalisation, gpt-oss's biased experts), and the module, whose weights it
+reads in the layout the module declares (``is_transposed``) and whose own gate it applies
+(``_apply_gate``: SwiGLU, gpt-oss's clamped SwiGLU on interleaved columns). The step's kernel
+backend computes the pairs: on CUDA the Triton kernel of ``kernels/triton/fused_moe.py``, on the
+CPU the grouped pass of ``engine/platform/cpu/moe.py``. Under tensor parallelism each rank
+holds a slice of every expert's width (engine/parallel/sharding.py), and the partial sums are
+all-reduced here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.integrations.moe import ExpertsInterface
+
+from engine.runner.attention_context import current_attention_context
+
+EXPERTS_NAME = "paged_serve"
+
+
+def paged_experts_forward(
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """transformers experts function: ``[T, H]``, the routed experts' weighted sum per token."""
+    w_gate_up, w_down = module.gate_up_proj, module.down_proj
+    if module.is_transposed:  # stored [E, in, out]: the kernels take [E, out, in] views
+        w_gate_up, w_down = w_gate_up.transpose(1, 2), w_down.transpose(1, 2)
+    biased = module.has_bias
+    out = current_attention_context().backend.fused_moe(
+        hidden_states,
+        w_gate_up,
+        w_down,
+        top_k_index,
+        top_k_weights,
+        apply_gate=module._apply_gate,
+        gate_up_bias=module.gate_up_proj_bias if biased else None,
+        down_bias=module.down_proj_bias if biased else None,
+    )
+    if getattr(module, "tp_reduce", False):  # sharded experts: each rank holds a partial sum
+        dist.all_reduce(out, group=module.tp_group)
+    return out
+
+
+ExpertsInterface.register(EXPERTS_NAME, paged_experts_forward)
+
+
+def experts_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules transformers dispatches as experts (``@use_experts_implementation``)."""
+    return [m for m in model.modules() if hasattr(m, "is_transposed") and hasattr(m, "has_gate")]
+
+
+def install_paged_experts(model: PreTrainedModel) -> int:
+    """Point every experts module of ``model`` at the fused MoE; returns how many there are
+    (0: a dense model, left as it is). Experts of another shape (no gate/up pair, a norm after
+    each expert) keep HF's own forward."""
+    modules = experts_modules(model)
+    if not modules or not all(m.has_gate and not m.has_post_expert_norm for m in modules):
+        return 0
+    model.set_experts_implementation(EXPERTS_NAME)
+    return len(modules)

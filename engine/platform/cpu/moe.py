@@ -1,0 +1,53 @@
+"""The CPU's mixture-of-experts pass: only the routed (token, expert) pairs, grouped by expert.
+
+The pairs are sorted by expert; each expert some token chose multiplies its run of rows in one
+``F.linear`` per projection (bias included), the model's gate between the two, the routing
+weights applied before the per-token sum. Experts nobody chose cost nothing: a decode row of a
+top-2 model reads two experts' weights, not all of them. (``torch._grouped_mm`` does the same in
+one call, but on the CPU it runs one GEMM per expert, chosen or not: 16 GEMMs, 744 us a call at
+16 experts, top-2 and 1 stream; docs/performance.md, "Mixture of experts".) The semantics are
+``kernels.reference.fused_moe_ref``'s, which the Triton kernel also follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def grouped_moe(
+    hidden: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    apply_gate: Callable[[torch.Tensor], torch.Tensor],
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """As ``kernels.triton.fused_moe.fused_moe``: ``hidden [T, H]``, ``w_gate_up [E, 2I, H]``,
+    ``w_down [E, H, I]`` (views), ``topk_ids``/``topk_weights [T, k]``; ``[T, H]``."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts = w_gate_up.shape[0]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # a CPU tensor: no device sync
+    x = hidden.index_select(0, order // top_k)
+    route = topk_weights.reshape(-1).index_select(0, order).to(hidden.dtype)[:, None]
+    pairs = torch.empty(order.numel(), w_down.shape[1], dtype=hidden.dtype)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:  # nobody chose it: it costs nothing
+            continue
+        rows = slice(start, start + count)
+        start += count
+        b1 = None if gate_up_bias is None else gate_up_bias[expert]
+        b2 = None if down_bias is None else down_bias[expert]
+        gated = apply_gate(F.linear(x[rows], w_gate_up[expert], b1)).to(hidden.dtype)
+        pairs[rows] = F.linear(gated, w_down[expert], b2) * route[rows]
+    out = torch.empty_like(pairs)
+    out[order] = pairs
+    return out.view(num_tokens, top_k, -1).sum(dim=1)
