@@ -127,7 +127,11 @@ def load_model(model: str | None, *, dtype: torch.dtype, device: torch.device) -
     """Load weights and tokenizer (the tokenizer may be absent for token-id-only folders)."""
     start = time.perf_counter()
     path, name = resolve_model_path(model)
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    # Placed on ``device`` as it loads (each safetensors shard read straight to it), not built
+    # on the host and moved: on a GPU the host never holds the whole model.
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, device_map={"": device}
+    ).eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError):
