@@ -235,3 +235,16 @@ def test_tensor_parallel_refuses_what_it_cannot_shard(name: str, missing: str) -
     """Before any worker process starts, naming what the module swap cannot shard."""
     with pytest.raises(ValueError, match=missing):
         LLM(loaded=loaded(tiny_architecture(name)), tensor_parallel_size=2)
+
+
+def test_seeded_n2_sampling_is_batch_invariant(expected) -> None:
+    """n=2 seeded samples of a prompt (forked from one prefill, copy-on-write) are the same
+    alone and beside other requests."""
+    model, prompts, _ = expected
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, n=2, seed=7, ignore_eos=True)
+    llm = LLM(loaded=loaded(model), kv_cache_memory=4 << 20)
+    alone = [r.token_ids for r in llm.generate([prompts[2]], params)]
+    batched = llm.generate(prompts[:4], params)
+    assert [r.token_ids for r in batched[4:6]] == alone
+    assert alone[0] != alone[1]  # the two samples differ
+    assert_pool_clean(llm.engine.block_manager)
