@@ -208,10 +208,13 @@ def test_logprobs_and_prompt_logprobs_follow_the_models_head(expected) -> None:
     assert_pool_clean(llm.engine.block_manager)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize(
+    "name", ["gemma2", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe"]
+)
 def test_tensor_parallel_equals_hf(name: str) -> None:
     """TP=2 over gloo: soft-capping, sliding layers and Gemma's scalings hold on sharded heads;
-    the experts' width is sharded and their partial sums all-reduced."""
+    the experts' width is sharded and their partial sums all-reduced; shared experts are
+    sharded as dense MLPs beside them."""
     model = tiny_architecture(name)
     prompts = random_prompts(LENGTHS, seed=3)
     want = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]

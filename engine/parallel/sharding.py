@@ -64,7 +64,7 @@ def shard_shape(hf_config: object, world_size: int) -> ShardShape:
     return ShardShape(heads // world_size, kv_heads // world_size, intermediate // world_size)
 
 
-def check_shardable(model: nn.Module) -> None:
+def check_shardable(model: nn.Module, world_size: int) -> None:
     """Raise ValueError naming what this module swap cannot shard: each decoder layer needs
     ``self_attn.{q,k,v,o}_proj`` and a dense ``mlp.{gate,up,down}_proj`` as ``nn.Linear``s,
     per-head q/k norms only (a norm over all heads, as OLMo 2's, would need every rank's heads),
@@ -76,16 +76,24 @@ def check_shardable(model: nn.Module) -> None:
         missing = [n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if not _linear(attn, n)]
         if missing:
             raise ValueError(f"tensor parallelism: {name} layer {i} has no {missing} Linear")
-        dense = mlp is not None and all(
-            _linear(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
-        )
-        if not dense and not _plain_experts(mlp):
+        if not _dense_mlp(mlp) and not _plain_experts(mlp):
             raise ValueError(
                 f"tensor parallelism shards dense gate/up/down MLPs and routed experts with "
                 f"concatenated gate/up weights and no biases; {name} layer {i}'s MLP is "
-                f"{type(mlp).__name__} (shared experts, biased or transposed experts are not "
-                "sharded yet)"
+                f"{type(mlp).__name__} (biased or transposed experts are not sharded yet)"
             )
+        widths = {"MLP": mlp.gate_proj.out_features} if _dense_mlp(mlp) else {}
+        if _plain_experts(mlp):
+            widths["experts'"] = mlp.experts.down_proj.shape[2]
+            for part_name, part in _shared_parts(mlp).items():
+                if _dense_mlp(part):
+                    widths[part_name] = part.gate_proj.out_features
+        for what, width in widths.items():
+            if width % world_size:
+                raise ValueError(
+                    f"tensor_parallel_size {world_size} does not divide {name} layer {i}'s "
+                    f"{what} width {width}"
+                )
         for norm_name in ("q_norm", "k_norm"):
             norm = getattr(attn, norm_name, None)
             weight = getattr(norm, "weight", None)
@@ -102,13 +110,30 @@ def _linear(module: nn.Module, name: str) -> bool:
     return isinstance(getattr(module, name, None), nn.Linear)
 
 
+def _dense_mlp(module: nn.Module | None) -> bool:
+    """A gated MLP of ``gate/up/down_proj`` Linears (a dense layer, or a shared expert)."""
+    return module is not None and all(
+        _linear(module, n) for n in ("gate_proj", "up_proj", "down_proj")
+    )
+
+
+def _shared_parts(mlp: nn.Module) -> dict[str, nn.Module]:
+    """The children of a mixture-of-experts block beside its router and routed experts."""
+    return {n: m for n, m in mlp.named_children() if n not in ("gate", "experts")}
+
+
 def _plain_experts(mlp: nn.Module | None) -> bool:
-    """A mixture-of-experts block this swap shards: a router (``gate``) and ``experts`` holding
-    ``gate_up_proj [E, 2I, H]`` (gate rows, then up rows) and ``down_proj [E, H, I]``, nothing
-    else (no shared expert)."""
+    """A mixture-of-experts block this swap shards: a router (``gate``), ``experts`` holding
+    ``gate_up_proj [E, 2I, H]`` (gate rows, then up rows) and ``down_proj [E, H, I]``, and
+    besides them only shared experts (gated MLPs, sharded as dense ones) and a shared expert's
+    one-output gate (``Linear(H, 1)``, replicated)."""
     experts = getattr(mlp, "experts", None)
-    if experts is None or set(dict(mlp.named_children())) != {"gate", "experts"}:
+    if experts is None or getattr(mlp, "gate", None) is None:
         return False
+    for part in _shared_parts(mlp).values():
+        one_gate = isinstance(part, nn.Linear) and part.out_features == 1
+        if not (_dense_mlp(part) or one_gate):
+            return False
     return (
         getattr(experts, "is_concatenated", False)
         and not getattr(experts, "is_transposed", True)
@@ -213,8 +238,16 @@ def shard_model(
         attn.num_key_value_groups = shape.num_heads // shape.num_kv_heads
         if _plain_experts(mlp):
             _shard_experts(mlp.experts, rank, world_size, group)
-            continue
-        for name in ("gate_proj", "up_proj"):
-            setattr(mlp, name, _rows(getattr(mlp, name), rank, world_size))
-        mlp.down_proj = _columns(mlp.down_proj, rank, world_size, group)
+            dense = [m for m in _shared_parts(mlp).values() if _dense_mlp(m)]
+        else:
+            dense = [mlp]
+        for part in dense:
+            _shard_dense_mlp(part, rank, world_size, group)
     return shape
+
+
+def _shard_dense_mlp(mlp: nn.Module, rank: int, world_size: int, group: object | None) -> None:
+    """Megatron's MLP split: gate and up column-parallel, down row-parallel (all-reduced)."""
+    for name in ("gate_proj", "up_proj"):
+        setattr(mlp, name, _rows(getattr(mlp, name), rank, world_size))
+    mlp.down_proj = _columns(mlp.down_proj, rank, world_size, group)

@@ -97,7 +97,7 @@ class TensorParallelWorkers:
         """
         world = config.tensor_parallel_size
         shard_shape(model.config, world)  # refuse before any process starts
-        check_shardable(model)
+        check_shardable(model, world)
         # A loopback rendezvous binds the store's socket now: the port is ours from here on.
         rendezvous = Rendezvous.for_driver()
         try:
