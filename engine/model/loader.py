@@ -19,7 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    Mxfp4Config,
+    PreTrainedModel,
+)
 
 from engine.config import cache_root
 
@@ -123,6 +130,21 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: object | None) -> tuple[int
     return tuple(ids)
 
 
+def quantized_checkpoint_options(path: str) -> dict[str, object]:
+    """``from_pretrained`` options for a checkpoint stored quantized: MXFP4 experts (gpt-oss) are
+    dequantised at load into the load dtype, since the fused mixture-of-experts pass
+    (engine/model/experts_swap.py) multiplies plain weights."""
+    quant = getattr(AutoConfig.from_pretrained(path), "quantization_config", None)
+    method = (
+        quant.get("quant_method")
+        if isinstance(quant, dict)
+        else getattr(quant, "quant_method", None)
+    )
+    if method == "mxfp4":
+        return {"quantization_config": Mxfp4Config(dequantize=True)}
+    return {}
+
+
 def load_model(model: str | None, *, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     """Load weights and tokenizer (the tokenizer may be absent for token-id-only folders)."""
     start = time.perf_counter()
@@ -130,7 +152,7 @@ def load_model(model: str | None, *, dtype: torch.dtype, device: torch.device) -
     # Placed on ``device`` as it loads (each safetensors shard read straight to it), not built
     # on the host and moved: on a GPU the host never holds the whole model.
     hf_model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, device_map={"": device}
+        path, dtype=dtype, device_map={"": device}, **quantized_checkpoint_options(path)
     ).eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
