@@ -209,12 +209,13 @@ def test_logprobs_and_prompt_logprobs_follow_the_models_head(expected) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["gemma2", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe"]
+    "name", ["gemma2", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "gpt_oss"]
 )
 def test_tensor_parallel_equals_hf(name: str) -> None:
     """TP=2 over gloo: soft-capping, sliding layers and Gemma's scalings hold on sharded heads;
     the experts' width is sharded and their partial sums all-reduced; shared experts are
-    sharded as dense MLPs beside them."""
+    sharded as dense MLPs beside them; gpt-oss's sinks, biases and interleaved transposed
+    experts are sliced per rank."""
     model = tiny_architecture(name)
     prompts = random_prompts(LENGTHS, seed=3)
     want = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
@@ -229,7 +230,6 @@ def test_tensor_parallel_equals_hf(name: str) -> None:
 @pytest.mark.parametrize(
     "name,missing",
     [
-        ("gpt_oss", "biased or transposed experts are not sharded yet"),
         ("olmo2", "q_norm normalises over all heads"),
         ("phi3", r"no \['q_proj', 'k_proj', 'v_proj'\] Linear"),
     ],

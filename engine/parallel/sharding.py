@@ -65,10 +65,11 @@ def shard_shape(hf_config: object, world_size: int) -> ShardShape:
 
 
 def check_shardable(model: nn.Module, world_size: int) -> None:
-    """Raise ValueError naming what this module swap cannot shard: each decoder layer needs
-    ``self_attn.{q,k,v,o}_proj`` and a dense ``mlp.{gate,up,down}_proj`` as ``nn.Linear``s,
-    per-head q/k norms only (a norm over all heads, as OLMo 2's, would need every rank's heads),
-    and no per-head sinks (gpt-oss: not sliced yet)."""
+    """Raise ValueError naming what this module swap cannot shard ``world_size`` ways: each
+    decoder layer needs ``self_attn.{q,k,v,o}_proj`` as ``nn.Linear``s, an MLP that is a dense
+    ``gate/up/down_proj`` or a mixture-of-experts block (``_plain_experts``), widths the size
+    divides, and per-head q/k norms only (a norm over all heads, as OLMo 2's, would need every
+    rank's heads)."""
     name = type(model).__name__
     head_dim = getattr(model.config, "head_dim", None)
     for i, layer in enumerate(model.model.layers):
@@ -78,13 +79,13 @@ def check_shardable(model: nn.Module, world_size: int) -> None:
             raise ValueError(f"tensor parallelism: {name} layer {i} has no {missing} Linear")
         if not _dense_mlp(mlp) and not _plain_experts(mlp):
             raise ValueError(
-                f"tensor parallelism shards dense gate/up/down MLPs and routed experts with "
-                f"concatenated gate/up weights and no biases; {name} layer {i}'s MLP is "
-                f"{type(mlp).__name__} (biased or transposed experts are not sharded yet)"
+                f"tensor parallelism shards dense gate/up/down MLPs and mixture-of-experts blocks "
+                f"of a router, gated experts and shared gated MLPs; {name} layer {i}'s MLP is "
+                f"{type(mlp).__name__}"
             )
         widths = {"MLP": mlp.gate_proj.out_features} if _dense_mlp(mlp) else {}
         if _plain_experts(mlp):
-            widths["experts'"] = mlp.experts.down_proj.shape[2]
+            widths["experts'"] = _experts_width(mlp.experts)
             for part_name, part in _shared_parts(mlp).items():
                 if _dense_mlp(part):
                     widths[part_name] = part.gate_proj.out_features
@@ -102,8 +103,6 @@ def check_shardable(model: nn.Module, world_size: int) -> None:
                     f"tensor parallelism: {name}'s {norm_name} normalises over all heads "
                     f"({weight.numel()} wide), which needs every rank's heads"
                 )
-        if getattr(attn, "sinks", None) is not None:
-            raise ValueError(f"tensor parallelism: {name}'s attention sinks are not sliced yet")
 
 
 def _linear(module: nn.Module, name: str) -> bool:
@@ -117,47 +116,62 @@ def _dense_mlp(module: nn.Module | None) -> bool:
     )
 
 
+ROUTER_NAMES = ("gate", "router")  # what the families call a block's router
+
+
 def _shared_parts(mlp: nn.Module) -> dict[str, nn.Module]:
     """The children of a mixture-of-experts block beside its router and routed experts."""
-    return {n: m for n, m in mlp.named_children() if n not in ("gate", "experts")}
+    return {n: m for n, m in mlp.named_children() if n not in ("experts", *ROUTER_NAMES)}
 
 
 def _plain_experts(mlp: nn.Module | None) -> bool:
-    """A mixture-of-experts block this swap shards: a router (``gate``), ``experts`` holding
-    ``gate_up_proj [E, 2I, H]`` (gate rows, then up rows) and ``down_proj [E, H, I]``, and
-    besides them only shared experts (gated MLPs, sharded as dense ones) and a shared expert's
-    one-output gate (``Linear(H, 1)``, replicated)."""
+    """A mixture-of-experts block this swap shards: a router, ``experts`` with a gate/up pair
+    (transformers' experts modules: ``gate_up_proj`` and ``down_proj``, in either layout, gate
+    and up concatenated or interleaved, with or without biases), and besides them only shared
+    experts (gated MLPs, sharded as dense ones) and a shared expert's one-output gate
+    (``Linear(H, 1)``, replicated)."""
     experts = getattr(mlp, "experts", None)
-    if experts is None or getattr(mlp, "gate", None) is None:
+    if experts is None or not any(getattr(mlp, n, None) is not None for n in ROUTER_NAMES):
         return False
     for part in _shared_parts(mlp).values():
         one_gate = isinstance(part, nn.Linear) and part.out_features == 1
         if not (_dense_mlp(part) or one_gate):
             return False
-    return (
-        getattr(experts, "is_concatenated", False)
-        and not getattr(experts, "is_transposed", True)
-        and not getattr(experts, "has_bias", True)
-        and getattr(experts, "has_gate", False)
-    )
+    return getattr(experts, "has_gate", False) and hasattr(experts, "is_transposed")
+
+
+def _experts_width(experts: nn.Module) -> int:
+    """``I``: the experts' intermediate width (``down_proj`` reads it)."""
+    down = experts.down_proj
+    return down.shape[1] if experts.is_transposed else down.shape[2]
 
 
 def _shard_experts(experts: nn.Module, rank: int, world_size: int, group: object | None) -> None:
-    """Rank ``r`` keeps rows ``r*I/N .. (r+1)*I/N`` of each expert's gate and of its up
-    projection and the matching input columns of its down projection; the experts' partial sums
-    are all-reduced (``tp_group``, read by engine/model/experts_swap.py)."""
+    """Rank ``r`` keeps its slice ``r*I/N .. (r+1)*I/N`` of each expert's gate and up outputs
+    (and their biases) and the matching inputs of its down projection; the down bias stays on
+    rank 0 only, and the experts' partial sums are all-reduced (``tp_group``, read by
+    engine/model/experts_swap.py), so the bias is added once."""
+    part = _experts_width(experts) // world_size
+    width = part * world_size
+    if experts.is_concatenated:  # [gate rows; up rows]
+        keep = torch.cat((torch.arange(part), width + torch.arange(part))) + rank * part
+    else:  # gate and up interleaved: the pairs of this slice are adjacent
+        keep = torch.arange(2 * rank * part, 2 * (rank + 1) * part)
+    mine = slice(rank * part, (rank + 1) * part)
     gate_up, down = experts.gate_up_proj.data, experts.down_proj.data
-    width = down.shape[2]
-    if width % world_size:
-        raise ValueError(
-            f"tensor_parallel_size {world_size} does not divide the experts' width {width}"
-        )
-    part = width // world_size
-    rows = slice(rank * part, (rank + 1) * part)
-    gate, up = gate_up[:, :width][:, rows], gate_up[:, width:][:, rows]
-    experts.gate_up_proj = nn.Parameter(torch.cat((gate, up), dim=1), requires_grad=False)
-    experts.down_proj = nn.Parameter(down[:, :, rows].contiguous(), requires_grad=False)
-    experts.intermediate_dim = part
+    if experts.is_transposed:  # [E, in, out]
+        gate_up, down = gate_up[:, :, keep], down[:, mine, :]
+    else:  # [E, out, in]
+        gate_up, down = gate_up[:, keep, :], down[:, :, mine]
+    experts.gate_up_proj = nn.Parameter(gate_up.contiguous(), requires_grad=False)
+    experts.down_proj = nn.Parameter(down.contiguous(), requires_grad=False)
+    if experts.has_bias:
+        bias = experts.gate_up_proj_bias.data[:, keep].contiguous()
+        experts.gate_up_proj_bias = nn.Parameter(bias, requires_grad=False)
+        down_bias = experts.down_proj_bias.data
+        down_bias = down_bias.clone() if rank == 0 else torch.zeros_like(down_bias)
+        experts.down_proj_bias = nn.Parameter(down_bias, requires_grad=False)
+    experts.intermediate_dim = experts.intermediate_size = part
     experts.tp_group = group
     experts.tp_reduce = True
 
@@ -236,6 +250,10 @@ def shard_model(
         attn.o_proj = _columns(attn.o_proj, rank, world_size, group)
         # The ratio is unchanged, but keep the module's own bookkeeping true to its heads.
         attn.num_key_value_groups = shape.num_heads // shape.num_kv_heads
+        sinks = getattr(attn, "sinks", None)
+        if sinks is not None:  # gpt-oss: one logit per query head, this rank's heads
+            heads = slice(rank * shape.num_heads, (rank + 1) * shape.num_heads)
+            attn.sinks = nn.Parameter(sinks.data[heads].clone(), requires_grad=False)
         if _plain_experts(mlp):
             _shard_experts(mlp.experts, rank, world_size, group)
             dense = [m for m in _shared_parts(mlp).values() if _dense_mlp(m)]
