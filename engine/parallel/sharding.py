@@ -64,12 +64,19 @@ def shard_shape(hf_config: object, world_size: int) -> ShardShape:
     return ShardShape(heads // world_size, kv_heads // world_size, intermediate // world_size)
 
 
+def plain_projections(model: nn.Module) -> None:
+    """A model prepared for one device (fused, packed projections) back to its original
+    ``nn.Linear`` ones, in place: what sharding (and ``check_shardable``) reads."""
+    restore_plain_linears(model)
+    unfuse_projections(model)
+
+
 def check_shardable(model: nn.Module, world_size: int) -> None:
     """Raise ValueError naming what this module swap cannot shard ``world_size`` ways: each
     decoder layer needs ``self_attn.{q,k,v,o}_proj`` as ``nn.Linear``s, an MLP that is a dense
     ``gate/up/down_proj`` or a mixture-of-experts block (``_plain_experts``), widths the size
     divides, and per-head q/k norms only (a norm over all heads, as OLMo 2's, would need every
-    rank's heads)."""
+    rank's heads). ``model`` has its plain projections (``plain_projections``)."""
     name = type(model).__name__
     head_dim = getattr(model.config, "head_dim", None)
     for i, layer in enumerate(model.model.layers):
@@ -241,8 +248,7 @@ def shard_model(
     which must exist before the first forward, not before this call).
     """
     shape = shard_shape(model.config, world_size)
-    restore_plain_linears(model)  # a model prepared for one device: shard its original ones
-    unfuse_projections(model)
+    plain_projections(model)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for name in ("q_proj", "k_proj", "v_proj"):

@@ -40,7 +40,12 @@ from engine.config import EngineConfig
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.rank import WorkerSpec, run_worker
 from engine.parallel.rendezvous import Rendezvous
-from engine.parallel.sharding import check_shardable, shard_model, shard_shape
+from engine.parallel.sharding import (
+    check_shardable,
+    plain_projections,
+    shard_model,
+    shard_shape,
+)
 from engine.parallel.step_message import StepMessage
 from engine.platform.platform import platform_for
 
@@ -97,6 +102,7 @@ class TensorParallelWorkers:
         """
         world = config.tensor_parallel_size
         shard_shape(model.config, world)  # refuse before any process starts
+        plain_projections(model)  # a model prepared for one device: its original projections
         check_shardable(model, world)
         # A loopback rendezvous binds the store's socket now: the port is ours from here on.
         rendezvous = Rendezvous.for_driver()
