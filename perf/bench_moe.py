@@ -10,7 +10,8 @@ width ``--moe-intermediate``, top-k routing, fp32 or ``--dtype``) and times, per
   ``DynamicCache``, ``streams`` rows a step;
 * ``hf_grouped``: the same with HF's ``grouped_mm`` experts (its default where torch has it);
 * ``paged_serve``: ``LLMEngine.step`` with ``streams`` requests decoding together (the fused
-  MoE pass of engine/platform/cpu/moe.py, paged attention, sampling and detokenizing included).
+  MoE pass of engine/platform/cpu/moe.py, paged attention, sampling and detokenizing included);
+  ``--quantization int8`` quantizes its projections and experts (HF's stay as loaded).
 
 Ratios are HF's step time over paged-serve's. Prints one JSON object. Timing belongs here,
 never in tests.
@@ -79,9 +80,10 @@ def paged_step_ms(model: Qwen3MoeForCausalLM, streams: int, args: argparse.Names
         eos_token_ids=(),
         load_seconds=0.0,
     )
-    engine = LLMEngine(
-        EngineConfig(kv_cache_memory=256 << 20, max_num_seqs=max(8, streams)), loaded
+    config = EngineConfig(
+        kv_cache_memory=256 << 20, max_num_seqs=max(8, streams), quantization=args.quantization
     )
+    engine = LLMEngine(config, loaded)
     gen = torch.Generator().manual_seed(1)
     params = SamplingParams(max_tokens=args.steps + 2, temperature=0.0, ignore_eos=True)
     for _ in range(streams):
@@ -115,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quantization", choices=("int8",), default=None, help="paged-serve's only")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -8,12 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from transformers.integrations.moe import ExpertsInterface
 
 from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.model.int8_weights import Int8Linear, quantize_int8
+from engine.model.int8_weights import Int8Experts, Int8Linear, quantize_int8
 from engine.sampling_params import SamplingParams
 from tests.conftest import TINY_FAMILIES, hf_greedy, loaded, quantized_twin, tiny_model
+from tests.test_model_coverage import tiny_architecture
 
 CPU = torch.device("cpu")
 
@@ -70,3 +72,55 @@ def test_int8_is_refused_off_the_cpu_and_unknown_schemes_are_refused() -> None:
         quantize_int8(tiny_model("llama"), torch.device("cuda"))
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="fp8")
+
+
+def test_int8_experts_multiply_each_expert_by_its_dequantized_weight() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(4, 40, 96)  # [E, out, in]
+    q = Int8Experts(weight)
+    assert q.qweight.dtype == torch.int8 and q.shape == (4, 40, 96)
+    w = q.dequantized()
+    assert ((w - weight).abs() <= q.scale.float()[..., None] / 2 + 1e-7).all()
+    x, bias = torch.randn(5, 96), torch.randn(40)
+    for expert in range(4):
+        # as Int8Linear: bf16 activations in, one rounding of the product out, then the bias
+        expected = nn.functional.linear(x.bfloat16().float(), w[expert])
+        y = q.linear(x, expert)
+        torch.testing.assert_close(y, expected, atol=1e-3, rtol=2**-8)
+        assert torch.equal(q.linear(x, expert, bias), y + bias)
+
+
+def _int8_reference_experts(module, hidden_states, top_k_index, top_k_weights):
+    """HF's eager experts loop, each expert multiplied by its ``Int8Experts`` rows: the twin's
+    experts (transformers' own implementations index the float weights)."""
+    out = torch.zeros_like(hidden_states)
+    for expert in top_k_index.unique().tolist():
+        token, slot = torch.where(top_k_index == expert)
+        b1 = module.gate_up_proj_bias[expert] if module.has_bias else None
+        b2 = module.down_proj_bias[expert] if module.has_bias else None
+        h = module.gate_up_proj.linear(hidden_states[token], expert, b1)
+        y = module.down_proj.linear(module._apply_gate(h), expert, b2)
+        out.index_add_(0, token, y * top_k_weights[token, slot, None])
+    return out
+
+
+ExpertsInterface.register("int8_reference", _int8_reference_experts)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_engine_int8_experts_equal_hf_with_the_same_int8_experts(name: str) -> None:
+    """Mixture-of-experts layers quantize their experts too (gpt-oss's stored ``[E, in, out]``,
+    with biases): the engine's tokens equal HF's forward on a twin whose experts multiply by
+    the same int8 rows."""
+    model = tiny_architecture(name)
+    llm = LLM(loaded=loaded(model), kv_cache_memory=2 << 20, quantization="int8",
+              cpu_decode_kernel=False)  # fmt: skip
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    assert isinstance(experts.gate_up_proj, Int8Experts)
+    assert isinstance(experts.down_proj, Int8Experts)
+    reference = quantized_twin(model, quantize_int8)
+    reference.set_experts_implementation("int8_reference")
+    prompts = [[5, 9, 33, 70, 2], list(range(10, 41))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(reference, prompt, 12)

@@ -30,13 +30,10 @@ class Int8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        weight = linear.weight.detach().float()
-        scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127.0
-        scale = scale.to(torch.bfloat16).float()  # quantize against the scale the kernel uses
-        qweight = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        qweight, scale = int8_rows(linear.weight)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("qweight", qweight.contiguous())  # [out, in] int8
-        self.register_buffer("scale", scale.to(torch.bfloat16))  # [out]
+        self.register_buffer("qweight", qweight)  # [out, in] int8
+        self.register_buffer("scale", scale)  # [out] bf16
         self.bias = linear.bias
 
     def dequantized(self) -> torch.Tensor:
@@ -50,11 +47,69 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [..., out, in]`` as int8 rows and one bf16 scale per row (``max|row| / 127``,
+    quantized against the bf16 scale the kernel multiplies by)."""
+    weight = weight.detach().float()
+    scale = weight.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny) / 127.0
+    scale = scale.to(torch.bfloat16).float()
+    qweight = torch.round(weight / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return qweight.contiguous(), scale.to(torch.bfloat16)
+
+
+class Int8Experts(nn.Module):
+    """One projection of every expert of a mixture-of-experts layer, ``[E, out, in]``, as int8
+    rows with a bf16 scale each: ``linear(x, e)`` is ``Int8Linear``'s arithmetic for expert
+    ``e`` (engine/platform/cpu/moe.py calls it for the experts a step chose)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        qweight, scale = int8_rows(weight)
+        self.register_buffer("qweight", qweight)  # [E, out, in] int8
+        self.register_buffer("scale", scale)  # [E, out] bf16
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    def dequantized(self) -> torch.Tensor:
+        """The weights this module multiplies by, ``[E, out, in]`` in fp32."""
+        return self.qweight.float() * self.scale.float()[..., None]
+
+    def linear(
+        self, x: torch.Tensor, expert: int, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``bf16(x [N, in]) @ W_e^T + bias``, in x's dtype."""
+        rows = x.to(torch.bfloat16).contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight[expert], self.scale[expert])
+        y = y.to(x.dtype)
+        return y if bias is None else y + bias
+
+
+def quantize_experts_int8(model: nn.Module) -> int:
+    """Every mixture-of-experts layer's gate/up and down weights as ``Int8Experts`` (in the
+    ``[E, out, in]`` layout, whichever layout the module stores), in place; returns how many
+    experts modules were quantized. Their biases stay as they are."""
+    from engine.model.experts_swap import experts_modules  # the model wing's own walk
+
+    modules = [m for m in experts_modules(model) if m.has_gate]
+    for module in modules:
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(module, name)
+            if module.is_transposed:
+                weight = weight.transpose(1, 2)
+            delattr(module, name)
+            setattr(module, name, Int8Experts(weight))
+        module.is_transposed = False  # the int8 weights are [E, out, in]
+    return len(modules)
+
+
 @torch.no_grad()
 def quantize_int8(model: nn.Module, device: torch.device) -> int:
-    """Swap every ``nn.Linear`` of the decoder layers and the LM head for ``Int8Linear``, in
-    place; returns how many were swapped. Raises ValueError off the CPU (the kernel is torch's
-    CPU one)."""
+    """Swap every ``nn.Linear`` of the decoder layers and the LM head for ``Int8Linear``, and
+    every mixture-of-experts layer's experts for ``Int8Experts``, in place; returns how many
+    projections were swapped (an experts module counts once). Raises ValueError off the CPU
+    (the kernel is torch's CPU one)."""
     platform_for(device).check_quantization("int8")
     # The LM head is untied from the embeddings, which stay as they are.
-    return swap_linears(model, Int8Linear)
+    return swap_linears(model, Int8Linear) + quantize_experts_int8(model)

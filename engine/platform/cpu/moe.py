@@ -12,15 +12,28 @@ one call, but on the CPU it runs one GEMM per expert, chosen or not: 16 GEMMs, 7
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 
+class QuantizedExperts(Protocol):
+    """An experts projection held quantized (``Int8Experts`` of engine/model/int8_weights.py,
+    under ``--quantization int8``): ``[E, out, in]`` and expert ``e``'s product."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    def linear(
+        self, x: torch.Tensor, expert: int, bias: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
+
 def grouped_moe(
     hidden: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_gate_up: torch.Tensor | QuantizedExperts,
+    w_down: torch.Tensor | QuantizedExperts,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     *,
@@ -29,7 +42,8 @@ def grouped_moe(
     down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """As ``kernels.triton.fused_moe.fused_moe``: ``hidden [T, H]``, ``w_gate_up [E, 2I, H]``,
-    ``w_down [E, H, I]`` (views), ``topk_ids``/``topk_weights [T, k]``; ``[T, H]``."""
+    ``w_down [E, H, I]`` (views, or ``QuantizedExperts`` under ``--quantization int8``),
+    ``topk_ids``/``topk_weights [T, k]``; ``[T, H]``."""
     num_tokens, top_k = topk_ids.shape
     num_experts = w_gate_up.shape[0]
     flat = topk_ids.reshape(-1)
@@ -46,8 +60,17 @@ def grouped_moe(
         start += count
         b1 = None if gate_up_bias is None else gate_up_bias[expert]
         b2 = None if down_bias is None else down_bias[expert]
-        gated = apply_gate(F.linear(x[rows], w_gate_up[expert], b1)).to(hidden.dtype)
-        pairs[rows] = F.linear(gated, w_down[expert], b2) * route[rows]
+        gated = apply_gate(_project(x[rows], w_gate_up, expert, b1)).to(hidden.dtype)
+        pairs[rows] = _project(gated, w_down, expert, b2) * route[rows]
     out = torch.empty_like(pairs)
     out[order] = pairs
     return out.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def _project(
+    x: torch.Tensor, weight: torch.Tensor | QuantizedExperts, expert: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ W_e^T + bias`` for plain ``[E, out, in]`` weights or quantized ones."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight[expert], bias)
+    return weight.linear(x, expert, bias)
