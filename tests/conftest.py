@@ -27,6 +27,7 @@ from transformers import (  # noqa: E402
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+from transformers.integrations.moe import ExpertsInterface  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -76,6 +77,25 @@ def quantized_twin(
     fuse_projections(twin)
     quantize(twin, torch.device("cpu"))
     return twin
+
+
+def _quantized_experts_reference(module, hidden_states, top_k_index, top_k_weights):
+    """HF's eager experts loop, each chosen expert multiplied through its quantized form
+    (``linear(x, e, bias)``): the experts of a ``quantized_twin`` (transformers' own experts
+    implementations index float weights)."""
+    out = torch.zeros_like(hidden_states)
+    for expert in top_k_index.unique().tolist():
+        token, slot = torch.where(top_k_index == expert)
+        b1 = module.gate_up_proj_bias[expert] if module.has_bias else None
+        b2 = module.down_proj_bias[expert] if module.has_bias else None
+        h = module.gate_up_proj.linear(hidden_states[token], expert, b1)
+        y = module.down_proj.linear(module._apply_gate(h), expert, b2)
+        out.index_add_(0, token, y * top_k_weights[token, slot, None])
+    return out
+
+
+QUANTIZED_EXPERTS_REFERENCE = "quantized_reference"
+ExpertsInterface.register(QUANTIZED_EXPERTS_REFERENCE, _quantized_experts_reference)
 
 
 def loaded(model: PreTrainedModel, name: str = "tiny") -> LoadedModel:

@@ -17,6 +17,7 @@ from engine.llm import LLM
 from engine.model.int4_weights import (
     GROUP_SIZE,
     MAX_KERNEL_ROWS,
+    Int4Experts,
     Int4Linear,
     dequantize,
     quantize_groups,
@@ -25,6 +26,7 @@ from engine.model.int4_weights import (
 from engine.platform.cpu.linears import PackedLinear
 from engine.sampling_params import SamplingParams
 from tests.conftest import (
+    QUANTIZED_EXPERTS_REFERENCE,
     TINY_FAMILIES,
     assert_pool_clean,
     hf_greedy,
@@ -32,6 +34,7 @@ from tests.conftest import (
     quantized_twin,
     tiny_model,
 )
+from tests.test_model_coverage import tiny_architecture
 
 CPU = torch.device("cpu")
 
@@ -178,3 +181,21 @@ def test_int4_is_refused_off_the_cpu_and_accepted_by_the_config() -> None:
     with pytest.raises(ValueError, match="runs on the CPU"):
         quantize_int4(tiny_model("llama"), torch.device("cuda"))
     assert EngineConfig(quantization="int4").quantization == "int4"
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_engine_int4_experts_equal_hf_with_the_same_int4_experts(name: str) -> None:
+    """Mixture-of-experts layers quantize each expert to int4 (an ``Int4Linear`` each): the
+    engine's tokens equal HF's forward on a twin whose experts multiply through the same ones."""
+    model = tiny_architecture(name)
+    llm = LLM(loaded=loaded(model), kv_cache_memory=2 << 20, quantization="int4",
+              cpu_decode_kernel=False)  # fmt: skip
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    assert isinstance(experts.gate_up_proj, Int4Experts)
+    assert isinstance(experts.down_proj, Int4Experts)
+    reference = quantized_twin(model, quantize_int4)
+    reference.set_experts_implementation(QUANTIZED_EXPERTS_REFERENCE)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for prompt in [[5, 9, 33, 70, 2], list(range(10, 41))]:
+        assert llm.generate([prompt], greedy)[0].token_ids == hf_greedy(reference, prompt, 12)
+    assert_pool_clean(llm.engine.block_manager)

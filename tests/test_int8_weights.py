@@ -8,13 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from transformers.integrations.moe import ExpertsInterface
 
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.model.int8_weights import Int8Experts, Int8Linear, quantize_int8
 from engine.sampling_params import SamplingParams
-from tests.conftest import TINY_FAMILIES, hf_greedy, loaded, quantized_twin, tiny_model
+from tests.conftest import (
+    QUANTIZED_EXPERTS_REFERENCE,
+    TINY_FAMILIES,
+    hf_greedy,
+    loaded,
+    quantized_twin,
+    tiny_model,
+)
 from tests.test_model_coverage import tiny_architecture
 
 CPU = torch.device("cpu")
@@ -90,23 +96,6 @@ def test_int8_experts_multiply_each_expert_by_its_dequantized_weight() -> None:
         assert torch.equal(q.linear(x, expert, bias), y + bias)
 
 
-def _int8_reference_experts(module, hidden_states, top_k_index, top_k_weights):
-    """HF's eager experts loop, each expert multiplied by its ``Int8Experts`` rows: the twin's
-    experts (transformers' own implementations index the float weights)."""
-    out = torch.zeros_like(hidden_states)
-    for expert in top_k_index.unique().tolist():
-        token, slot = torch.where(top_k_index == expert)
-        b1 = module.gate_up_proj_bias[expert] if module.has_bias else None
-        b2 = module.down_proj_bias[expert] if module.has_bias else None
-        h = module.gate_up_proj.linear(hidden_states[token], expert, b1)
-        y = module.down_proj.linear(module._apply_gate(h), expert, b2)
-        out.index_add_(0, token, y * top_k_weights[token, slot, None])
-    return out
-
-
-ExpertsInterface.register("int8_reference", _int8_reference_experts)
-
-
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
 def test_engine_int8_experts_equal_hf_with_the_same_int8_experts(name: str) -> None:
     """Mixture-of-experts layers quantize their experts too (gpt-oss's stored ``[E, in, out]``,
@@ -119,7 +108,7 @@ def test_engine_int8_experts_equal_hf_with_the_same_int8_experts(name: str) -> N
     assert isinstance(experts.gate_up_proj, Int8Experts)
     assert isinstance(experts.down_proj, Int8Experts)
     reference = quantized_twin(model, quantize_int8)
-    reference.set_experts_implementation("int8_reference")
+    reference.set_experts_implementation(QUANTIZED_EXPERTS_REFERENCE)
     prompts = [[5, 9, 33, 70, 2], list(range(10, 41))]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):

@@ -16,6 +16,8 @@ all-reduced here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -70,3 +72,26 @@ def install_paged_experts(model: PreTrainedModel) -> int:
         return 0
     model.set_experts_implementation(EXPERTS_NAME)
     return len(modules)
+
+
+def swap_experts(model: nn.Module, make: Callable[[torch.Tensor], nn.Module | None]) -> int:
+    """Replace each gated experts module's ``gate_up_proj`` and ``down_proj`` by
+    ``make(weight [E, out, in])`` (a quantized form with ``shape`` and ``linear(x, e, bias)``,
+    engine/platform/cpu/moe.py), in place; a module whose weights ``make`` declines (None) stays
+    as it is. The module's layout becomes ``[E, out, in]``. Returns how many were swapped."""
+    count = 0
+    for module in experts_modules(model):
+        if not module.has_gate:
+            continue
+        weights = {name: getattr(module, name) for name in ("gate_up_proj", "down_proj")}
+        if module.is_transposed:
+            weights = {name: w.transpose(1, 2) for name, w in weights.items()}
+        swapped = {name: make(w) for name, w in weights.items()}
+        if any(s is None for s in swapped.values()):
+            continue
+        for name, quantized in swapped.items():
+            delattr(module, name)
+            setattr(module, name, quantized)
+        module.is_transposed = False
+        count += 1
+    return count

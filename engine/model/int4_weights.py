@@ -42,6 +42,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.model.experts_swap import swap_experts
+from engine.model.fused_projections import linear_from
 from engine.model.linear_swap import swap_linears
 from engine.model.packed_weights import PackedWeights, pack
 from engine.platform.platform import platform_for
@@ -120,6 +122,38 @@ class Int4Linear(PackedWeights, nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class Int4Experts(nn.Module):
+    """One projection of every expert of a mixture-of-experts layer, ``[E, out, in]``, as an
+    ``Int4Linear`` per expert: ``linear(x, e)`` is expert ``e``'s (engine/platform/cpu/moe.py
+    calls it for the experts a step chose)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self._shape = tuple(weight.shape)
+        self.parts = nn.ModuleList(
+            Int4Linear(linear_from(w.detach().contiguous(), None)) for w in weight
+        )
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._shape)
+
+    def linear(
+        self, x: torch.Tensor, expert: int, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        y = self.parts[expert](x)
+        return y if bias is None else y + bias
+
+
+def int4_experts(weight: torch.Tensor) -> Int4Experts | None:
+    """``weight [E, out, in]`` as ``Int4Experts``, or None where the int4 kernel does not take
+    its shape (the experts then stay as loaded)."""
+    _, out_features, in_features = weight.shape
+    if in_features % GROUP_SIZE or out_features % OUT_MULTIPLE:
+        return None
+    return Int4Experts(weight)
+
+
 def fits(linear: nn.Linear) -> bool:
     """Whether torch's int4 kernel takes this projection's shape."""
     return linear.in_features % GROUP_SIZE == 0 and linear.out_features % OUT_MULTIPLE == 0
@@ -127,11 +161,13 @@ def fits(linear: nn.Linear) -> bool:
 
 @torch.no_grad()
 def quantize_int4(model: nn.Module, device: torch.device) -> int:
-    """Swap every ``nn.Linear`` of the decoder layers whose shape fits for ``Int4Linear``, in
-    place; returns how many were swapped (the LM head and misfits stay as they are). Raises
+    """Swap every ``nn.Linear`` of the decoder layers whose shape fits for ``Int4Linear``, and
+    every mixture-of-experts layer's experts whose shapes fit for ``Int4Experts``, in place;
+    returns how many were swapped (the LM head and misfits stay as they are). Raises
     ValueError off the CPU (the kernels are torch's CPU ones)."""
     platform_for(device).check_quantization("int4")
     head = model.get_output_embeddings()
-    return swap_linears(
+    swapped = swap_linears(
         model, lambda linear: Int4Linear(linear) if fits(linear) and linear is not head else None
     )
+    return swapped + swap_experts(model, int4_experts)

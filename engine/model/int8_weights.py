@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.model.experts_swap import swap_experts
 from engine.model.linear_swap import swap_linears
 from engine.platform.platform import platform_for
 
@@ -86,24 +87,6 @@ class Int8Experts(nn.Module):
         return y if bias is None else y + bias
 
 
-def quantize_experts_int8(model: nn.Module) -> int:
-    """Every mixture-of-experts layer's gate/up and down weights as ``Int8Experts`` (in the
-    ``[E, out, in]`` layout, whichever layout the module stores), in place; returns how many
-    experts modules were quantized. Their biases stay as they are."""
-    from engine.model.experts_swap import experts_modules  # the model wing's own walk
-
-    modules = [m for m in experts_modules(model) if m.has_gate]
-    for module in modules:
-        for name in ("gate_up_proj", "down_proj"):
-            weight = getattr(module, name)
-            if module.is_transposed:
-                weight = weight.transpose(1, 2)
-            delattr(module, name)
-            setattr(module, name, Int8Experts(weight))
-        module.is_transposed = False  # the int8 weights are [E, out, in]
-    return len(modules)
-
-
 @torch.no_grad()
 def quantize_int8(model: nn.Module, device: torch.device) -> int:
     """Swap every ``nn.Linear`` of the decoder layers and the LM head for ``Int8Linear``, and
@@ -112,4 +95,4 @@ def quantize_int8(model: nn.Module, device: torch.device) -> int:
     (the kernel is torch's CPU one)."""
     platform_for(device).check_quantization("int8")
     # The LM head is untied from the embeddings, which stay as they are.
-    return swap_linears(model, Int8Linear) + quantize_experts_int8(model)
+    return swap_linears(model, Int8Linear) + swap_experts(model, Int8Experts)

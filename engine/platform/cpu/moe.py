@@ -19,8 +19,9 @@ import torch.nn.functional as F
 
 
 class QuantizedExperts(Protocol):
-    """An experts projection held quantized (``Int8Experts`` of engine/model/int8_weights.py,
-    under ``--quantization int8``): ``[E, out, in]`` and expert ``e``'s product."""
+    """An experts projection held quantized (``Int8Experts``, ``Int4Experts`` of
+    engine/model/int8_weights.py, int4_weights.py, under ``--quantization``): ``[E, out, in]``
+    and expert ``e``'s product."""
 
     @property
     def shape(self) -> torch.Size: ...
@@ -42,7 +43,7 @@ def grouped_moe(
     down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """As ``kernels.triton.fused_moe.fused_moe``: ``hidden [T, H]``, ``w_gate_up [E, 2I, H]``,
-    ``w_down [E, H, I]`` (views, or ``QuantizedExperts`` under ``--quantization int8``),
+    ``w_down [E, H, I]`` (views, or ``QuantizedExperts`` under ``--quantization``),
     ``topk_ids``/``topk_weights [T, k]``; ``[T, H]``."""
     num_tokens, top_k = topk_ids.shape
     num_experts = w_gate_up.shape[0]
