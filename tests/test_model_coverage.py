@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
+    CohereConfig,
+    CohereForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -70,6 +72,7 @@ ARCHITECTURES: dict[str, tuple[type, type, dict]] = {
             "logits_scaling": 4.0,
         },
     ),
+    "cohere": (CohereConfig, CohereForCausalLM, {"logit_scale": 0.25}),  # LayerNorm, logit_scale
     "gemma2": (
         Gemma2Config,
         Gemma2ForCausalLM,
