@@ -15,8 +15,9 @@ from engine.platform.cpu.openmp_pool import release_openmp_pool
 from tests.conftest import loaded, tiny_model
 
 
-def _os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _os_threads() -> set[str]:
+    """The process's OS thread ids (ids, not a count: other tests' threads may come and go)."""
+    return set(os.listdir("/proc/self/task"))
 
 
 def test_release_frees_the_calling_threads_workers(two_threads: None) -> None:
@@ -28,6 +29,7 @@ def test_release_frees_the_calling_threads_workers(two_threads: None) -> None:
 
     def work() -> None:
         torch.set_num_threads(2)
+        seen["before"] = _os_threads()
         x.sum(dim=1)  # a parallel region: this thread now owns a pool
         seen["with_pool"] = _os_threads()
         seen["released"] = release_openmp_pool()
@@ -38,7 +40,9 @@ def test_release_frees_the_calling_threads_workers(two_threads: None) -> None:
     thread.start()
     thread.join()
     assert seen["released"] is True  # torch's CPU wheel ships libgomp, which supports pausing
-    assert seen["after"] < seen["with_pool"]
+    workers = seen["with_pool"] - seen["before"]  # the threads the region started
+    assert workers, "the parallel region started no worker thread"
+    assert workers - seen["after"], "releasing the pool ended none of its workers"
     assert torch.equal(seen["again"], want)
 
 
