@@ -5,13 +5,13 @@ alone (``LLMEngine.step`` in a loop, no server) on the default model with ``stre
 decoding together, and reports per decode step (p50 over the steps, in ms): the whole step, the
 forward (``ModelRunner.forward``: the model body and the LM head) and the rest (scheduling,
 sampling, detokenizing, stop checks). A mode is a dtype, optionally ``+int8`` or ``+int4``
-(weight-only), ``+unfused`` (q/k/v and gate/up as separate GEMMs, Hugging Face's layout),
-``+plain`` (projections as plain ``F.linear``, without engine/platform/cpu/linears.py), ``+hf``
-(Hugging
-Face's own forward instead of engine/model/body.py), ``+hflayout`` (a quantized model's lone
-decode row in HF's attention layout, as unquantized ones) or ``+gather`` (decode rows attended
-by torch's gather and SDPA, without the C kernel of kernels/cpu/decode_attention.py; the K/V
-write stays in C), e.g. ``float32+plain``.
+(weight-only), ``+unfused`` (q/k/v and gate/up as separate GEMMs, Hugging Face's layout), ``+plain``
+(projections as plain ``F.linear``, without engine/platform/cpu/linears.py), ``+columns`` or
+``+packed`` (fp32's few-row kernel forced instead of the one chosen at load), ``+hf`` (Hugging
+Face's own forward instead of engine/model/body.py), ``+hflayout`` (a quantized model's lone decode
+row in HF's attention layout, as unquantized ones) or ``+gather`` (decode rows attended by torch's
+gather and SDPA, without the C kernel of kernels/cpu/decode_attention.py; the K/V write stays in C),
+e.g. ``float32+plain``.
 Each mode runs in its own process, so one mode's allocations and threads do not shape
 another's; ``--rounds N`` runs the modes N times, interleaved, and reports each mode's median
 round (by step time) with every round's step time, since this box's noise moves one run by tens
@@ -38,6 +38,7 @@ def measure(mode: str, streams: int, threads: int | None) -> dict:
     import torch
 
     import engine.model.prep as model_prep
+    import engine.platform.cpu.linears as cpu_linears
     from engine.llm import LLM
     from engine.model.loader import load_model
     from engine.sampling_params import SamplingParams
@@ -48,11 +49,19 @@ def measure(mode: str, streams: int, threads: int | None) -> dict:
     if "unfused" in flags:
         model_prep.fuse_projections = lambda model: 0  # separate GEMMs, for the A/B
     if "plain" in flags:
-        model_prep.speed_up_cpu_linears = lambda model: 0  # plain F.linear, for the A/B
+        cpu_linears.speed_up_cpu_linears = lambda model: 0  # plain F.linear, for the A/B
     loaded = load_model(None, dtype=getattr(torch, dtype_name), device=torch.device("cpu"))
     quantization = next((flag for flag in flags if flag in ("int8", "int4")), None)
     llm = LLM(loaded=loaded, quantization=quantization)
     runner = llm.engine.runner
+    swapped = (cpu_linears.PackedLinear, cpu_linears.Fp32Linear)
+    plain = not any(isinstance(m, swapped) for m in runner.model.modules())
+    if plain != ("plain" in flags):
+        raise RuntimeError(f"{mode}: the projections' kernels are not what the mode names")
+    fp32 = [m for m in runner.model.modules() if isinstance(m, cpu_linears.Fp32Linear)]
+    for kernel in set(flags) & set(cpu_linears.FEW_ROW_KERNELS):  # one forced, for the A/B
+        for m in fp32:
+            m.few_row_kernels = (kernel,) * cpu_linears.FEW_ROWS
     if "hf" in flags:
         runner.body = None  # HF's own forward, for the A/B
     if "hflayout" in flags:
@@ -91,6 +100,7 @@ def measure(mode: str, streams: int, threads: int | None) -> dict:
         "forward_ms": 1e3 * statistics.median(fwd),
         "rest_ms": 1e3 * statistics.median(rest),
         "tok_s": streams / statistics.median(step),
+        "few_row_kernels": "/".join(fp32[0].few_row_kernels) if fp32 else "-",
     }
 
 
@@ -113,8 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(mode, int(streams), args.threads)))
         return 0
     print(f"load average at start: {os.getloadavg()}")
-    print("| mode | streams | threads | step ms | forward ms | rest ms | tok/s | rounds' step ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| mode | streams | threads | step ms | forward ms | rest ms | tok/s | rounds' step ms"
+        " | fp32 kernels at 1/2/3 rows, each round |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for streams in args.streams:
         runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
         for _ in range(args.rounds):
@@ -127,9 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         for rounds in runs.values():
             r = sorted(rounds, key=lambda x: x["step_ms"])[(len(rounds) - 1) // 2]
             spread = ", ".join(f"{x['step_ms']:.1f}" for x in rounds)
+            kernels = ", ".join(x["few_row_kernels"] for x in rounds)
             print(
                 f"| {r['mode']} | {r['streams']} | {r['threads']} | {r['step_ms']:.1f} | "
-                f"{r['forward_ms']:.1f} | {r['rest_ms']:.2f} | {r['tok_s']:.1f} | {spread} |",
+                f"{r['forward_ms']:.1f} | {r['rest_ms']:.2f} | {r['tok_s']:.1f} | {spread} | "
+                f"{kernels} |",
                 flush=True,
             )
     print(f"load average at end: {os.getloadavg()}")

@@ -1,3 +1,3 @@
-"""CPU-only code: decode attention over the paged cache, the CPU projections (fp32 column split,
-oneDNN bf16), keeping freed host memory, one OpenMP pool.
+"""CPU-only code: decode attention over the paged cache, the CPU projections (fp32's few-row
+kernel chosen at load, oneDNN packed weights), keeping freed host memory, one OpenMP pool.
 """
