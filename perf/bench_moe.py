@@ -13,8 +13,16 @@ width ``--moe-intermediate``, top-k routing, fp32 or ``--dtype``) and times, per
   MoE pass of engine/platform/cpu/moe.py, paged attention, sampling and detokenizing included);
   ``--quantization int8`` quantizes its projections and experts (HF's stay as loaded).
 
-Ratios are HF's step time over paged-serve's. Prints one JSON object. Timing belongs here,
-never in tests.
+and the step's weight-read floor:
+
+* ``read_floor``: the time to read, once, exactly the weights the step must read (every
+  attention projection, the router, each expert some stream chose in HF's last step, the LM
+  head), timed as one ``torch.sum`` per weight: what any engine pays to stream those bytes
+  through this CPU, whatever its kernels. ``weights_mb`` is their size and ``floor_gb_s`` the
+  read bandwidth reached.
+
+Ratios are HF's step time over paged-serve's; ``*_over_floor`` are step times over the floor.
+Prints one JSON object. Timing belongs here, never in tests.
 """
 
 from __future__ import annotations
@@ -68,6 +76,43 @@ def hf_step_ms(model: Qwen3MoeForCausalLM, streams: int, args: argparse.Namespac
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times[1:])
+
+
+def chosen_experts(model: Qwen3MoeForCausalLM, streams: int, args: argparse.Namespace) -> list:
+    """Per layer, the distinct experts HF's router chose in the last decode step measured."""
+    chosen: list = []
+    hooks = [
+        layer.mlp.gate.register_forward_hook(
+            lambda _m, _i, out: chosen.append(sorted(set(out[2].flatten().tolist())))
+        )
+        for layer in model.model.layers
+    ]
+    with torch.inference_mode():
+        hf_step_ms(model, streams, argparse.Namespace(**{**vars(args), "steps": 2}))
+    for hook in hooks:
+        hook.remove()
+    return chosen[-len(model.model.layers) :]
+
+
+@torch.inference_mode()
+def read_floor_ms(model: Qwen3MoeForCausalLM, streams: int, args: argparse.Namespace) -> tuple:
+    """(median ms, MB) of reading once every weight one decode step of ``streams`` reads."""
+    weights = []
+    for layer, experts in zip(model.model.layers, chosen_experts(model, streams, args)):
+        attn = layer.self_attn
+        weights += [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+        weights += [attn.o_proj.weight, layer.mlp.gate.weight]
+        for e in experts:
+            weights += [layer.mlp.experts.gate_up_proj[e], layer.mlp.experts.down_proj[e]]
+    weights.append(model.lm_head.weight)
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        for w in weights:
+            torch.sum(w)
+        times.append(time.perf_counter() - start)
+    megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
+    return 1e3 * statistics.median(times[1:]), megabytes
 
 
 def paged_step_ms(model: Qwen3MoeForCausalLM, streams: int, args: argparse.Namespace) -> float:
@@ -130,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
             row[f"{name}_ms"] = round(hf_step_ms(model, streams, args), 2)
         model.set_experts_implementation("grouped_mm")
         row["paged_serve_ms"] = round(paged_step_ms(model, streams, args), 2)
+        floor_ms, megabytes = read_floor_ms(model, streams, args)
+        row["read_floor_ms"] = round(floor_ms, 2)
+        row["weights_mb"] = round(megabytes, 1)
+        row["floor_gb_s"] = round(megabytes / floor_ms, 2)
+        row["paged_serve_over_floor"] = round(row["paged_serve_ms"] / floor_ms, 2)
+        row["hf_eager_over_floor"] = round(row["hf_eager_ms"] / floor_ms, 2)
         row["over_hf_eager"] = round(row["hf_eager_ms"] / row["paged_serve_ms"], 2)
         row["over_hf_grouped"] = round(row["hf_grouped_ms"] / row["paged_serve_ms"], 2)
         rows.append(row)
