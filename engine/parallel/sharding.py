@@ -29,6 +29,7 @@ from torch import nn
 
 from engine.model.fused_projections import linear_from, unfuse_projections
 from engine.platform.cpu.linears import restore_plain_linears
+from engine.platform.cpu.packed_experts import restore_plain_experts
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,7 @@ def plain_projections(model: nn.Module) -> None:
     """A model prepared for one device (fused, packed projections) back to its original
     ``nn.Linear`` ones, in place: what sharding (and ``check_shardable``) reads."""
     restore_plain_linears(model)
+    restore_plain_experts(model)
     unfuse_projections(model)
 
 

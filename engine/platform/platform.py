@@ -112,10 +112,14 @@ class CpuPlatform(Platform):
 
     def prepare_model(self, model: nn.Module) -> None:
         from engine.platform.cpu.linears import speed_up_cpu_linears
+        from engine.platform.cpu.packed_experts import pack_experts
 
         swapped = speed_up_cpu_linears(model)  # after quantizing: packs what stays an nn.Linear
         if swapped:
             logger.info("CPU projections on their faster exact kernels: %d", swapped)
+        experts = pack_experts(model)  # after quantizing: packs what stays plain
+        if experts:
+            logger.info("experts modules packed for oneDNN: %d", experts)
 
     def prepare_host(self) -> None:
         from engine.platform.cpu.host_malloc import keep_freed_memory

@@ -1,12 +1,14 @@
 """The CPU's mixture-of-experts pass: only the routed (token, expert) pairs, grouped by expert.
 
 The pairs are sorted by expert; each expert some token chose multiplies its run of rows in one
-``F.linear`` per projection (bias included), the model's gate between the two, the routing
-weights applied before the per-token sum. Experts nobody chose cost nothing: a decode row of a
-top-2 model reads two experts' weights, not all of them. (``torch._grouped_mm`` does the same in
-one call, but on the CPU it runs one GEMM per expert, chosen or not: 16 GEMMs, 744 us a call at
-16 experts, top-2 and 1 stream; docs/performance.md, "Mixture of experts".) The semantics are
-``kernels.reference.fused_moe_ref``'s, which the Triton kernel also follows.
+product per projection (bias included: ``F.linear``, or the ``linear`` of a packed or quantized
+form, engine/platform/cpu/packed_experts.py, engine/model/int8_weights.py, int4_weights.py), the
+model's gate between the two, the routing weights applied before the per-token sum. Experts nobody
+chose cost nothing: a decode row of a top-2 model reads two experts' weights, not all of them.
+(``torch._grouped_mm`` does the same in one call, but on the CPU it runs one GEMM per expert, chosen
+or not: 16 GEMMs, 744 us a call at 16 experts, top-2 and 1 stream; docs/performance.md, "Mixture of
+experts".) The semantics are ``kernels.reference.fused_moe_ref``'s, which the Triton kernel also
+follows.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import torch.nn.functional as F
 
 
 class QuantizedExperts(Protocol):
-    """An experts projection held quantized (``Int8Experts``, ``Int4Experts`` of
-    engine/model/int8_weights.py, int4_weights.py, under ``--quantization``): ``[E, out, in]``
-    and expert ``e``'s product."""
+    """An experts projection held in another form than a plain tensor: quantized
+    (``Int8Experts``, ``Int4Experts`` of engine/model/int8_weights.py, int4_weights.py, under
+    ``--quantization``) or packed (``PackedExperts``, fp32 on the CPU): ``[E, out, in]`` and
+    expert ``e``'s product."""
 
     @property
     def shape(self) -> torch.Size: ...
