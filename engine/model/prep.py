@@ -39,4 +39,4 @@ def prepare_model(model: PreTrainedModel, config: EngineConfig, device: torch.de
         quantize = quantize_int8 if config.quantization == "int8" else quantize_int4
         swapped = quantize(model, device)
         logger.info("%s weight-only: %d projections quantized", config.quantization, swapped)
-    platform.prepare_model(model)  # after quantizing: packs what stays an nn.Linear
+    platform.prepare_model(model, config)  # after quantizing: packs what stays an nn.Linear

@@ -78,7 +78,7 @@ class Platform:
                 f"{scheme} weight-only quantization runs on the CPU, not {self.device.type}"
             )
 
-    def prepare_model(self, model: nn.Module) -> None:
+    def prepare_model(self, model: nn.Module, config: EngineConfig) -> None:
         """What the model gets on this device after its generic preparation (in place)."""
 
     def prepare_host(self) -> None:
@@ -110,13 +110,15 @@ class CpuPlatform(Platform):
     quantizations = ("int8", "int4")
     fused_rms_norm = True
 
-    def prepare_model(self, model: nn.Module) -> None:
+    def prepare_model(self, model: nn.Module, config: EngineConfig) -> None:
         from engine.platform.cpu.linears import speed_up_cpu_linears
         from engine.platform.cpu.packed_experts import pack_experts
 
         swapped = speed_up_cpu_linears(model)  # after quantizing: packs what stays an nn.Linear
         if swapped:
             logger.info("CPU projections on their faster exact kernels: %d", swapped)
+        if self.kernel_backend_name(config.attention_backend) == "triton":
+            return  # the Triton fused-MoE kernel (interpreted) reads plain expert weights
         experts = pack_experts(model)  # after quantizing: packs what stays plain
         if experts:
             logger.info("experts modules packed for oneDNN: %d", experts)
