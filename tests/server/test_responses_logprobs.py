@@ -28,15 +28,18 @@ def _chat_entries(client: openai.OpenAI, model: str, max_tokens: int, top: int) 
 
 
 def _assert_same_entries(got: list[dict], expected: list[dict]) -> None:
-    """Same tokens (text and bytes) and logprobs to 1e-5, alternatives too."""
+    """Same tokens (text and bytes) and logprobs to 1e-4, alternatives too: the second request
+    hits the first's prefix, so its rows go through the fp32 projections at another row count,
+    where the kernel chosen at load (engine/platform/cpu/linears.py) may sum in another order
+    (1.3e-5 apart on one alternative's logprob in one CI run)."""
     assert [e["token"] for e in got] == [e["token"] for e in expected]
     for g, e in zip(got, expected):
         assert g["bytes"] == e["bytes"]
-        assert g["logprob"] == pytest.approx(e["logprob"], abs=1e-5)
+        assert g["logprob"] == pytest.approx(e["logprob"], abs=1e-4)
         assert [t["token"] for t in g["top_logprobs"]] == [t["token"] for t in e["top_logprobs"]]
         for gt, et in zip(g["top_logprobs"], e["top_logprobs"]):
             assert gt["bytes"] == et["bytes"]
-            assert gt["logprob"] == pytest.approx(et["logprob"], abs=1e-5)
+            assert gt["logprob"] == pytest.approx(et["logprob"], abs=1e-4)
 
 
 def test_logprobs_equal_chat_logprobs(client: openai.OpenAI, model_name: str):
