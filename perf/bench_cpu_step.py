@@ -56,7 +56,7 @@ def measure(mode: str, streams: int, threads: int | None) -> dict:
     runner = llm.engine.runner
     swapped = (cpu_linears.PackedLinear, cpu_linears.Fp32Linear)
     plain = not any(isinstance(m, swapped) for m in runner.model.modules())
-    if plain != ("plain" in flags):
+    if quantization is None and plain != ("plain" in flags):  # int8/int4 swap them all
         raise RuntimeError(f"{mode}: the projections' kernels are not what the mode names")
     fp32 = [m for m in runner.model.modules() if isinstance(m, cpu_linears.Fp32Linear)]
     for kernel in set(flags) & set(cpu_linears.FEW_ROW_KERNELS):  # one forced, for the A/B
