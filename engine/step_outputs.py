@@ -96,6 +96,9 @@ class StepOutputs:
         self.stats.generation_tokens_total += 1
         if req.first_token_time is None:
             req.first_token_time = now
+        else:
+            self.stats.inter_token_latency.observe(now - req.last_token_time)
+        req.last_token_time = now
         logprob = None
         if req.params.logprobs is not None:
             top = result.top_logprobs[i][: req.params.logprobs]

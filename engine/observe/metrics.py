@@ -2,9 +2,10 @@
 
 Two kinds of figures, kept the way each is cheapest to keep:
 
-* **Per-request observations** (latency histograms, finished requests by reason) are
-  prometheus_client metric objects, observed once per finished request by the engine thread
-  (they are thread-safe, and nothing here happens per token).
+* **Observations** (latency and size histograms, finished requests by reason) are
+  prometheus_client metric objects, observed by the engine thread once per finished request,
+  and for the inter-token latency once per output token after a request's first (an observe is
+  a lock and a bucket search: about a microsecond against a step of milliseconds).
 * **Running totals** the engine thread bumps per token or per step (prompt and generated
   tokens here; the scheduler's and block pool's gauges and counters) stay plain integers and
   are read at scrape time by a collector (``TotalsCollector`` here, ``SnapshotCollector`` for the
@@ -15,9 +16,12 @@ session, above all) builds many engines, and each must report its own figures. T
 ``/metrics`` renders ``EngineStats.registry``.
 
 Names (all under ``paged_serve_``; the contract list is in DESIGN.md): the TTFT and TPOT
-histograms, and, with vLLM's meaning, ``e2e_request_latency_seconds``,
-``request_queue_time_seconds`` (arrival to first admission into the running batch) and
-``request_success_total{finished_reason}``.
+histograms, and, with vLLM's meaning, ``inter_token_latency_seconds`` (each gap between two
+output tokens of a request), ``e2e_request_latency_seconds``, ``request_queue_time_seconds``
+(arrival to first admission into the running batch), ``request_prompt_tokens`` and
+``request_generation_tokens`` (per finished request) and
+``request_success_total{finished_reason}``. ``engine.observe.vllm_names`` repeats them under
+vLLM's own names for the server's ``/metrics``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ REQUEST_LATENCY_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+# vLLM's token-count buckets (1, 2, 5 per decade), for the per-request token histograms
+TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -63,6 +69,24 @@ class EngineStats:
             PREFIX + "time_per_output_token_seconds",
             "Mean seconds between output tokens after the first, per request.",
             buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Seconds between two consecutive output tokens of a request.",
+            buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.request_prompt_tokens = Histogram(
+            PREFIX + "request_prompt_tokens",
+            "Prompt tokens per finished request.",
+            buckets=TOKEN_COUNT_BUCKETS,
+            registry=self.registry,
+        )
+        self.request_generation_tokens = Histogram(
+            PREFIX + "request_generation_tokens",
+            "Output tokens per finished request (each of n samples counts).",
+            buckets=TOKEN_COUNT_BUCKETS,
             registry=self.registry,
         )
         self.e2e_latency = Histogram(
@@ -94,6 +118,8 @@ class EngineStats:
         produced two or more, its queue time only if it was ever admitted."""
         self.finished.labels(finish_reason).inc()
         self.e2e_latency.observe(metrics.e2e_latency)
+        self.request_prompt_tokens.observe(metrics.num_prompt_tokens)
+        self.request_generation_tokens.observe(metrics.num_output_tokens)
         if metrics.queue_time is not None:
             self.queue_time.observe(metrics.queue_time)
         if first_token:

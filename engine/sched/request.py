@@ -40,6 +40,7 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
+    last_token_time: float | None = None  # time.monotonic() seconds of the latest output token
     first_scheduled_time: float | None = None  # first admission into the running batch
     # n > 1: samples waiting for this request's prompt to be computed, then forked from it
     # (the lifecycle lives in engine/sched/forks.py).
