@@ -125,6 +125,11 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def generation_config(self) -> object | None:
+        """The model's ``transformers.GenerationConfig`` (None if it has none)."""
+        return getattr(self.engine.loaded.model, "generation_config", None)
+
+    @property
     def model_name(self) -> str:
         return self.engine.model_name
 

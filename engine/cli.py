@@ -12,61 +12,83 @@ from engine.parallel.workers import TensorParallelError
 from engine.sampling_params import SamplingParams
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine flags shared by paged-generate and paged-serve."""
-    parser.add_argument(
+def add_engine_args(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
+    """The engine flags shared by paged-generate and paged-serve, in vLLM's help groups; returns
+    the groups by title so a caller can add its own flags to them."""
+    groups = {
+        title: parser.add_argument_group(title)
+        for title in ("ModelConfig", "CacheConfig", "ParallelConfig", "SchedulerConfig")
+    }
+    model = groups["ModelConfig"]
+    model.add_argument(
         "--model",
         default=None,
         help="HF model id or folder, or a .gguf file (default: embedded SmolLM2)",
     )
-    parser.add_argument(
+    model.add_argument(
         "--dtype",
         default="auto",
         choices=DTYPES,
         help="auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16, AMX), float32 "
         "elsewhere; float32 gives tokens equal to Hugging Face fp32",
     )
-    parser.add_argument(
+    model.add_argument(
         "--quantization",
+        "-q",
         default=None,
         choices=QUANTIZATIONS,
         help="weight-only projections on the CPU, faster decoding at low concurrency, tokens "
         "that differ from the unquantized model's: int8 (one scale per row) or int4 (4-bit "
         "codes with a scale and offset per 32 inputs, as llama.cpp's Q4_1)",
     )
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument(
-        "--kv-cache-memory",
-        type=int,
-        default=None,
-        help="KV cache bytes (default: 1 GiB on CPU; on CUDA, --gpu-memory-utilization decides)",
-    )
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument(
+    model.add_argument("--device", default="auto")
+    model.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    model.add_argument("--max-model-len", type=int, default=None)
+    model.add_argument(
         "--enforce-eager",
         action="store_true",
         help="run every step eagerly: no CUDA graphs for decode steps (they need CUDA + triton)",
     )
-    parser.add_argument(
+    model.add_argument(
         "--no-cpu-decode-kernel",
         action="store_true",
         help="on the CPU, attend decode steps with torch's gather and SDPA (the bits of Hugging "
         "Face's sdpa attention) instead of the C kernel that reads the paged cache in place",
     )
-    parser.add_argument(
+    cache = groups["CacheConfig"]
+    cache.add_argument("--block-size", type=int, default=16)
+    cache.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=None,
+        help="KV cache bytes (default: 1 GiB on CPU; on CUDA, --gpu-memory-utilization decides)",
+    )
+    cache.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    cache.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of prompt prefixes seen before (default: on)",
+    )
+    cache.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="the same as --no-enable-prefix-caching",
+    )
+    parallel = groups["ParallelConfig"]
+    parallel.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
         default=1,
         help="shard the model over this many processes (one GPU each on CUDA; gloo on CPU)",
     )
+    scheduler = groups["SchedulerConfig"]
+    scheduler.add_argument("--max-num-seqs", type=int, default=64)
+    scheduler.add_argument("--max-num-batched-tokens", type=int, default=2048)
     _add_grammar_args(parser)
+    return groups
 
 
 def _add_grammar_args(parser: argparse.ArgumentParser) -> None:
@@ -114,7 +136,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=args.enforce_eager,
         quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,

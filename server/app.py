@@ -49,6 +49,7 @@ from server.completions import create_completion
 from server.connections import ConnectionGuard, GuardedRunner
 from server.dashboard import add_dashboard
 from server.errors import SERVER_ERROR, APIError, error_response, from_http_exception
+from server.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from server.limits import ServerLimits
 from server.metrics import metrics
 from server.models import list_models, retrieve_model
@@ -151,27 +152,36 @@ async def _abort_in_flight(app: web.Application) -> None:
 def create_app(
     engine: AsyncEngine,
     *,
-    served_model_name: str | None = None,
+    served_model_name: str | Sequence[str] | None = None,
     api_keys: Sequence[str] = (),
     limits: ServerLimits | None = None,
     dashboard: bool = True,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    sampling_defaults: SamplingDefaults = NO_DEFAULTS,
 ) -> web.Application:
     """The app serving ``engine`` within ``limits`` (default: ``ServerLimits()``), with the
-    dashboard page and its state endpoint unless ``dashboard`` is False. The caller owns the
+    dashboard page and its state endpoint unless ``dashboard`` is False. ``served_model_name``
+    may be several names (replies carry the first); ``sampling_defaults`` fill the sampling
+    fields a request leaves out (``server.generation_defaults``). The caller owns the
     engine (and shuts it down). Serve it with ``make_runner``, which applies the connection
     limits."""
     if any(not key for key in api_keys):
         raise ValueError("API keys must be non-empty strings")
     limits = limits or ServerLimits()
+    names = (served_model_name,) if isinstance(served_model_name, str) else served_model_name
+    names = tuple(names or (engine.model_name,))
+    if not all(names):
+        raise ValueError("served model names must be non-empty strings")
     app = web.Application(
         middlewares=[error_middleware, browser_guard_middleware, auth_middleware, body_middleware],
         client_max_size=limits.max_request_bytes,
     )
     app[STATE] = ServerState(
         engine=engine,
-        served_model_name=served_model_name or engine.model_name,
+        served_model_name=names[0],
+        served_model_names=names,
+        sampling_defaults=sampling_defaults,
         limits=limits,
         store=ResponseStore(limits.max_stored_responses, limits.max_response_store_bytes),
         connections=ConnectionGuard(limits.max_connections, write_timeout_s=limits.write_timeout_s),

@@ -13,8 +13,10 @@ import argparse
 import asyncio
 import ipaddress
 import logging
+import os
 import signal
 import sys
+from pathlib import Path
 
 from aiohttp import web
 
@@ -22,58 +24,131 @@ from engine.async_engine import AsyncEngine
 from engine.cli import add_engine_args, engine_kwargs
 from engine.config import EngineConfig
 from engine.parallel.workers import TensorParallelError
+from engine.sampling_params import MAX_LOGPROBS
 from server.app import create_app, make_runner
+from server.generation_defaults import (
+    NO_DEFAULTS,
+    SOURCES,
+    SamplingDefaults,
+    load_sampling_defaults,
+)
 from server.limits import ServerLimits
 from server.reasoning import REASONING_PARSERS
 from server.state import STATE
 from server.tool_parsers import PARSERS
+from server.vllm_flags import add_refused_args
 
 logger = logging.getLogger("server")
 ENGINE_WATCH_S = 0.5  # how often the server checks that the engine is alive
+API_KEY_ENV = "VLLM_API_KEY"  # vLLM's: a launch line that relies on it works unchanged
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """``paged-serve``'s flags, in ``vllm serve``'s help groups; vLLM's flags where paged-serve
+    does the same, and a reasoned refusal for the rest (``server.vllm_flags``)."""
     parser = argparse.ArgumentParser(prog="paged-serve", description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument(
-        "--served-model-name", default=None, help="the model id clients use (default: the model's)"
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as vllm serve's positional argument (the same as --model)",
     )
-    parser.add_argument(
+    front = parser.add_argument_group("Frontend")
+    front.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    front.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    front.add_argument(
         "--max-waiting",
         type=int,
         default=None,
         help="refuse new requests with 503 while this many are waiting (default: no limit)",
     )
-    parser.add_argument(
+    front.add_argument(
         "--api-key",
         action="append",
         default=[],
-        help="require 'Authorization: Bearer KEY' on /v1 routes (repeat for several keys)",
+        help="require 'Authorization: Bearer KEY' on /v1 routes (repeat for several keys; "
+        f"default: the {API_KEY_ENV} environment variable, if set)",
     )
-    parser.add_argument(
+    front.add_argument(
         "--no-dashboard",
         action="store_true",
         help="do not serve the dashboard page (GET /) and its state endpoint /v1/engine/state",
     )
-    parser.add_argument(
+    front.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template, or a file holding one, used instead of the model's",
+    )
+    front.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vllm serve's launch lines: tool_choice auto is always on, with the "
+        "--tool-call-parser (or the one chosen from the chat template)",
+    )
+    front.add_argument(
         "--tool-call-parser",
         default=None,
         choices=sorted(PARSERS),
         help="how tool calls are read from a reply under tool_choice auto (default: chosen "
         "from the chat template; generic for a template without tools)",
     )
-    parser.add_argument(
+    front.add_argument(
         "--reasoning-parser",
         default=None,
         choices=sorted(REASONING_PARSERS),
         help="move the model's <think> block out of content into reasoning_content",
     )
-    _add_limit_args(parser)
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    front.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="accepted for vllm serve's launch lines: requests are never logged",
     )
-    add_engine_args(parser)
+    front.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="accepted for vllm serve's launch lines: no periodic stats are logged "
+        "(/metrics and the dashboard have them)",
+    )
+    front.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    front.add_argument(
+        "--uvicorn-log-level",
+        default=None,
+        choices=["debug", "info", "warning", "error", "critical", "trace"],
+        help="the HTTP access log's level (vllm serve's name; aiohttp serves here; trace is debug)",
+    )
+    groups = add_engine_args(parser)
+    model = groups["ModelConfig"]
+    model.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the model ids clients may use; replies and /metrics carry the first "
+        "(default: the model's)",
+    )
+    model.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults for fields a request leaves out: auto (the model's "
+        "generation_config.json), vllm (none: OpenAI's), or a folder with a "
+        "generation_config.json (default auto)",
+    )
+    model.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=MAX_LOGPROBS,
+        help="most logprobs/top_logprobs/prompt_logprobs alternatives a request may ask for "
+        "(400 beyond; at most %(default)s)",
+    )
+    model.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed the draws of requests that give no seed, so a run is reproducible "
+        "(default: seeds from the OS)",
+    )
+    _add_limit_args(parser)
+    add_refused_args(parser)
     return parser
 
 
@@ -176,6 +251,7 @@ LIMIT_FLAGS = {
     "write_timeout_s": "--write-timeout",
     "max_unsent_bytes": "--max-unsent-bytes",
     "max_prompt_logprob_entries": "--max-prompt-logprob-entries",
+    "max_logprobs": "--max-logprobs",
     "allowed_hosts": "--allowed-hosts",
 }
 
@@ -240,7 +316,12 @@ async def _watch_engine(engine: AsyncEngine, stop: asyncio.Event) -> None:
     stop.set()
 
 
-async def serve(engine: AsyncEngine, args: argparse.Namespace, limits: ServerLimits) -> bool:
+async def serve(
+    engine: AsyncEngine,
+    args: argparse.Namespace,
+    limits: ServerLimits,
+    sampling_defaults: SamplingDefaults = NO_DEFAULTS,
+) -> bool:
     """Serve until SIGINT or SIGTERM (True), or until the engine dies (False); then shut down
     cleanly."""
     app = create_app(
@@ -251,6 +332,7 @@ async def serve(engine: AsyncEngine, args: argparse.Namespace, limits: ServerLim
         dashboard=not args.no_dashboard,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        sampling_defaults=sampling_defaults,
     )
     _check_fd_limit(limits.max_connections)
     runner = make_runner(app)
@@ -283,28 +365,73 @@ async def serve(engine: AsyncEngine, args: argparse.Namespace, limits: ServerLim
     return engine.is_alive
 
 
+def _chat_template(value: str) -> str:
+    """``--chat-template``: a file's text, or the value itself when it names no file."""
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:  # a long template is not a valid file name
+        pass
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value}: no such file, and not a Jinja template")
+    return value
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.uvicorn_log_level is not None:
+        level = {"trace": "DEBUG", "critical": "CRITICAL"}.get(args.uvicorn_log_level)
+        logging.getLogger("aiohttp.access").setLevel(level or args.uvicorn_log_level.upper())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            parser.error(f"the model is given twice: {args.model_tag} and --model {args.model}")
+        args.model = args.model_tag
     if args.max_waiting is not None and args.max_waiting < 0:
         parser.error("--max-waiting must be >= 0")
     try:
         limits = limits_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if not args.api_key and os.environ.get(API_KEY_ENV):
+        args.api_key = [os.environ[API_KEY_ENV]]
     if any(not key for key in args.api_key):
         parser.error("--api-key must not be empty")
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    if args.served_model_name is not None and not all(args.served_model_name):
+        parser.error("--served-model-name must not be empty")
+    source = args.generation_config
+    if source not in SOURCES and not Path(source).is_dir():
+        parser.error(f"--generation-config {source}: not auto, vllm or a folder")
     try:
-        config = EngineConfig(model=args.model, **engine_kwargs(args))
+        template = _chat_template(args.chat_template) if args.chat_template else None
+    except ValueError as exc:
+        parser.error(str(exc))
+    _configure_logging(args)
+    try:
+        config = EngineConfig(model=args.model, seed=args.seed, **engine_kwargs(args))
         engine = AsyncEngine(config, max_waiting=args.max_waiting)
     except (ValueError, OSError, TensorParallelError) as exc:
         logger.error("cannot start the engine: %s", exc)
         return 2
     try:
-        healthy = asyncio.run(serve(engine, args, limits))
+        defaults = load_sampling_defaults(source, engine.generation_config)
+        if template is not None:
+            set_chat_template(engine, template)
+        if defaults.values():
+            logger.info(
+                "sampling defaults from --generation-config %s: %s", source, defaults.values()
+            )
+        healthy = asyncio.run(serve(engine, args, limits, defaults))
+    except ValueError as exc:
+        logger.error("cannot start the server: %s", exc)
+        return 2
     except OSError as exc:  # the address is in use, or not ours to bind
         logger.error("cannot serve on %s:%d: %s", args.host, args.port, exc)
         return 1
@@ -312,6 +439,14 @@ def main(argv: list[str] | None = None) -> int:
         engine.shutdown()
     logger.info("stopped")
     return 0 if healthy else 1
+
+
+def set_chat_template(engine: AsyncEngine, template: str) -> None:
+    """Use ``template`` for every chat and Responses prompt (a ValueError without a
+    tokenizer)."""
+    if engine.tokenizer is None:
+        raise ValueError("--chat-template needs the model's tokenizer, and this model has none")
+    engine.tokenizer.chat_template = template
 
 
 if __name__ == "__main__":

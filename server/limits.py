@@ -11,7 +11,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, fields
 
-from engine.sampling_params import MAX_N
+from engine.sampling_params import MAX_LOGPROBS, MAX_N
 
 ANY_HOST = "*"  # in allowed_hosts: no Host or Origin check at all
 
@@ -41,6 +41,9 @@ class ServerLimits:
     max_prompt_logprob_entries: entries a reply's ``prompt_logprobs`` may hold, prompt tokens x
         (``prompt_logprobs`` + 1) summed over its lists (completions: one per choice); about
         70 bytes of JSON each (400 naming ``prompt_logprobs`` beyond).
+    max_logprobs: the most alternatives per token a request may ask for in ``logprobs``,
+        ``top_logprobs`` or ``prompt_logprobs`` (400 naming the field beyond), 0 to 20
+        (vLLM's ``--max-logprobs``).
     allowed_hosts: host names (no port) a request's Host header may carry besides the loopback
         ones, when the server listens on loopback only; and Origin hosts trusted besides the
         server's own. ``"*"`` turns the Host and Origin checks off (``server.browser_guard``).
@@ -56,10 +59,15 @@ class ServerLimits:
     write_timeout_s: float = 600.0
     max_unsent_bytes: int = 4 << 20
     max_prompt_logprob_entries: int = 1 << 18
+    max_logprobs: int = MAX_LOGPROBS
     allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        minimum = {"max_stored_responses": 0, "max_response_store_bytes": 0}
+        minimum = {"max_stored_responses": 0, "max_response_store_bytes": 0, "max_logprobs": 0}
+        if isinstance(self.max_logprobs, int) and self.max_logprobs > MAX_LOGPROBS:
+            raise ValueError(
+                f"max_logprobs must be at most {MAX_LOGPROBS}, got {self.max_logprobs}"
+            )
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "allowed_hosts":

@@ -1,4 +1,5 @@
-"""``GET /v1/models`` and ``GET /v1/models/{id}``: the card of the one model this server runs.
+"""``GET /v1/models`` and ``GET /v1/models/{id}``: a card per served name of the one model this
+server runs (``--served-model-name`` may give it several).
 
 ``max_model_len`` is the longest sequence (prompt plus output, in tokens) a request may ask
 for: the model's context, or the whole KV cache if that is smaller.
@@ -26,17 +27,18 @@ class ModelList(msgspec.Struct, kw_only=True):
     data: list[ModelCard]
 
 
-def _card(state: ServerState) -> ModelCard:
-    return ModelCard(
-        id=state.served_model_name, created=state.created, max_model_len=state.context_limit
-    )
+def _card(state: ServerState, name: str) -> ModelCard:
+    return ModelCard(id=name, created=state.created, max_model_len=state.context_limit)
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return json_response(ModelList(data=[_card(request.app[STATE])]))
+    state = request.app[STATE]
+    names = state.served_model_names or (state.served_model_name,)
+    return json_response(ModelList(data=[_card(state, name) for name in names]))
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    state.check_model(request.match_info["model"])
-    return json_response(_card(state))
+    name = request.match_info["model"]
+    state.check_model(name)
+    return json_response(_card(state, name))

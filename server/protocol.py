@@ -28,6 +28,7 @@ from server.field_types import (
     TopP,
     User,
 )
+from server.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from server.prompts import check_template_flags
 from server.response_tools import ResponsesTool, ResponsesToolChoice
 from server.sampling import SamplingFields, sampling_errors_as_400
@@ -234,8 +235,9 @@ class ResponsesStreamOptions(msgspec.Struct, kw_only=True):
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
-    """``POST /v1/responses``. A ``null`` temperature or top_p takes OpenAI's default, 1.0,
-    which the Response object then reports.
+    """``POST /v1/responses``. A ``null`` temperature or top_p takes the model's generation
+    config default, else OpenAI's 1.0 (``with_defaults``), which the Response object then
+    reports.
 
     Fields of OpenAI's reference that this server does not implement are refused when set to
     anything but their default (``server.unsupported_fields.RESPONSES_REFUSED``): a request that
@@ -274,12 +276,11 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     prompt_cache_options: dict[str, Any] | None = None
     service_tier: str | None = None
     stream_options: ResponsesStreamOptions | None = None
+
     def __post_init__(self) -> None:
         self.store = self.store is not False
         self.stream = bool(self.stream)
         self.background = bool(self.background)
-        self.temperature = 1.0 if self.temperature is None else self.temperature
-        self.top_p = 1.0 if self.top_p is None else self.top_p
 
     def check(self) -> None:
         if isinstance(self.input, list) and not self.input:
@@ -321,14 +322,30 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
             return None
         return self.top_logprobs or 0
 
-    def to_params(self, *, max_tokens: int) -> SamplingParams:
-        """The engine's SamplingParams; a value it refuses is a 400 naming the field."""
+    def with_defaults(self, defaults: SamplingDefaults) -> ResponsesRequest:
+        """This request with ``defaults`` (the model's generation config) where it leaves
+        temperature or top_p out, then OpenAI's 1.0 for what is still out; top-k, min-p and
+        the repetition penalty come from ``defaults`` alone (the Responses API has no such
+        fields)."""
+        body = defaults.fill(self)
+        body.temperature = 1.0 if body.temperature is None else body.temperature
+        body.top_p = 1.0 if body.top_p is None else body.top_p
+        return body
+
+    def to_params(
+        self, *, max_tokens: int, defaults: SamplingDefaults = NO_DEFAULTS
+    ) -> SamplingParams:
+        """The engine's SamplingParams (top-k, min-p and repetition penalty from
+        ``defaults``); a value it refuses is a 400 naming the field."""
         constraint = from_text_format(self.text) if self.text is not None else None
         with sampling_errors_as_400():
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=self.temperature,
-                top_p=self.top_p,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=defaults.top_k or 0,
+                min_p=defaults.min_p or 0.0,
+                repetition_penalty=defaults.repetition_penalty or 1.0,
                 logprobs=self.output_logprobs,
                 structured_output=constraint,
             )
@@ -338,11 +355,28 @@ RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest, Respons
 
 
 async def read_request(request: web.Request, type: type[RequestT]) -> RequestT:
-    """The body of ``request`` as ``type``, checked, naming the served model (or none).
+    """The body of ``request`` as ``type``, checked, naming a served model (or none), with the
+    server's sampling defaults where it leaves a field out (``server.generation_defaults``).
 
     Raises APIError: 400 naming the bad field, 404 for another model.
     """
     body = decode(await request.read(), type)
     body.check()
-    request.app[STATE].check_model(body.model)
-    return body
+    state = request.app[STATE]
+    state.check_model(body.model)
+    _check_logprob_counts(body, state.limits.max_logprobs)
+    if isinstance(body, ResponsesRequest):
+        return body.with_defaults(state.sampling_defaults)
+    return state.sampling_defaults.fill(body)
+
+
+def _check_logprob_counts(body: msgspec.Struct, limit: int) -> None:
+    """400 naming the field when a request asks for more alternatives than ``--max-logprobs``
+    (chat's boolean ``logprobs`` is not a count)."""
+    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+        value = getattr(body, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+            raise bad_request(
+                f"{name} must be at most {limit} on this server (--max-logprobs), got {value}",
+                name,
+            )

@@ -117,7 +117,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     tools = plan.tools if plan.native else None
     prompt_ids = await chat_prompt_ids(state.engine, messages, "input", tools=tools)
     max_tokens = output_limit(state.context_limit, len(prompt_ids), body.max_output_tokens, "input")
-    params = with_tool_plan(body.to_params(max_tokens=max_tokens), plan, "text.format")
+    params = with_tool_plan(
+        body.to_params(max_tokens=max_tokens, defaults=state.sampling_defaults), plan, "text.format"
+    )
     await compile_constraint(state.engine, params, "tools" if plan.constraint else "text.format")
     reply = ResponseReply(state, body, owner, history + new, len(prompt_ids), plan)
     generation = start_generation(state, reply.id, [Job(0, prompt_ids, params)], "input")
@@ -216,9 +218,7 @@ async def cancel_response(request: web.Request) -> web.Response:
     if entry is None:
         raise _not_found(response_id)
     if not entry.background:
-        raise bad_request(
-            "only responses created with background set to true can be cancelled"
-        )
+        raise bad_request("only responses created with background set to true can be cancelled")
     if entry.status != "cancelled":
         raise _cannot_cancel(entry.status)
     return json_response(entry.response)

@@ -13,13 +13,16 @@ from aiohttp import web
 from engine.async_engine import AsyncEngine
 from server.connections import ConnectionGuard
 from server.errors import APIError
+from server.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from server.limits import ServerLimits
 from server.response_store import ResponseStore
 
 
 @dataclass(slots=True)
 class ServerState:
-    """One per app. ``api_key_hashes`` is empty when the server runs without ``--api-key``."""
+    """One per app. ``api_key_hashes`` is empty when the server runs without ``--api-key``.
+    ``served_model_name`` is the name replies carry; ``served_model_names`` every name a request
+    may ask for (it first), as vLLM's ``--served-model-name A B``."""
 
     engine: AsyncEngine
     served_model_name: str
@@ -27,6 +30,8 @@ class ServerState:
     store: ResponseStore
     connections: ConnectionGuard
     api_key_hashes: tuple[str, ...] = ()
+    served_model_names: tuple[str, ...] = ()
+    sampling_defaults: SamplingDefaults = NO_DEFAULTS
     tool_call_parser: str | None = None  # None: chosen from the chat template
     reasoning_parser: str | None = None  # None: reasoning stays in content
     created: int = field(default_factory=lambda: int(time.time()))
@@ -34,12 +39,13 @@ class ServerState:
     shutting_down: bool = False
 
     def check_model(self, model: str | None) -> None:
-        """404 unless ``model`` is absent or the served name."""
-        if model is not None and model != self.served_model_name:
+        """404 unless ``model`` is absent or a served name."""
+        names = self.served_model_names or (self.served_model_name,)
+        if model is not None and model not in names:
             raise APIError(
                 404,
                 f"the model {model!r} does not exist; this server serves "
-                f"{self.served_model_name!r}",
+                + " or ".join(repr(n) for n in names),
                 param="model",
                 code="model_not_found",
             )

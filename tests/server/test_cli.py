@@ -19,6 +19,7 @@ import aiohttp
 import openai
 import pytest
 
+from engine.model.loader import default_gguf_path
 from tests.server.conftest import http, metric_values
 
 READY = re.compile(r"serving (?P<model>\S+) at (?P<url>http://\S+)/v1")
@@ -65,12 +66,23 @@ class ServerProcess:
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[ServerProcess, str]]:
+    """paged-serve started with a vllm serve launch line (positional model, several names,
+    vLLM's tool, logging, seed and cache flags)."""
     server = ServerProcess(
         [
+            str(default_gguf_path()),
             "--port", "0",
             "--kv-cache-memory", str(32 << 20),
             "--max-model-len", "512",
-            "--served-model-name", "smol",
+            "--served-model-name", "smol", "smol-alias",
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--generation-config", "vllm",
+            "--max-logprobs", "3",
+            "--seed", "0",
+            "--kv-cache-dtype", "auto",
+            "-pp", "1",
+            "--disable-log-requests",
+            "--uvicorn-log-level", "warning",
             "--log-level", "info",
         ]
     )  # fmt: skip
@@ -85,10 +97,17 @@ def test_serves_under_the_given_name(served: tuple[ServerProcess, str]):
     server, url = served
     assert any("KV cache:" in line for line in server.log)  # the capacity is logged
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-    assert [m.id for m in client.models.list().data] == ["smol"]
+    assert [m.id for m in client.models.list().data] == ["smol", "smol-alias"]
     out = client.completions.create(model="smol", prompt="Hello", max_tokens=2)
     assert out.model == "smol"
-    assert metric_values(url)["paged_serve_kv_blocks_used"] == 0
+    out = client.completions.create(model="smol-alias", prompt="Hello", max_tokens=2)
+    assert out.model == "smol"  # replies carry the first name, as vLLM's
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="smol", prompt="Hello", max_tokens=2, logprobs=4)
+    assert "--max-logprobs" in str(refused.value)
+    values = metric_values(url)
+    assert values["paged_serve_kv_blocks_used"] == 0
+    assert values['vllm:num_requests_running{model_name="smol"}'] == 0
 
 
 async def _stream_through_sigterm(url: str, proc: subprocess.Popen) -> list[str]:

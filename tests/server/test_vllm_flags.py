@@ -1,0 +1,163 @@
+"""vllm serve's flags: accepted where paged-serve does the same, refused with a reason (exit 2)
+otherwise; --generation-config defaults applied where a request leaves a field out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import openai
+import pytest
+from transformers import GenerationConfig
+
+from engine.async_engine import AsyncEngine
+from server.app import create_app
+from server.cli import build_parser, main
+from server.generation_defaults import SamplingDefaults, load_sampling_defaults
+from server.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from server.vllm_flags import REFUSALS
+from tests.conftest import assert_pool_clean
+from tests.server.conftest import ServerThread, wait_idle
+
+
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("refusal", REFUSALS, ids=lambda r: r.flags[0])
+def test_each_refused_flag_names_itself_and_exits_2(refusal, capsys):
+    for flag in refusal.flags:
+        argv = [flag, "fp8"] if refusal.takes_value else [flag]
+        message = _refused(argv, capsys)
+        assert f"{flag}" in message and refusal.reason in message
+        assert "not supported by paged-serve" in message
+
+
+@pytest.mark.parametrize(
+    "argv", [["--kv-cache-dtype", "auto"], ["-pp", "1"], ["-dp", "1"], ["--load-format", "auto"]]
+)
+def test_vllm_defaults_spelled_out_are_accepted(argv):
+    build_parser().parse_args(argv)
+
+
+def test_a_vllm_launch_line_parses_to_our_settings():
+    args = build_parser().parse_args(
+        [
+            "Qwen/Qwen3-0.6B",
+            "--served-model-name", "a", "b",
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--reasoning-parser", "qwen3",
+            "--generation-config", "vllm",
+            "--max-logprobs", "3",
+            "--seed", "7",
+            "--no-enable-prefix-caching",
+            "--max-model-len", "4096",
+            "-tp", "2",
+            "--disable-log-requests",
+        ]
+    )  # fmt: skip
+    assert args.model_tag == "Qwen/Qwen3-0.6B"
+    assert args.served_model_name == ["a", "b"]
+    assert (args.tool_call_parser, args.reasoning_parser) == ("hermes", "qwen3")
+    assert (args.max_logprobs, args.seed, args.tensor_parallel_size) == (3, 7, 2)
+    assert args.enable_prefix_caching is False
+
+
+def test_help_groups_flags_as_vllm_does():
+    text = build_parser().format_help()
+    for group in ("Frontend", "ModelConfig", "CacheConfig", "ParallelConfig", "SchedulerConfig"):
+        assert f"\n{group}:" in text
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["model-a", "--model", "model-b"], "the model is given twice"),
+        (["--max-logprobs", "21"], "--max-logprobs"),
+        (["--generation-config", "/no/such/folder"], "--generation-config"),
+        (["--chat-template", "/no/such/file"], "--chat-template"),
+    ],
+)
+def test_bad_vllm_values_exit_2(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def _write_generation_config(folder: Path, **values) -> Path:
+    """A generation_config.json as model folders ship it (sampling on, its values set)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": True, **values}))
+    return folder
+
+
+def test_generation_config_sources(tmp_path: Path):
+    folder = _write_generation_config(
+        tmp_path / "g", temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.05
+    )
+    expected = SamplingDefaults(temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.05)
+    assert load_sampling_defaults(str(folder), None) == expected
+    assert load_sampling_defaults("auto", GenerationConfig.from_pretrained(folder)) == expected
+    assert load_sampling_defaults("vllm", GenerationConfig.from_pretrained(folder)) == (
+        SamplingDefaults()
+    )
+    plain = _write_generation_config(tmp_path / "p")  # sampling on, no value set
+    assert load_sampling_defaults(str(plain), None) == SamplingDefaults()
+    with pytest.raises(ValueError, match="generation_config.json"):
+        load_sampling_defaults(str(tmp_path / "empty"), None)
+
+
+def test_defaults_fill_only_what_a_request_leaves_out():
+    defaults = SamplingDefaults(temperature=0.6, top_k=20, repetition_penalty=1.05)
+    body = msgspec.json.decode(
+        b'{"prompt": "x", "temperature": 0.0, "top_k": null}', type=CompletionRequest
+    )
+    filled = defaults.fill(body)
+    assert (filled.temperature, filled.top_k, filled.repetition_penalty) == (0.0, 20, 1.05)
+    params = filled.to_params(1000, max_tokens=4, logprobs=None)
+    assert (params.temperature, params.top_k, params.repetition_penalty) == (0.0, 20, 1.05)
+    chat = defaults.fill(
+        msgspec.json.decode(
+            b'{"messages": [{"role": "user", "content": "x"}]}', type=ChatCompletionRequest
+        )
+    )
+    assert chat.temperature == 0.6
+    responses = msgspec.json.decode(b'{"input": "x"}', type=ResponsesRequest).with_defaults(
+        defaults
+    )
+    assert (responses.temperature, responses.top_p) == (0.6, 1.0)
+    params = responses.to_params(max_tokens=4, defaults=defaults)
+    assert (params.top_k, params.repetition_penalty) == (20, 1.05)
+
+
+def test_the_server_applies_the_defaults(engine: AsyncEngine, monkeypatch, tmp_path: Path):
+    """Through HTTP: the engine receives the generation config's values for the fields the
+    request leaves out, and the request's own for the rest."""
+    folder = _write_generation_config(tmp_path / "g", temperature=0.7, top_k=5)
+    seen = []
+    add_request = engine.add_request
+
+    def spy(prompt, params, *args, **kwargs):
+        seen.append(params)
+        return add_request(prompt, params, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", spy)
+    thread = ServerThread()
+    try:
+        url = thread.serve(
+            lambda: create_app(engine, sampling_defaults=load_sampling_defaults(str(folder), None))
+        )
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        client.completions.create(model=engine.model_name, prompt="Hi", max_tokens=2)
+        client.completions.create(model=engine.model_name, prompt="Hi", max_tokens=2, temperature=0)
+    finally:
+        thread.close()
+    wait_idle(engine)
+    assert [(p.temperature, p.top_k) for p in seen] == [(0.7, 5), (0.0, 5)]
+    assert_pool_clean(engine.engine.block_manager)
+    assert json.loads((folder / "generation_config.json").read_text())["temperature"] == 0.7
