@@ -74,7 +74,9 @@ CHAT_REFUSED: dict[str, Refused] = {
         (False,), "the chat template's special tokens are the ones the prompt gets"
     ),
     "documents": Refused(([],), "documents are not passed to the chat template"),
-    "chat_template": Refused((), "the model's own chat template is used"),
+    "chat_template": Refused(
+        (), "the server's chat template is used (the model's, or --chat-template)"
+    ),
     "media_io_kwargs": Refused(({},), _NO_MEDIA),
     "mm_processor_kwargs": Refused(({},), _NO_MEDIA),
     "include_reasoning": Refused((True,), "reasoning_content is always returned"),

@@ -42,7 +42,7 @@ REFUSALS = (
     ),
     Refusal(
         ("--data-parallel-size", "-dp"),
-        "run one paged-serve per replica behind a router (docs/deploy.md)",
+        "run one paged-serve per replica behind a router",
         accepted=("1",),
     ),
     Refusal(("--enable-lora",), "LoRA adapters are not supported", takes_value=False),
