@@ -33,8 +33,7 @@ def _card(state: ServerState, name: str) -> ModelCard:
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    names = state.served_model_names or (state.served_model_name,)
-    return json_response(ModelList(data=[_card(state, name) for name in names]))
+    return json_response(ModelList(data=[_card(state, name) for name in state.model_names]))
 
 
 async def retrieve_model(request: web.Request) -> web.Response:

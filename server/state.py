@@ -40,7 +40,7 @@ class ServerState:
 
     def check_model(self, model: str | None) -> None:
         """404 unless ``model`` is absent or a served name."""
-        names = self.served_model_names or (self.served_model_name,)
+        names = self.model_names
         if model is not None and model not in names:
             raise APIError(
                 404,
@@ -49,6 +49,11 @@ class ServerState:
                 param="model",
                 code="model_not_found",
             )
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request may ask for, the reply name first."""
+        return self.served_model_names or (self.served_model_name,)
 
     @property
     def context_limit(self) -> int:
