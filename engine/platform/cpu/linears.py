@@ -2,7 +2,8 @@
 
 Decoding reads every weight once per step, so at a few rows a projection is a matrix-vector
 product bounded by memory bandwidth, and the kernel that multiplies decides the step time. The
-swaps compute what ``F.linear`` computes (bf16 bit for bit, fp32 up to the order of its sums):
+swaps compute what ``F.linear`` computes (bf16 bit for bit to 32 rows, otherwise up to the
+order of the sums):
 
 **fp32: the few-row kernel measured faster on this CPU, a packed copy for more rows**
 (``Fp32Linear``). torch's fp32 ``F.linear`` (MKL) runs a few-row product on one core on some
@@ -42,8 +43,11 @@ counts. So the outputs stay within fp32's rounding bound of the exact product, a
 which reorders the weight into its blocked layout on every call: a second pass over the weight
 bytes. ``torch.ops.mkldnn._reorder_linear_weight`` does it once at load and
 ``_linear_pointwise`` multiplies by the packed weight; the result equals ``F.linear`` bit for
-bit at every row count (tests). The packed copy replaces the weight (a tied LM head's packed
-copy sits beside the embedding, which the lookup still reads).
+bit to 32 rows (tests). Past them oneDNN may run the unpacked product through another kernel
+(AMX tiles on an Intel box with ``amx_bf16``) that sums in another order, so outputs can differ
+by one bf16 rounding, each within the rounding bound of the exact product (tests). The packed
+copy replaces the weight (a tied LM head's packed copy sits beside the embedding, which the
+lookup still reads).
 """
 
 from __future__ import annotations
@@ -137,7 +141,8 @@ class Fp32Linear(nn.Module):
 
 class PackedLinear(PackedWeights, nn.Module):
     """``y = x @ weight.T + bias`` for ``x [..., in_features]`` through oneDNN, with the weight
-    packed once (bf16 on the CPU). Equal to ``F.linear`` bit for bit."""
+    packed once (bf16 on the CPU). Equal to ``F.linear`` bit for bit to 32 rows, to one bf16
+rounding past them."""
 
     PACKED = ("packed",)
     PACKED_ROWS = 1
