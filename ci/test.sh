@@ -17,5 +17,9 @@ if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then exit "$rc"; fi
 # (The sm_90 compile check does not interpret anything: once is enough.)
 PAGED_SERVE_INTERPRETER_ORDER=tree .venv/bin/python -m pytest -q -p no:cacheprovider tests/kernels \
   --ignore tests/kernels/test_aot_compile.py
-# The test suite runs last, so its summary is the run's closing line.
-.venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"
+# The test suite runs last, so its summary is the run's closing line. Two pytest-xdist workers
+# (one per core of the CI box; each file's tests stay on one worker, so module fixtures such as
+# a subprocess server start once): the suite took 495 s so on the 2-core box, 934 s in one
+# process (that run with other work beside it).
+.venv/bin/python -m pytest -q -p no:cacheprovider -n "${PAGED_SERVE_TEST_WORKERS:-2}" \
+  --dist loadfile tests "$@"

@@ -14,6 +14,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (ci/test.sh runs two workers on the two cores) each worker's torch takes one
+# thread: most tests are Python-bound, and two workers of two threads each would oversubscribe
+# the cores. Tests that need two threads (the CPU column-split kernels) ask for the
+# ``two_threads`` fixture.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 import pytest  # noqa: E402
 from transformers import (  # noqa: E402
     GenerationConfig,

@@ -32,7 +32,7 @@ from engine.model.loader import LoadedModel, resolve_model_path
 from server.app import create_app
 from tests.conftest import hf_greedy, loaded, tiny_model
 from tests.server.conftest import ServerThread, http
-from tests.server.test_cli import READY, START_DEADLINE_S, ServerProcess
+from tests.server.processes import READY, START_DEADLINE_S, ServerProcess
 
 STREAM = {"model": "tiny", "prompt": [3, 1, 4, 1, 5], "max_tokens": 400, "ignore_eos": True}
 WORKER_STARTED = re.compile(r"tensor-parallel rank 1 started \(pid (?P<pid>\d+)\)")

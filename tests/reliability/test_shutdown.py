@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from tests.reliability.conftest import PATHS, assert_no_leak, parse_sse
-from tests.server.test_cli import READY, START_DEADLINE_S, ServerProcess
+from tests.server.processes import READY, START_DEADLINE_S, ServerProcess
 
 NUM_STREAMS = 10
 LONG = 200  # tokens each would run for (~30 s or more here) if nobody stopped them

@@ -28,7 +28,7 @@ from tests.server.conftest import (
     metric_values,
     parse_sse,
 )
-from tests.server.test_cli import READY, START_DEADLINE_S, ServerProcess
+from tests.server.processes import READY, START_DEADLINE_S, ServerProcess
 
 # EngineSnapshot field -> the /metrics sample that renders it
 GAUGE_METRICS = {

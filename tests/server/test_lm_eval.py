@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tests.server.conftest import http
-from tests.server.test_cli import READY, START_DEADLINE_S, ServerProcess
+from tests.server.processes import READY, START_DEADLINE_S, ServerProcess
 
 lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.models.openai_completions import LocalCompletionsAPI  # noqa: E402

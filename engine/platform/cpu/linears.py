@@ -142,7 +142,7 @@ class Fp32Linear(nn.Module):
 class PackedLinear(PackedWeights, nn.Module):
     """``y = x @ weight.T + bias`` for ``x [..., in_features]`` through oneDNN, with the weight
     packed once (bf16 on the CPU). Equal to ``F.linear`` bit for bit to 32 rows, to one bf16
-rounding past them."""
+    rounding past them."""
 
     PACKED = ("packed",)
     PACKED_ROWS = 1
