@@ -125,6 +125,16 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def config(self) -> EngineConfig:
+        """The configuration the engine was built with."""
+        return self.engine.config
+
+    @property
+    def model_config(self) -> object:
+        """The model's ``transformers`` config (``model_type``, ``architectures``, ...)."""
+        return self.engine.loaded.model.config
+
+    @property
     def generation_config(self) -> object | None:
         """The model's ``transformers.GenerationConfig`` (None if it has none)."""
         return getattr(self.engine.loaded.model, "generation_config", None)
@@ -281,6 +291,21 @@ class AsyncEngine:
         """Check the block pool between steps (raises AssertionError on a leak or bad count)."""
         with self._state_lock:
             self.engine.block_manager.check_integrity()
+
+    def reset_prefix_cache(self) -> int | None:
+        """Evict every cached prefix block between two steps, if no request is live (queued,
+        running or on its way in); returns the blocks evicted, or None when busy (nothing is
+        touched then: a running request's shared blocks keep their keys)."""
+        with self._state_lock:
+            with self._lock:
+                busy = bool(self._adds or self._in_transit or self._streams)
+            if busy or self.engine.has_unfinished:
+                return None
+            evicted = self.engine.block_manager.evict_cached()
+            snapshot = self._take_snapshot()  # the cached-blocks gauge, before the next step
+            with self._lock:
+                self._snapshot = snapshot
+            return evicted
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort everything in flight and stop the loop thread."""

@@ -8,6 +8,8 @@ Routes::
     POST /v1/responses/{response_id}/cancel
     POST /tokenize                    POST /detokenize          GET /tokenizer_info
     GET  /health                      GET  /metrics
+    GET  /health_generate, /server_info, /model_info, /get_load
+    POST /flush_cache, /reset_prefix_cache                    (server.worker_api: routers)
     GET  /, /dashboard                GET  /v1/engine/state    (server.dashboard)
 
 Every failure leaves as the OpenAI error object (``server.errors``): the error middleware
@@ -16,8 +18,8 @@ catches our APIError, aiohttp's HTTP exceptions (unknown route 404, wrong method
 to the log, never to the client). Then the browser guard refuses what a web page could make a
 visitor's browser send - a rebound Host, a cross-site Origin, a body that is not JSON
 (``server.browser_guard``). With API keys set, every ``/v1`` route needs
-``Authorization: Bearer <key>``, and so do the tokenizer routes; ``/health`` and ``/metrics``
-stay open. Then the body
+``Authorization: Bearer <key>``, and so do the tokenizer routes and the two cache resets;
+``/health``, ``/metrics`` and the routers' read-only worker routes stay open. Then the body
 middleware reads the whole body within ``ServerLimits.body_timeout_s`` (408 and the connection
 closed otherwise) and marks the connection busy for the connection guard while the handler runs
 (``server.connections``).
@@ -64,6 +66,7 @@ from server.sse import internal_error
 from server.state import OWNER, STATE, ServerState, key_hash
 from server.tokenize import TOKENIZER_PATHS, add_tokenizer_routes
 from server.wire import json_response
+from server.worker_api import CACHE_PATHS, add_worker_routes
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +91,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     hashes = request.app[STATE].api_key_hashes
-    if hashes and (request.path.startswith("/v1") or request.path in TOKENIZER_PATHS):
+    path = request.path
+    if hashes and (path.startswith("/v1") or path in TOKENIZER_PATHS or path in CACHE_PATHS):
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
         given = key_hash(key.strip()) if scheme.lower() == "bearer" else ""
         # compare against every key so the time taken does not say which one matched
@@ -202,6 +206,7 @@ def create_app(
     add_tokenizer_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    add_worker_routes(app)
     if dashboard:
         add_dashboard(app)
     app.on_shutdown.append(_abort_in_flight)

@@ -141,3 +141,20 @@ def test_cached_blocks_revived_from_the_free_pool_count_against_it():
     assert not bm.can_allocate(13, hits)
     bm.allocate("b", 12, hits)
     bm.check_integrity()
+
+
+def test_evict_cached_drops_every_free_entry_and_keeps_held_ones():
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    _computed(bm, "a", list(range(9)))  # 3 blocks, 2 hashed
+    _computed(bm, "b", [50, 51, 52, 53, 54])  # 2 blocks, 1 hashed
+    bm.free("a")
+    assert bm.num_cached_blocks == 2
+    assert bm.evict_cached() == 2
+    assert bm.num_cached_blocks == 0 and bm.usage().cached_blocks == 0
+    assert bm.cached_prefix(list(range(9))) == []
+    assert bm.cached_prefix([50, 51, 52, 53, 54]) == bm.block_table("b")[:1]  # still held
+    bm.check_integrity()
+    bm.free("b")
+    assert bm.evict_cached() == 1 and bm.evict_cached() == 0
+    assert bm.pool_map() == "." * 8
+    bm.check_integrity()

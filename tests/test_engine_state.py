@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine.observe import engine_state
-from engine.observe.engine_state import StateWatch, take_state
+from engine.observe.engine_state import StateWatch, pool_integrity, take_state
 from engine.sampling_params import SamplingParams
 from engine.sched.block_manager import RECENT_COPIES, BlockManager
 from engine.sched.request import Request, RequestStatus
@@ -201,3 +201,11 @@ def test_waiting_list_is_capped(n, monkeypatch):
         engine.scheduler.add(_request(f"w{i}", 3))
     state = take_state(engine, gauges=None)
     assert [r.id for r in state.waiting] == [f"w{i}" for i in range(n)]
+
+
+def test_pool_integrity_names_the_first_disagreement():
+    bm = BlockManager(4, 4, enable_prefix_caching=True)
+    bm.allocate("a", 6)
+    assert pool_integrity(bm) == "ok"
+    bm._blocks[bm.block_table("a")[0]].ref_count = 2  # a leak: one holder, two references
+    assert pool_integrity(bm).startswith(f"block {bm.block_table('a')[0]}: ref_count 2")

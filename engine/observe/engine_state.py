@@ -14,9 +14,10 @@
 
 When nobody watches, ``after_step`` is the whole cost: nothing measurable next to a step.
 When someone does, a take costs one pass over the free pool and the block tables
-(``BlockManager.pool_map``, ``usage()``) and the running requests: at most five a second
-however many watchers poll, and never more than ``MAX_BUSY_FRACTION`` of the engine thread's
-time (a pool of hundreds of thousands of blocks is taken every few seconds instead).
+(``BlockManager.pool_map``, ``usage()``, ``check_integrity``) and the running requests: at
+most five a second however many watchers poll, and never more than ``MAX_BUSY_FRACTION`` of
+the engine thread's time (a pool of hundreds of thousands of blocks is taken every few seconds
+instead).
 perf/bench_engine_state.py measures both; the JSON is documented in docs/api.md
 ("The dashboard: GET / and GET /v1/engine/state").
 """
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.sched.block_manager import BlockUsage
+from engine.sched.block_manager import BlockManager, BlockUsage
 from engine.sched.request import Request
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ class BlockPoolState:
     usage: BlockUsage
     copy_on_write_total: int
     recent_copies: list[tuple[int, int]]  # the last (src, dst) copies, oldest first
+    integrity: str  # "ok", or what BlockManager.check_integrity found wrong
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +107,16 @@ def _request_state(engine: LLMEngine, request: Request, now: float) -> RequestSt
     )
 
 
+def pool_integrity(bm: BlockManager) -> str:
+    """``ok`` if the pool's reference counts, free list and cache agree, else the first
+    disagreement (so a replica's pool can be checked over HTTP)."""
+    try:
+        bm.check_integrity()
+    except AssertionError as exc:
+        return str(exc)
+    return "ok"
+
+
 def take_state(engine: LLMEngine, gauges: object) -> EngineState:
     """The engine's state now. Call between steps (the caller holds the state lock)."""
     bm = engine.block_manager
@@ -119,6 +131,7 @@ def take_state(engine: LLMEngine, gauges: object) -> EngineState:
         usage=bm.usage(),
         copy_on_write_total=bm.copy_on_write_total,
         recent_copies=list(bm.recent_copies),
+        integrity=pool_integrity(bm),
     )
     waiting = itertools.islice(scheduler.waiting, MAX_WAITING_LISTED)
     return EngineState(

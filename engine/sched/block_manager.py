@@ -281,6 +281,23 @@ class BlockManager:
                     self._num_cached_free += 1
                 self._free[block_id] = None
 
+    def evict_cached(self) -> int:
+        """Drop the cache entry of every free block (``/flush_cache``); returns how many. A
+        block some request holds keeps its key (its prefix is still being shared), so after
+        this on an idle pool no earlier prefix can hit."""
+        evicted = 0
+        for block_id in self._free:
+            block = self._blocks[block_id]
+            if block.block_hash is None:
+                continue
+            if self._cache.get(block.block_hash) == block_id:
+                del self._cache[block.block_hash]
+            block.block_hash, block.token_ids, block.parent = None, (), None
+            block.num_tokens = 0
+            evicted += 1
+        self._num_cached_free = 0
+        return evicted
+
     # ----------------------------------------------------------------- metrics
     def usage(self) -> BlockUsage:
         """Usage over blocks held by live requests (cached-but-free blocks are not used)."""

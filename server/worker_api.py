@@ -1,0 +1,182 @@
+"""What a router asks of the workers behind it: SGLang's worker endpoints, and vLLM's cache reset.
+
+The routers users put in front of several servers (SGLang's model gateway, ``sglang-router``;
+``vllm-router``) register a worker by URL, then read and drive it over plain HTTP::
+
+    GET  /health_generate     200 once a one-token generation came back (503 otherwise)
+    GET  /server_info         the serving limits: model, served name, KV tokens, batch sizes
+    GET  /model_info          the model: path, type, architectures, is_generation
+    GET  /get_load            [{dp_rank, num_reqs, num_waiting_reqs, num_tokens}] now
+    POST /flush_cache         evict every cached prefix block (400 while requests are live)
+    POST /reset_prefix_cache  the same, under vLLM's name
+
+(``/get_server_info`` and ``/get_model_info`` are the older names of the two info routes, as
+SGLang's own server keeps them.) ``/health`` stays the cheap liveness probe routers poll; the
+info and load routes are read-only figures, open as ``/metrics`` is; the two cache routes
+change the engine's state and need the API key when the server has one.
+
+``/get_load``'s ``num_tokens`` is the KV cache in use, in tokens (blocks held by live requests
+times the block size), which ``power_of_two`` routing compares between workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+
+import msgspec
+from aiohttp import web
+
+from engine.sampling_params import SamplingParams
+from server.errors import SERVER_ERROR, APIError
+from server.generation import Job, start_generation
+from server.state import STATE, ServerState
+from server.wire import json_response
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # seconds a one-token health generation may take
+CACHE_PATHS = frozenset({"/flush_cache", "/reset_prefix_cache"})  # need the API key
+
+
+def package_version() -> str:
+    """The installed paged-serve's version (``unknown`` when run from an uninstalled tree)."""
+    try:
+        return importlib.metadata.version("paged-serve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class ServerInfo(msgspec.Struct, kw_only=True):
+    """SGLang's ``/server_info`` fields a router reads, with vLLM's names beside them."""
+
+    model_path: str
+    tokenizer_path: str
+    served_model_name: str
+    version: str
+    dp_size: int = 1
+    tp_size: int
+    max_total_tokens: int  # tokens the KV cache holds
+    max_running_requests: int  # sequences one step batches (--max-num-seqs)
+    max_prefill_tokens: int  # tokens one step computes (--max-num-batched-tokens)
+    max_model_len: int  # the longest sequence a request may ask for
+    page_size: int  # tokens per KV block
+    enable_prefix_caching: bool
+
+
+class ModelInfo(msgspec.Struct, kw_only=True):
+    model_path: str
+    tokenizer_path: str
+    served_model_name: str
+    is_generation: bool = True
+    model_type: str | None
+    architectures: list[str] | None
+
+
+class LoadInfo(msgspec.Struct, kw_only=True):
+    """One data-parallel rank's load (paged-serve runs one)."""
+
+    dp_rank: int = 0
+    num_reqs: int  # running plus waiting
+    num_waiting_reqs: int
+    num_tokens: int  # KV cache in use, in tokens
+
+
+class FlushResult(msgspec.Struct, kw_only=True):
+    message: str
+    evicted_blocks: int
+
+
+def model_path(state: ServerState) -> str:
+    """What the server was started on: the model argument, or the default model's name."""
+    return state.engine.config.model or state.engine.model_name
+
+
+async def server_info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    engine, config = state.engine, state.engine.config
+    path = model_path(state)
+    return json_response(
+        ServerInfo(
+            model_path=path,
+            tokenizer_path=path,
+            served_model_name=state.served_model_name,
+            version=package_version(),
+            tp_size=config.tensor_parallel_size,
+            max_total_tokens=engine.snapshot().kv_blocks_total * engine.block_size,
+            max_running_requests=config.max_num_seqs,
+            max_prefill_tokens=config.max_num_batched_tokens,
+            max_model_len=state.context_limit,
+            page_size=engine.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+    )
+
+
+async def model_info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    hf_config = state.engine.model_config
+    path = model_path(state)
+    architectures = getattr(hf_config, "architectures", None)
+    return json_response(
+        ModelInfo(
+            model_path=path,
+            tokenizer_path=path,
+            served_model_name=state.served_model_name,
+            model_type=getattr(hf_config, "model_type", None),
+            architectures=list(architectures) if architectures else None,
+        )
+    )
+
+
+async def get_load(request: web.Request) -> web.Response:
+    engine = request.app[STATE].engine
+    snap = engine.snapshot()
+    load = LoadInfo(
+        num_reqs=snap.num_running + snap.num_waiting,
+        num_waiting_reqs=snap.num_waiting,
+        num_tokens=snap.kv_blocks_used * engine.block_size,
+    )
+    return json_response([load])
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """200 once a one-token greedy generation of a one-token prompt came back: the engine
+    steps, not only its thread lives. It is an ordinary request (counted in the metrics)."""
+    state = request.app[STATE]
+    if not state.engine.is_alive:
+        raise APIError(503, "the engine loop is not running", type=SERVER_ERROR, code="engine_dead")
+    job = Job(0, [0], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    with start_generation(state, state.engine.new_request_id("health"), [job], "prompt") as gen:
+        try:
+            await asyncio.wait_for(gen.collect(), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise APIError(
+                503,
+                f"a one-token generation took over {HEALTH_GENERATE_TIMEOUT_S:g} s",
+                type=SERVER_ERROR,
+                code="engine_unresponsive",
+            ) from None
+    return web.Response(status=200)
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """Evict every cached prefix block; refused (400, nothing touched) while a request is live,
+    as SGLang refuses (vLLM's reset fails the same way)."""
+    evicted = request.app[STATE].engine.reset_prefix_cache()
+    if evicted is None:
+        raise APIError(
+            400,
+            "the prefix cache was not flushed: requests are running; retry when the server is idle",
+            code="server_busy",
+        )
+    return json_response(FlushResult(message="Cache flushed.", evicted_blocks=evicted))
+
+
+def add_worker_routes(app: web.Application) -> None:
+    app.router.add_get("/health_generate", health_generate)
+    for path in ("/server_info", "/get_server_info"):
+        app.router.add_get(path, server_info)
+    for path in ("/model_info", "/get_model_info"):
+        app.router.add_get(path, model_info)
+    app.router.add_get("/get_load", get_load)
+    for path in sorted(CACHE_PATHS):
+        app.router.add_post(path, flush_cache)
