@@ -92,7 +92,13 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     if state.reasoning_parser is not None:
         tail = state.engine.tokenizer.decode(prompt_ids[-8:])
         reasoning = REASONING_PARSERS[state.reasoning_parser](tail)
-    max_tokens = output_limit(state.context_limit, len(prompt_ids), body.output_limit, "messages")
+    max_tokens = output_limit(
+        state.context_limit,
+        len(prompt_ids),
+        body.output_limit,
+        "messages",
+        state.sampling_defaults.max_tokens,
+    )
     if body.prompt_logprobs is not None:
         limit = state.limits.max_prompt_logprob_entries
         check_prompt_logprobs_size(limit, len(prompt_ids), body.prompt_logprobs)

@@ -6,7 +6,10 @@ config, ``vllm`` takes none (OpenAI's defaults: temperature 1, top_p 1, no top-k
 repetition penalty), and a folder takes them from the ``generation_config.json`` in it. Only the
 values that differ from ``GenerationConfig()``'s count, as in vLLM (transformers 5 leaves these
 five unset by default, so every value the file sets counts). A field the request leaves out or
-sends as ``null`` takes the default, as in vLLM.
+sends as ``null`` takes the default, as in vLLM. The file's ``max_new_tokens`` caps the output
+of a chat or Responses request that gives no limit of its own (``max_tokens``): the rest of the
+context or ``max_new_tokens``, whichever is smaller, as in vLLM (a completion request's limit
+is OpenAI's 16 when it gives none).
 """
 
 from __future__ import annotations
@@ -43,19 +46,25 @@ class SamplingDefaults:
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    max_tokens: int | None = None  # max_new_tokens: the output cap where a request sets none
 
     @classmethod
     def from_generation_config(cls, config: GenerationConfig) -> SamplingDefaults:
         diff = config.to_diff_dict()
-        return cls(**{f: diff[k] for k, f in CONFIG_FIELDS.items() if diff.get(k) is not None})
+        values = {f: diff[k] for k, f in CONFIG_FIELDS.items() if diff.get(k) is not None}
+        if isinstance(diff.get("max_new_tokens"), int) and diff["max_new_tokens"] > 0:
+            values["max_tokens"] = diff["max_new_tokens"]
+        return cls(**values)
 
     def values(self) -> dict[str, Any]:
         """The fields that are set."""
         return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
 
     def fill(self, body: BodyT) -> BodyT:
-        """``body`` with each default set where its field is None (left out or null)."""
-        changes = {k: v for k, v in self.values().items() if getattr(body, k, False) is None}
+        """``body`` with each sampling default set where its field is None (left out or null);
+        ``max_tokens`` is not filled in but caps ``output_limit``."""
+        sampling = {k: v for k, v in self.values().items() if k != "max_tokens"}
+        changes = {k: v for k, v in sampling.items() if getattr(body, k, False) is None}
         return msgspec.structs.replace(body, **changes) if changes else body
 
 

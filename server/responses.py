@@ -116,7 +116,13 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     messages = _template_messages(system + history + new, plan, names)
     tools = plan.tools if plan.native else None
     prompt_ids = await chat_prompt_ids(state.engine, messages, "input", tools=tools)
-    max_tokens = output_limit(state.context_limit, len(prompt_ids), body.max_output_tokens, "input")
+    max_tokens = output_limit(
+        state.context_limit,
+        len(prompt_ids),
+        body.max_output_tokens,
+        "input",
+        state.sampling_defaults.max_tokens,
+    )
     params = with_tool_plan(
         body.to_params(max_tokens=max_tokens, defaults=state.sampling_defaults), plan, "text.format"
     )

@@ -275,9 +275,14 @@ def sampling_errors_as_400() -> Iterator[None]:
 
 
 def output_limit(
-    context_limit: int, prompt_len: int, requested: int | None, prompt_param: str
+    context_limit: int,
+    prompt_len: int,
+    requested: int | None,
+    prompt_param: str,
+    default: int | None = None,
 ) -> int:
-    """The max_tokens to run with: the requested one if it fits, else the rest of the context.
+    """The max_tokens to run with: the requested one if it fits; without one, the rest of the
+    context, capped at ``default`` (the generation config's ``max_new_tokens``) if given.
 
     Raises APIError (400, ``context_length_exceeded``) with the numbers when it does not fit.
     """
@@ -289,7 +294,8 @@ def output_limit(
                 prompt_param,
                 "context_length_exceeded",
             )
-        return context_limit - prompt_len
+        rest = context_limit - prompt_len
+        return rest if default is None else min(rest, default)
     if prompt_len + requested > context_limit:
         raise bad_request(
             f"This model's maximum context length is {context_limit} tokens. However, you "

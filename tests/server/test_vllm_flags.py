@@ -16,6 +16,7 @@ from server.app import create_app
 from server.cli import build_parser, main
 from server.generation_defaults import SamplingDefaults, load_sampling_defaults
 from server.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from server.sampling import output_limit
 from server.vllm_flags import REFUSALS
 from tests.conftest import assert_pool_clean
 from tests.server.conftest import ServerThread, wait_idle
@@ -98,9 +99,16 @@ def _write_generation_config(folder: Path, **values) -> Path:
 
 def test_generation_config_sources(tmp_path: Path):
     folder = _write_generation_config(
-        tmp_path / "g", temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.05
+        tmp_path / "g",
+        temperature=0.6,
+        top_p=0.9,
+        top_k=20,
+        repetition_penalty=1.05,
+        max_new_tokens=256,
     )
-    expected = SamplingDefaults(temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.05)
+    expected = SamplingDefaults(
+        temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.05, max_tokens=256
+    )
     assert load_sampling_defaults(str(folder), None) == expected
     assert load_sampling_defaults("auto", GenerationConfig.from_pretrained(folder)) == expected
     assert load_sampling_defaults("vllm", GenerationConfig.from_pretrained(folder)) == (
@@ -138,7 +146,7 @@ def test_defaults_fill_only_what_a_request_leaves_out():
 def test_the_server_applies_the_defaults(engine: AsyncEngine, monkeypatch, tmp_path: Path):
     """Through HTTP: the engine receives the generation config's values for the fields the
     request leaves out, and the request's own for the rest."""
-    folder = _write_generation_config(tmp_path / "g", temperature=0.7, top_k=5)
+    folder = _write_generation_config(tmp_path / "g", temperature=0.7, top_k=5, max_new_tokens=3)
     seen = []
     add_request = engine.add_request
 
@@ -155,9 +163,22 @@ def test_the_server_applies_the_defaults(engine: AsyncEngine, monkeypatch, tmp_p
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         client.completions.create(model=engine.model_name, prompt="Hi", max_tokens=2)
         client.completions.create(model=engine.model_name, prompt="Hi", max_tokens=2, temperature=0)
+        client.completions.create(model=engine.model_name, prompt="Hi")  # OpenAI's 16
+        chat = {"model": engine.model_name, "messages": [{"role": "user", "content": "Hi"}]}
+        client.chat.completions.create(**chat)  # max_new_tokens caps it
+        client.chat.completions.create(**chat, max_tokens=5)
+        client.responses.create(model=engine.model_name, input="Hi")
     finally:
         thread.close()
     wait_idle(engine)
-    assert [(p.temperature, p.top_k) for p in seen] == [(0.7, 5), (0.0, 5)]
+    assert [(p.temperature, p.top_k) for p in seen[:2]] == [(0.7, 5), (0.0, 5)]
+    assert [p.max_tokens for p in seen] == [2, 2, 16, 3, 5, 3]
     assert_pool_clean(engine.engine.block_manager)
     assert json.loads((folder / "generation_config.json").read_text())["temperature"] == 0.7
+
+
+def test_max_new_tokens_caps_only_an_output_the_request_leaves_open():
+    assert output_limit(100, 10, None, "messages") == 90  # the rest of the context
+    assert output_limit(100, 10, None, "messages", 8) == 8
+    assert output_limit(100, 95, None, "messages", 8) == 5  # the context is smaller
+    assert output_limit(100, 10, 50, "messages", 8) == 50  # the request's own wins
