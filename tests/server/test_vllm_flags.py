@@ -12,13 +12,14 @@ import pytest
 from transformers import GenerationConfig
 
 from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
 from server.app import create_app
 from server.cli import build_parser, main
 from server.generation_defaults import SamplingDefaults, load_sampling_defaults
 from server.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from server.sampling import output_limit
 from server.vllm_flags import REFUSALS
-from tests.conftest import assert_pool_clean
+from tests.conftest import assert_pool_clean, tiny_model
 from tests.server.conftest import ServerThread, wait_idle
 
 
@@ -182,3 +183,20 @@ def test_max_new_tokens_caps_only_an_output_the_request_leaves_open():
     assert output_limit(100, 10, None, "messages", 8) == 8
     assert output_limit(100, 95, None, "messages", 8) == 5  # the context is smaller
     assert output_limit(100, 10, 50, "messages", 8) == 50  # the request's own wins
+
+
+def test_auto_reads_the_generation_config_a_model_folder_ships(tmp_path: Path):
+    """A tiny model saved with its generation_config.json: the engine loads it from the folder
+    and ``auto`` takes its sampling values and max_new_tokens."""
+    model = tiny_model("llama")
+    model.generation_config = GenerationConfig(
+        do_sample=True, temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=64
+    )
+    model.save_pretrained(tmp_path)
+    config = EngineConfig(model=str(tmp_path), dtype="float32", kv_cache_memory=1 << 20)
+    engine = AsyncEngine(config)
+    try:
+        defaults = load_sampling_defaults("auto", engine.generation_config)
+    finally:
+        engine.shutdown()
+    assert defaults == SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, max_tokens=64)
