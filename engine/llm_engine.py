@@ -59,6 +59,7 @@ class LLMEngine:
                 self.device,
                 max_model_len=self.max_model_len,
                 share_model=share_model,
+                sharded=loaded.shard is not None,
             )
         try:
             self._build(config, loaded)

@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from engine.config import cache_root
+from engine.parallel.shard_loading import load_shard
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     max_model_len: int
     load_seconds: float
+    shard: tuple[int, int] | None = None  # (rank, world size): already sharded for that rank
 
 
 def default_gguf_path() -> Path:
@@ -154,6 +156,31 @@ def load_model(model: str | None, *, dtype: torch.dtype, device: torch.device) -
     hf_model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, device_map={"": device}, **quantized_checkpoint_options(path)
     ).eval()
+    return _loaded(hf_model, path, name, start)
+
+
+def load_model_shard(
+    model: str | None, *, dtype: torch.dtype, rank: int, world_size: int
+) -> LoadedModel | None:
+    """Rank ``rank``'s tensor-parallel shard of ``model`` read from its safetensors files alone,
+    on the CPU (engine/parallel/shard_loading.py); None where only the whole model can be read."""
+    start = time.perf_counter()
+    path, name = resolve_model_path(model)
+    hf_model = load_shard(path, rank=rank, world_size=world_size, dtype=dtype)
+    if hf_model is None:
+        return None
+    return _loaded(hf_model, path, name, start, shard=(rank, world_size))
+
+
+def _loaded(
+    hf_model: PreTrainedModel,
+    path: str,
+    name: str,
+    start: float,
+    shard: tuple[int, int] | None = None,
+) -> LoadedModel:
+    """The loaded model with its tokenizer (absent for token-id-only folders), EOS ids and
+    context length; ``start`` is when loading began (``time.perf_counter``)."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError):
@@ -167,4 +194,5 @@ def load_model(model: str | None, *, dtype: torch.dtype, device: torch.device) -
         eos_token_ids=eos_token_ids(hf_model, tokenizer),
         max_model_len=max_len,
         load_seconds=time.perf_counter() - start,
+        shard=shard,
     )

@@ -91,11 +91,13 @@ def run_worker(spec: WorkerSpec, pipe: Connection | None) -> None:
     try:
         model = spec.model
         max_model_len = spec.max_model_len
-        if model is None:
-            loaded = load_for(config, platform)
-            model = loaded.model
+        sharded = False
+        if model is None:  # its own shard from the checkpoint's files, where they allow it
+            loaded = load_for(config, platform, rank=spec.rank)
+            model, sharded = loaded.model, loaded.shard is not None
             max_model_len = max_model_len or context_length(config, loaded.max_model_len)
-        shard_model(model, rank=spec.rank, world_size=world)
+        if not sharded:
+            shard_model(model, rank=spec.rank, world_size=world)
         runner = build_runner(model, config, device, max_model_len=max_model_len, group=join)
         while True:
             message = group.receive_step()

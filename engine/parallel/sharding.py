@@ -33,6 +33,28 @@ from engine.platform.cpu.packed_experts import restore_plain_experts
 
 
 @dataclass(frozen=True, slots=True)
+class ShardSource:
+    """Where a rank's tensor of a model sharded on the meta device comes from (read by
+    engine/parallel/shard_loading.py): ``ranges`` ``[start, stop)`` of the full tensor ``full``
+    along ``dim``, concatenated (no ranges: all of it), or zeros of the rank's shape."""
+
+    full: torch.Tensor
+    dim: int = 0
+    ranges: tuple[tuple[int, int], ...] = ()
+    zeros: bool = False
+
+
+SOURCE = "_tp_source"  # the attribute a meta shard carries its ShardSource in
+
+
+def _note(shard: torch.Tensor, source: ShardSource) -> None:
+    """Tag ``shard`` with ``source`` when sharding runs on the meta device (a real full tensor
+    is never referenced: the shard holds its own values then)."""
+    if source.full.is_meta:
+        setattr(shard, SOURCE, source)
+
+
+@dataclass(frozen=True, slots=True)
 class ShardShape:
     """A model's sharded dimensions on one rank: heads and MLP width per rank."""
 
@@ -162,24 +184,35 @@ def _shard_experts(experts: nn.Module, rank: int, world_size: int, group: object
     engine/model/experts_swap.py), so the bias is added once."""
     part = _experts_width(experts) // world_size
     width = part * world_size
+    lo, hi = rank * part, (rank + 1) * part
     if experts.is_concatenated:  # [gate rows; up rows]
-        keep = torch.cat((torch.arange(part), width + torch.arange(part))) + rank * part
+        keep_ranges = ((lo, hi), (width + lo, width + hi))
     else:  # gate and up interleaved: the pairs of this slice are adjacent
-        keep = torch.arange(2 * rank * part, 2 * (rank + 1) * part)
-    mine = slice(rank * part, (rank + 1) * part)
-    gate_up, down = experts.gate_up_proj.data, experts.down_proj.data
+        keep_ranges = ((2 * lo, 2 * hi),)
+    keep = torch.cat([torch.arange(a, b) for a, b in keep_ranges])
+    mine = slice(lo, hi)
+    full_gate_up, full_down = experts.gate_up_proj, experts.down_proj
+    gate_up, down = full_gate_up.data, full_down.data
     if experts.is_transposed:  # [E, in, out]
         gate_up, down = gate_up[:, :, keep], down[:, mine, :]
+        gate_up_dim, down_dim = 2, 1
     else:  # [E, out, in]
         gate_up, down = gate_up[:, keep, :], down[:, :, mine]
+        gate_up_dim, down_dim = 1, 2
     experts.gate_up_proj = nn.Parameter(gate_up.contiguous(), requires_grad=False)
     experts.down_proj = nn.Parameter(down.contiguous(), requires_grad=False)
+    _note(experts.gate_up_proj, ShardSource(full_gate_up, gate_up_dim, keep_ranges))
+    _note(experts.down_proj, ShardSource(full_down, down_dim, ((mine.start, mine.stop),)))
     if experts.has_bias:
-        bias = experts.gate_up_proj_bias.data[:, keep].contiguous()
+        full_bias = experts.gate_up_proj_bias
+        bias = full_bias.data[:, keep].contiguous()
         experts.gate_up_proj_bias = nn.Parameter(bias, requires_grad=False)
-        down_bias = experts.down_proj_bias.data
+        _note(experts.gate_up_proj_bias, ShardSource(full_bias, 1, keep_ranges))
+        full_down_bias = experts.down_proj_bias
+        down_bias = full_down_bias.data
         down_bias = down_bias.clone() if rank == 0 else torch.zeros_like(down_bias)
         experts.down_proj_bias = nn.Parameter(down_bias, requires_grad=False)
+        _note(experts.down_proj_bias, ShardSource(full_down_bias, zeros=rank != 0))
     experts.intermediate_dim = experts.intermediate_size = part
     experts.tp_group = group
     experts.tp_reduce = True
@@ -223,13 +256,14 @@ def _rows(linear: nn.Linear, rank: int, world_size: int) -> nn.Linear:
     linear = _plain(linear)
     n = linear.out_features // world_size
     rows = slice(rank * n, (rank + 1) * n)
-    out = nn.Linear(linear.in_features, n, bias=linear.bias is not None)
-    out = out.to(dtype=linear.weight.dtype, device=linear.weight.device)
-    with torch.no_grad():
-        out.weight.copy_(linear.weight[rows])
-        if linear.bias is not None:
-            out.bias.copy_(linear.bias[rows])
-    return out.requires_grad_(False)
+    weight = linear.weight.detach()[rows].clone()  # its own copy: the full weight is freed
+    bias = None if linear.bias is None else linear.bias.detach()[rows].clone()
+    out = linear_from(weight, bias)
+    span = ((rows.start, rows.stop),)
+    _note(out.weight, ShardSource(linear.weight, 0, span))
+    if linear.bias is not None:
+        _note(out.bias, ShardSource(linear.bias, 0, span))
+    return out
 
 
 def _columns(linear: nn.Linear, rank: int, world_size: int, group: object | None) -> nn.Module:
@@ -238,7 +272,11 @@ def _columns(linear: nn.Linear, rank: int, world_size: int, group: object | None
     n = linear.in_features // world_size
     weight = linear.weight.detach()[:, rank * n : (rank + 1) * n].contiguous()
     bias = None if linear.bias is None else linear.bias.detach().clone()
-    return RowParallelLinear(weight, bias, group)
+    row_parallel = RowParallelLinear(weight, bias, group)
+    _note(row_parallel.proj.weight, ShardSource(linear.weight, 1, ((rank * n, (rank + 1) * n),)))
+    if bias is not None:
+        _note(row_parallel.bias, ShardSource(linear.bias))
+    return row_parallel
 
 
 def shard_model(
@@ -262,6 +300,7 @@ def shard_model(
         if sinks is not None:  # gpt-oss: one logit per query head, this rank's heads
             heads = slice(rank * shape.num_heads, (rank + 1) * shape.num_heads)
             attn.sinks = nn.Parameter(sinks.data[heads].clone(), requires_grad=False)
+            _note(attn.sinks, ShardSource(sinks, 0, ((heads.start, heads.stop),)))
         if _plain_experts(mlp):
             _shard_experts(mlp.experts, rank, world_size, group)
             dense = [m for m in _shared_parts(mlp).values() if _dense_mlp(m)]

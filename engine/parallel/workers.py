@@ -4,9 +4,11 @@ Process layout (rank 0 is the engine process itself, the *driver*)::
 
     driver (rank 0)                                  worker (rank r, spawned)
     ------------------------------------------       ---------------------------------------
-    load the model, check it shards (ValueError)
-    spawn ranks 1..N-1 (pipe + process each)  --->   load the model (or unpickle the driver's)
-    shard its own copy                               shard it for rank r, move to cuda:r
+    load rank 0's shard (or the whole model,
+      checked to shard: ValueError)
+    spawn ranks 1..N-1 (pipe + process each)  --->   load rank r's shard (or the whole model,
+                                                       or unpickle the driver's)
+    shard a whole copy                               shard a whole copy; move to cuda:r
     wait for every "loaded" (or an error)     <---   "loaded" (or "error", cause) on the pipe
     join the process groups                   <-->   join the process groups
     ModelRunner: min KV budget over ranks     <-->   ModelRunner: the same agreements
@@ -92,8 +94,10 @@ class TensorParallelWorkers:
         *,
         max_model_len: int,
         share_model: bool,
+        sharded: bool = False,
     ) -> TensorParallelWorkers:
-        """Spawn ranks 1..N-1, shard ``model`` in place for rank 0 and join the groups.
+        """Spawn ranks 1..N-1, shard ``model`` in place for rank 0 (unless ``sharded``: it was
+        loaded as rank 0's shard) and join the groups.
 
         share_model: send the driver's (unsharded) model to the workers instead of having each
         load ``config.model`` (an in-memory model has no path to load from).
@@ -101,13 +105,18 @@ class TensorParallelWorkers:
         rank and cause when a worker fails to start.
         """
         world = config.tensor_parallel_size
+        if sharded and share_model:
+            raise ValueError("a model loaded as rank 0's shard cannot be sent to the other ranks")
         shard_shape(model.config, world)  # refuse before any process starts
-        plain_projections(model)  # a model prepared for one device: its original projections
-        check_shardable(model, world)
+        if not sharded:  # a loaded shard was checked before it was read
+            plain_projections(model)  # a model prepared for one device: its original projections
+            check_shardable(model, world)
         # A loopback rendezvous binds the store's socket now: the port is ours from here on.
         rendezvous = Rendezvous.for_driver()
         try:
-            return cls._start(config, model, device, rendezvous, max_model_len, share_model)
+            return cls._start(
+                config, model, device, rendezvous, max_model_len, share_model, sharded
+            )
         finally:
             rendezvous.close()  # a no-op once the store has taken the descriptor
 
@@ -120,6 +129,7 @@ class TensorParallelWorkers:
         rendezvous: Rendezvous,
         max_model_len: int,
         share_model: bool,
+        sharded: bool,
     ) -> TensorParallelWorkers:
         world = config.tensor_parallel_size
         address, port = rendezvous.address, rendezvous.port
@@ -144,7 +154,8 @@ class TensorParallelWorkers:
         try:
             # cuda:0, with its index (NCCL's device_id)
             own_device = platform_for(device).rank_device(0)
-            shard_model(model, rank=0, world_size=world)
+            if not sharded:
+                shard_model(model, rank=0, world_size=world)
             model.to(own_device)
             workers._wait_loaded()
             workers.group = TensorParallelGroup.join(

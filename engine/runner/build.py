@@ -4,8 +4,9 @@ The engine (rank 0) and every tensor-parallel worker rank build theirs with thes
 every rank loads in the same dtype, derives the same context length and prepares the same
 layout::
 
-    load_for(config, platform)            -> LoadedModel (under tensor parallelism: on the CPU)
-    (shard_model, under tensor parallelism)
+    load_for(config, platform, rank)      -> LoadedModel (under tensor parallelism: the rank's
+                                             shard read alone, or the whole model, on the CPU)
+    (shard_model of a whole model, under tensor parallelism)
     build_runner(model, config, device)   -> prepare_model, onto the device, ModelRunner
 """
 
@@ -18,7 +19,7 @@ import torch
 from transformers import PreTrainedModel
 
 from engine.config import EngineConfig
-from engine.model.loader import LoadedModel, load_model
+from engine.model.loader import LoadedModel, load_model, load_model_shard
 from engine.model.prep import prepare_model
 from engine.parallel.group import TensorParallelGroup
 from engine.platform.platform import Platform
@@ -27,14 +28,20 @@ from engine.runner.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 
-def load_for(config: EngineConfig, platform: Platform) -> LoadedModel:
-    """``config.model`` in the platform's dtype for ``config.dtype``, on the platform's device;
-    on the CPU under tensor parallelism, where only shards ever go to a device."""
+def load_for(config: EngineConfig, platform: Platform, rank: int = 0) -> LoadedModel:
+    """``config.model`` in the platform's dtype for ``config.dtype``, on the platform's device.
+    Under tensor parallelism, tensor-parallel rank ``rank``'s shard alone, read from the
+    checkpoint's files, where they can be read name for name (``LoadedModel.shard`` says so),
+    else the whole model on the CPU, where only shards ever go to a device."""
     choice = platform.dtype(config.dtype)
     logger.info("weights in %s", choice)
-    tensor_parallel = config.tensor_parallel_size > 1
-    device = torch.device("cpu") if tensor_parallel else platform.device
-    return load_model(config.model, dtype=choice.dtype, device=device)
+    world = config.tensor_parallel_size
+    if world > 1:
+        shard = load_model_shard(config.model, dtype=choice.dtype, rank=rank, world_size=world)
+        if shard is not None:
+            return shard
+        return load_model(config.model, dtype=choice.dtype, device=torch.device("cpu"))
+    return load_model(config.model, dtype=choice.dtype, device=platform.device)
 
 
 def context_length(config: EngineConfig, native: int) -> int:

@@ -1,0 +1,217 @@
+"""Load one tensor-parallel rank's shard straight from a safetensors folder, never the whole model.
+
+    config.json ──► the model built on the meta device (parameters without storage; buffers
+                    such as rotary frequencies computed as usual)
+                ──► shard_model on it: every sharded parameter carries a ShardSource
+                    (which full tensor, which ranges along which dim)
+    *.safetensors ─► for each parameter: safe_open(...).get_slice(name)[ranges], cast to the
+                    load dtype, put in place of the meta one (tied parameters stay tied)
+
+safetensors maps the file and ``get_slice`` copies out only the bytes asked for, so a rank holds
+its shard plus the one tensor it is reading (a row-parallel weight's column slice touches every
+row of the mapped tensor, whose pages the kernel may drop again).
+
+A tensor is found under the model's own name, under the name of a checkpoint that calls the
+block otherwise (Mixtral's ``block_sparse_moe`` for ``mlp``), or, for the fused experts
+tensors transformers builds at load (``experts.gate_up_proj [E, 2I, H]``, gate rows then up
+rows, and ``experts.down_proj [E, H, I]``), as one tensor per expert and part
+(``experts.{e}.gate_proj/up_proj/down_proj.weight``, Mixtral's ``w1/w3/w2``): each expert's
+rows of this rank are read from its parts and stacked.
+
+Whole-model loading (``from_pretrained``) remains for what this cannot read: checkpoints stored
+under other names still, quantized checkpoints (gpt-oss's MXFP4), and hub ids (not on disk);
+GGUF files are read through their safetensors conversion. ``load_shard`` returns None for those,
+with the reason in the log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+
+from engine.parallel.sharding import SOURCE, ShardSource, check_shardable, shard_model
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+# (the model's module name, a checkpoint's name for it)
+MODULE_RENAMES = ((".mlp.", ".block_sparse_moe."),)
+# a fused experts tensor -> the per-expert parts it concatenates, by the checkpoints' names
+EXPERT_PARTS = {
+    "gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")),
+    "down_proj": (("down_proj",), ("w2",)),
+}
+FUSED_EXPERTS = re.compile(r"(?P<block>.*)\.experts\.(?P<fused>gate_up_proj|down_proj)")
+
+# Where a model tensor is stored: one checkpoint name, or per expert the names of its parts
+Stored = str | list[list[str]]
+
+
+def checkpoint_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it: from the index of a sharded checkpoint,
+    else every ``*.safetensors`` file in ``folder``."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    names: dict[str, Path] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            names.update(dict.fromkeys(f.keys(), file))
+    return names
+
+
+def stored_as(name: str, files: dict[str, Path]) -> Stored | None:
+    """Where the checkpoint holds model tensor ``name`` (module docstring), or None."""
+    if name in files:
+        return name
+    renamed = [name.replace(ours, theirs, 1) for ours, theirs in MODULE_RENAMES if ours in name]
+    for alt in renamed:
+        if alt in files:
+            return alt
+    match = FUSED_EXPERTS.fullmatch(name)
+    if match is None:
+        return None
+    block = match["block"]
+    blocks = [block] + [
+        (block + ".").replace(ours, theirs, 1)[:-1]
+        for ours, theirs in MODULE_RENAMES
+        if ours in block + "."
+    ]
+    for prefix in blocks:
+        for parts in EXPERT_PARTS[match["fused"]]:
+            experts: list[list[str]] = []
+            while all(f"{prefix}.experts.{len(experts)}.{p}.weight" in files for p in parts):
+                experts.append([f"{prefix}.experts.{len(experts)}.{p}.weight" for p in parts])
+            if experts:
+                return experts
+    return None
+
+
+def empty_model(path: Path, dtype: torch.dtype) -> PreTrainedModel:
+    """The model of ``path``'s config with parameters on the meta device, buffers real."""
+    config = AutoConfig.from_pretrained(path)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # a tied head shares the embedding (from_pretrained ties at load)
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model.eval()
+
+
+def load_shard(
+    path: str, *, rank: int, world_size: int, dtype: torch.dtype
+) -> PreTrainedModel | None:
+    """Rank ``rank``'s shard of the model in folder ``path`` (of ``world_size``), on the CPU in
+    ``dtype``, sharded as ``shard_model`` shards; None when the folder cannot be read name for
+    name (module docstring), and the caller loads the whole model instead. Raises ValueError
+    (from ``check_shardable``) when the model does not shard ``world_size`` ways."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        return _whole(path, "not a local folder")
+    if getattr(AutoConfig.from_pretrained(folder), "quantization_config", None) is not None:
+        return _whole(path, "a quantized checkpoint")
+    files = checkpoint_files(folder)
+    model = empty_model(folder, dtype)
+    stored = {id(p): (name, stored_as(name, files)) for name, p in model.named_parameters()}
+    missing = [name for name, where in stored.values() if where is None]
+    if missing:
+        stored_elsewhere = f"{len(missing)} parameters stored under other names ({missing[0]})"
+        return _whole(path, stored_elsewhere)
+    check_shardable(model, world_size)
+    shard_model(model, rank=rank, world_size=world_size)
+    with ExitStack() as stack:
+        opened: dict[Path, object] = {}
+
+        def tensor(name: str):  # a lazily read checkpoint tensor (safetensors' slice object)
+            file = files[name]
+            if file not in opened:
+                opened[file] = stack.enter_context(safe_open(file, framework="pt"))
+            return opened[file].get_slice(name)
+
+        def read(where: Stored, source: ShardSource | None) -> torch.Tensor:
+            ranges = () if source is None else source.ranges
+            if isinstance(where, str):
+                return _slices([tensor(where)], source.dim if ranges else 0, ranges)
+            # per expert: its parts are 2-D, the fused tensor's dim d is their dim d - 1
+            dim = source.dim - 1 if ranges else 0
+            experts = [_slices([tensor(n) for n in parts], dim, ranges) for parts in where]
+            return torch.stack(experts)
+
+        _fill(model, stored, read, dtype)
+        _read_buffers(model, files, read)
+    return model
+
+
+def _slices(parts: list, dim: int, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """``ranges`` along ``dim`` of the concatenation of ``parts`` (safetensors slices of equal
+    width along ``dim``), read without materialising the rest; all of it without ranges."""
+    if not ranges:
+        pieces = [part[:] for part in parts]
+    else:
+        width = parts[0].get_shape()[dim]
+        lead = (slice(None),) * dim
+        pieces = []
+        for start, stop in ranges:
+            k = start // width  # a range never crosses parts (shards split each part)
+            local = slice(start - k * width, stop - k * width)
+            pieces.append(parts[k][(*lead, local)])
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def _read_buffers(model: nn.Module, files: dict[str, Path], read) -> None:
+    """Persistent buffers the checkpoint stores (a router's score-correction bias, say) take
+    the stored values, in the buffer's own dtype; the rest keep what the config computed."""
+    for prefix, module in model.named_modules():
+        for key, buffer in list(module._buffers.items()):
+            name = f"{prefix}.{key}" if prefix else key
+            if buffer is None or key in module._non_persistent_buffers_set:
+                continue
+            where = stored_as(name, files)
+            if isinstance(where, str):
+                module._buffers[key] = read(where, None).to(buffer.dtype)
+
+
+def _whole(path: str, why: str) -> None:
+    logger.info("tensor parallelism: loading all of %s on each rank (%s)", path, why)
+    return None
+
+
+def _fill(
+    model: nn.Module, stored: dict[int, tuple[str, Stored]], read, dtype: torch.dtype
+) -> None:
+    """Replace every meta parameter with its values: a sharded one's slices (its ShardSource),
+    zeros where the source says so, an untouched one read whole. A parameter held by several
+    modules (a tied LM head) is read once and stays shared."""
+    done: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for key, param in list(module._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in done:
+                source: ShardSource | None = getattr(param, SOURCE, None)
+                if source is not None and source.zeros:
+                    values = torch.zeros(param.shape, dtype=dtype)
+                else:
+                    entry = stored.get(id(source.full if source is not None else param))
+                    if entry is None:
+                        raise RuntimeError(f"sharding left {key} with no checkpoint tensor")
+                    values = read(entry[1], source)
+                    if values.is_floating_point():
+                        values = values.to(dtype)
+                if values.shape != param.shape:
+                    raise ValueError(
+                        f"checkpoint tensor for {key} has shape {tuple(values.shape)}, "
+                        f"the shard needs {tuple(param.shape)}"
+                    )
+                done[id(param)] = nn.Parameter(values.contiguous(), requires_grad=False)
+            module._parameters[key] = done[id(param)]
