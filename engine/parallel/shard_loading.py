@@ -130,13 +130,18 @@ def load_shard(
     check_shardable(model, world_size)
     shard_model(model, rank=rank, world_size=world_size)
     with ExitStack() as stack:
-        opened: dict[Path, object] = {}
+        opened: list[tuple[Path, ExitStack, object]] = []  # the one file open now
 
         def tensor(name: str):  # a lazily read checkpoint tensor (safetensors' slice object)
+            """Read from one file at a time: a file is closed (its mapping, and the pages read
+            through it, dropped) when the next one is opened."""
             file = files[name]
-            if file not in opened:
-                opened[file] = stack.enter_context(safe_open(file, framework="pt"))
-            return opened[file].get_slice(name)
+            if not opened or opened[0][0] != file:
+                if opened:
+                    opened.pop()[1].close()
+                scope = stack.enter_context(ExitStack())
+                opened.append((file, scope, scope.enter_context(safe_open(file, framework="pt"))))
+            return opened[0][2].get_slice(name)
 
         def read(where: Stored, source: ShardSource | None) -> torch.Tensor:
             ranges = () if source is None else source.ranges
