@@ -2,14 +2,16 @@
 users run it (``python -m sglang_router.launch_router --worker-urls A B --policy P``).
 
 The traffic: ``GROUPS`` prompts that each open with their own ~150-token prefix (a system
-prompt), sent ``ROUNDS`` times, each round all groups at once. Each replica's KV cache holds
+prompt), sent ``ROUNDS`` times, each round all groups together. Each replica's KV cache holds
 about four of the seven prefixes, so a replica that sees every group (round robin: an odd number
 of groups makes each group alternate replicas by round) keeps evicting them, while one that
 sees about half of them (cache-aware: a prompt goes where its prefix went) keeps its share. The
 fleet's prefix-cache hit rate (hit tokens over queried tokens, summed over both replicas'
 ``vllm:prefix_cache_*`` counters) must be at least 1.5x round robin's on the same traffic.
 Between the two policies the router's own ``POST /flush_cache`` empties both replicas' caches
-(our ``/flush_cache``), and a fresh router starts with an empty routing tree."""
+(our ``/flush_cache``), and a fresh router starts with an empty routing tree. The fleet is keyed
+as one across machines would be: the replicas and the router share ``--api-key``, clients send
+it to the router (401 without), and the router sends it to the replicas."""
 
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ GROUPS = 7
 ROUNDS = 4
 KV_CACHE_BYTES = 16 << 20  # 45 blocks of 16 tokens in bf16: about four prefixes
 ROUTER_DEADLINE_S = 30.0
+STAGGER_S = 0.03  # between a round's sends: they reach the router in group order
+KEY = "sk-fleet"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 TOPICS = ("astronomy", "baking", "chess", "dentistry", "economics", "falconry", "geology")
 
 
@@ -58,7 +63,8 @@ class Router:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sglang_router.launch_router"]
             + ["--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1]]
-            + ["--worker-urls", *workers, "--policy", policy, "--log-level", "warn"],
+            + ["--worker-urls", *workers, "--policy", policy, "--api-key", KEY]
+            + ["--log-level", "warn"],
             stdout=subprocess.DEVNULL,
             stderr=self.log,
         )
@@ -73,7 +79,7 @@ class Router:
 
     def _ready(self) -> bool:
         try:
-            return http("GET", f"{self.url}/v1/models").status == 200
+            return http("GET", f"{self.url}/v1/models", headers=AUTH).status == 200
         except OSError:
             return False
 
@@ -103,22 +109,31 @@ def prefix_counters(url: str) -> tuple[float, float, float]:
 
 
 def send_traffic(router: Router, model: str) -> None:
-    """Every round's requests at once; every one must come back with its token."""
+    """Each round's requests together (each sent ``STAGGER_S`` after the one before, so round
+    robin's choice depends on the group and round alone, while a prefill of ~150 tokens outlasts
+    the gap and cache-aware routing sees the first ones in flight); every one must come back
+    with its token."""
 
     def one(group: int, round_: int) -> None:
         body = {"model": model, "prompt": prompt(group, round_), "max_tokens": 1, "temperature": 0}
-        reply = http("POST", f"{router.url}/v1/completions", json=body)
+        reply = http("POST", f"{router.url}/v1/completions", json=body, headers=AUTH)
         assert reply.status == 200, reply.body
         assert json.loads(reply.body)["usage"]["completion_tokens"] == 1
 
     with ThreadPoolExecutor(GROUPS) as pool:
         for round_ in range(ROUNDS):
-            list(pool.map(one, range(GROUPS), [round_] * GROUPS))
+            futures = []
+            for group in range(GROUPS):
+                futures.append(pool.submit(one, group, round_))
+                time.sleep(STAGGER_S)
+            for future in futures:
+                future.result()
 
 
 @pytest.fixture(scope="module")
 def replicas() -> Iterator[list[str]]:
     args = ["--port", "0", "--kv-cache-memory", str(KV_CACHE_BYTES), "--max-model-len", "512"]
+    args += ["--api-key", KEY]
     servers = [ServerProcess(args) for _ in range(2)]
     try:
         yield [s.wait_for(READY, START_DEADLINE_S)["url"] for s in servers]
@@ -132,10 +147,13 @@ def run_policy(replicas: list[str], policy: str) -> dict[str, tuple[float, float
     (queried, hit, requests) it added."""
     router = Router(replicas, policy)
     try:
-        flushed = http("POST", f"{router.url}/flush_cache")
+        flushed = http("POST", f"{router.url}/flush_cache", headers=AUTH)
         assert flushed.status == 200 and json.loads(flushed.body)["workers_flushed"] == 2
         before = {url: prefix_counters(url) for url in replicas}
-        model = json.loads(http("GET", f"{replicas[0]}/v1/models").body)["data"][0]["id"]
+        model = json.loads(http("GET", f"{replicas[0]}/v1/models", headers=AUTH).body)
+        model = model["data"][0]["id"]
+        body = {"model": model, "prompt": "Hi", "max_tokens": 1}
+        assert http("POST", f"{router.url}/v1/completions", json=body).status == 401
         send_traffic(router, model)
     finally:
         router.stop()
@@ -152,7 +170,7 @@ def assert_replica_clean(url: str) -> None:
     """Idle, no block held, and the pool's own integrity check passes."""
     end = time.monotonic() + 10
     while True:
-        state = json.loads(http("GET", f"{url}/v1/engine/state").body)["engine"]
+        state = json.loads(http("GET", f"{url}/v1/engine/state", headers=AUTH).body)["engine"]
         if state["kv"]["usage"]["used_blocks"] == 0 and not state["running"] or (
             time.monotonic() > end
         ):
@@ -171,9 +189,10 @@ def test_cache_aware_routing_beats_round_robin_on_shared_prefixes(replicas: list
         assert sum(r for _, _, r in result.values()) == GROUPS * ROUNDS  # every request served
         assert all(r > 0 for _, _, r in result.values())  # on both replicas
     aware, robin = fleet_hit_rate(cache_aware), fleet_hit_rate(round_robin)
+    ratio = f"{aware / robin:.2f}" if robin else "inf"
     print(
         f"\nfleet prefix-cache hit rate: cache_aware {aware:.3f}, round_robin {robin:.3f}, "
-        f"ratio {aware / robin:.2f}; requests per replica: "
+        f"ratio {ratio}; requests per replica: "
         f"cache_aware {[int(r) for _, _, r in cache_aware.values()]}, "
         f"round_robin {[int(r) for _, _, r in round_robin.values()]}"
     )
