@@ -30,8 +30,9 @@ runs of key tiles, one program each. Each writes its normalised partial output a
 log-sum-exp (log2 units) to an fp32 workspace, and ``_paged_attention_reduce_kernel`` merges the
 partials: ``out = sum_j 2^(lse_j - max lse) * out_j / sum_j 2^(lse_j - max lse)``. Empty runs
 write ``lse = -inf`` and drop out of the merge. ``num_kv_splits=None`` picks a value with
-:func:`choose_num_kv_splits`, a fixed function of the shapes (no autotuning): only decode-only
-batches (``max_seqlen_q == 1``) with too few (sequence, KV head) programs to fill the GPU split.
+:func:`choose_num_kv_splits`, a fixed function of the shapes and the multiprocessor count (no
+autotuning): only decode-only batches (``max_seqlen_q == 1``) with too few (sequence, KV head)
+programs to fill the GPU split, as many times as FlashAttention's wave-efficiency rule says.
 
 Grids
 -----
@@ -62,6 +63,7 @@ arguments, warps -- from the frozen ``AttentionLaunch`` that :func:`attention_la
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -75,13 +77,15 @@ from kernels.triton.attention_checks import (
     check_sinks,
     check_workspace,
 )
-from kernels.triton.runtime import interpreting
+from kernels.triton.runtime import REFERENCE_SMS, interpreting, multiprocessor_count
 
-# Split-KV heuristic: aim for this many programs per launch, never split below this many keys
-# per split, and never split more than this.
-_TARGET_PROGRAMS = 256
+# Split-KV heuristic (choose_num_kv_splits): no split once the unsplit launch fills this share of
+# the SMs, at least this many keys per split, at most this many splits, and the fewest splits
+# whose wave efficiency is within this share of the best.
+_FULL_ENOUGH = 0.8
 _MIN_KEYS_PER_SPLIT = 512
 _MAX_KV_SPLITS = 32
+_EFFICIENCY_SHARE = 0.85
 _LOG2_E = 1.4426950408889634
 
 
@@ -520,8 +524,10 @@ def attention_launch(
     num_kv_splits: int | None,
     softcap: float | None = None,
     sinks: bool = False,
+    num_sms: int = REFERENCE_SMS,
 ) -> AttentionLaunch:
-    """The launch settings of one call (``num_kv_splits=None``: :func:`choose_num_kv_splits`).
+    """The launch settings of one call (``num_kv_splits=None``: :func:`choose_num_kv_splits`
+    for a GPU of ``num_sms`` multiprocessors).
 
     A fixed function of the shapes, dtype and arguments, never of tensor contents.
     """
@@ -531,6 +537,7 @@ def attention_launch(
             num_kv_heads=shapes.num_kv_heads,
             max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k,
+            num_sms=num_sms,
         )
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
@@ -552,22 +559,44 @@ def attention_launch(
 
 
 def choose_num_kv_splits(
-    *, num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int
+    *,
+    num_seqs: int,
+    num_kv_heads: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    num_sms: int = REFERENCE_SMS,
 ) -> int:
     """The split-KV factor ``paged_attention`` uses when ``num_kv_splits`` is None.
 
-    A fixed function of the shapes: 1 unless the batch is decode-only (``max_seqlen_q == 1``)
-    and has fewer than ``_TARGET_PROGRAMS`` (sequence, KV head) programs; then enough splits to
-    reach that many programs, at most one per ``_MIN_KEYS_PER_SPLIT`` keys of the longest
-    context and at most ``_MAX_KV_SPLITS``. A CUDA-graph caller should pass ``num_kv_splits``
-    explicitly, since this depends on ``max_seqlen_k``.
+    FlashAttention's wave-efficiency rule (``num_splits_heuristic``) over our programs, one per
+    (sequence, KV head) of a decode-only batch (GQA packing puts a KV head's whole group in one
+    program). 1 unless the batch is decode-only (``max_seqlen_q == 1``) and the unsplit launch
+    fills less than ``_FULL_ENOUGH`` of the ``num_sms`` multiprocessors. Otherwise, among the
+    split counts ``s`` up to ``_MAX_KV_SPLITS`` that leave each split ``_MIN_KEYS_PER_SPLIT``
+    keys of the longest context or more (and do not give the same keys per split as ``s - 1``),
+    the fewest whose wave efficiency ``w / ceil(w)``, ``w = programs * s / num_sms`` waves, is
+    at least ``_EFFICIENCY_SHARE`` of the best: the last wave nearly full, with the fewest
+    partial results to merge. A fixed function of shapes and SM count (graph-safe for a given
+    ``max_seqlen_k``, which a CUDA-graph caller fixes).
     """
-    if max_seqlen_q != 1:
-        return 1
     programs = max(1, num_seqs * num_kv_heads)
-    by_occupancy = -(-_TARGET_PROGRAMS // programs)
-    by_length = max_seqlen_k // _MIN_KEYS_PER_SPLIT
-    return max(1, min(by_occupancy, by_length, _MAX_KV_SPLITS))
+    if max_seqlen_q != 1 or programs >= _FULL_ENOUGH * num_sms:
+        return 1
+    key_blocks = max(1, max_seqlen_k // _MIN_KEYS_PER_SPLIT)
+    most = min(_MAX_KV_SPLITS, key_blocks, num_sms)
+    if most == 1:
+        return 1
+
+    def efficiency(splits: int) -> float:
+        waves = programs * splits / num_sms
+        return waves / math.ceil(waves)
+
+    def eligible(splits: int) -> bool:  # splitting further must change the keys per split
+        return splits == 1 or -(-key_blocks // splits) != -(-key_blocks // (splits - 1))
+
+    candidates = [s for s in range(1, most + 1) if eligible(s)]
+    best = max(efficiency(s) for s in candidates)
+    return next(s for s in candidates if efficiency(s) >= _EFFICIENCY_SHARE * best)
 
 
 def workspace_numel(*, num_tokens: int, num_q_heads: int, head_dim: int, num_kv_splits: int) -> int:
@@ -635,6 +664,7 @@ def paged_attention(
         num_kv_splits=num_kv_splits,
         softcap=softcap,
         sinks=sinks is not None,
+        num_sms=multiprocessor_count(q.device),
     )
     if launch.split:
         part_out, part_lse = _partials(workspace, shapes, launch.num_kv_splits, q.device)

@@ -9,9 +9,14 @@ whether Triton should load at all.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
+
+# Streaming multiprocessors the launch heuristics plan for where there is no GPU to ask (an H100
+# or H200 SXM: the GPUs this project is measured on), so interpreted runs choose what they would.
+REFERENCE_SMS = 132
 
 
 def interpreting() -> bool:
@@ -28,3 +33,15 @@ def check_device(device: torch.device) -> None:
     """Raise ``ValueError`` for tensors the kernels cannot take (CPU without the interpreter)."""
     if not can_run_on(device):
         raise ValueError(f"tensors on {device} need TRITON_INTERPRET=1 (or use CUDA tensors)")
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """The streaming multiprocessors of ``device`` (CUDA), else ``REFERENCE_SMS``."""
+    if device.type == "cuda":
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return REFERENCE_SMS

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import math
 
 import pytest
 import torch
@@ -208,8 +209,45 @@ def test_choose_num_kv_splits_is_a_fixed_function_of_shapes():
     )
     assert choose_num_kv_splits(num_seqs=1, num_kv_heads=8, max_seqlen_q=1, max_seqlen_k=8192) == 16
     assert (
-        choose_num_kv_splits(num_seqs=1, num_kv_heads=1, max_seqlen_q=1, max_seqlen_k=10**6) == 32
+        choose_num_kv_splits(num_seqs=1, num_kv_heads=1, max_seqlen_q=1, max_seqlen_k=10**6) == 28
     )
+
+
+def _waves_efficiency(programs: int, splits: int, num_sms: int) -> float:
+    waves = programs * splits / num_sms
+    return waves / math.ceil(waves)
+
+
+@pytest.mark.parametrize(
+    ("num_seqs", "num_kv_heads", "max_seqlen_k", "num_sms", "splits"),
+    [
+        (1, 8, 16384, 132, 16),  # 128 programs: one wave, 97 % full
+        (1, 8, 16384, 108, 11),  # an A100: 88 of 108 (12 would split 32 key blocks as 11 does)
+        (2, 8, 16384, 132, 7),  # 112 programs
+        (1, 8, 2048, 132, 4),  # 4 key blocks of 512: no more splits than that
+        (13, 8, 8192, 132, 6),  # 104 programs, below 80 % of the SMs: 624 = 4.7 full waves
+        (14, 8, 8192, 132, 1),  # 112 programs fill 80 %: no split
+        (64, 3, 4096, 132, 1),  # 192 programs: more than a wave already
+    ],
+)
+def test_split_choice_follows_wave_efficiency_for_the_sm_count(
+    num_seqs: int, num_kv_heads: int, max_seqlen_k: int, num_sms: int, splits: int
+):
+    """FlashAttention's rule over our (sequence, KV head) programs: the fewest splits whose last
+    wave is nearly as full as the best choice's, each split keeping >= 512 keys."""
+    got = choose_num_kv_splits(
+        num_seqs=num_seqs,
+        num_kv_heads=num_kv_heads,
+        max_seqlen_q=1,
+        max_seqlen_k=max_seqlen_k,
+        num_sms=num_sms,
+    )
+    assert got == splits
+    programs = num_seqs * num_kv_heads
+    if splits > 1:  # each split keeps >= 512 keys, and the waves are fuller than unsplit
+        assert splits <= max_seqlen_k // 512
+        unsplit = _waves_efficiency(programs, 1, num_sms)
+        assert _waves_efficiency(programs, splits, num_sms) > unsplit
 
 
 def test_launch_record_names_every_compile_time_argument():
