@@ -129,32 +129,49 @@ def load_shard(
         return _whole(path, stored_elsewhere)
     check_shardable(model, world_size)
     shard_model(model, rank=rank, world_size=world_size)
-    with ExitStack() as stack:
-        opened: list[tuple[Path, ExitStack, object]] = []  # the one file open now
-
-        def tensor(name: str):  # a lazily read checkpoint tensor (safetensors' slice object)
-            """Read from one file at a time: a file is closed (its mapping, and the pages read
-            through it, dropped) when the next one is opened."""
-            file = files[name]
-            if not opened or opened[0][0] != file:
-                if opened:
-                    opened.pop()[1].close()
-                scope = stack.enter_context(ExitStack())
-                opened.append((file, scope, scope.enter_context(safe_open(file, framework="pt"))))
-            return opened[0][2].get_slice(name)
+    with OneFileAtATime(files) as checkpoint:
 
         def read(where: Stored, source: ShardSource | None) -> torch.Tensor:
             ranges = () if source is None else source.ranges
             if isinstance(where, str):
-                return _slices([tensor(where)], source.dim if ranges else 0, ranges)
+                return _slices([checkpoint.slice(where)], source.dim if ranges else 0, ranges)
             # per expert: its parts are 2-D, the fused tensor's dim d is their dim d - 1
             dim = source.dim - 1 if ranges else 0
-            experts = [_slices([tensor(n) for n in parts], dim, ranges) for parts in where]
-            return torch.stack(experts)
+            parts = [[checkpoint.slice(name) for name in expert] for expert in where]
+            return torch.stack([_slices(expert, dim, ranges) for expert in parts])
 
         _fill(model, stored, read, dtype)
         _read_buffers(model, files, read)
     return model
+
+
+class OneFileAtATime:
+    """A checkpoint's tensors, each read lazily (``slice(name)``: safetensors' slice object)
+    from its file, with one file open at a time: opening the next closes the last, dropping
+    its mapping and the pages read through it."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files = files
+        self._open: tuple[Path, ExitStack, object] | None = None
+
+    def slice(self, name: str) -> object:
+        file = self.files[name]
+        if self._open is None or self._open[0] != file:
+            self.close()
+            scope = ExitStack()
+            self._open = (file, scope, scope.enter_context(safe_open(file, framework="pt")))
+        return self._open[2].get_slice(name)
+
+    def close(self) -> None:
+        if self._open is not None:
+            self._open[1].close()
+            self._open = None
+
+    def __enter__(self) -> OneFileAtATime:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def _slices(parts: list, dim: int, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
