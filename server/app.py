@@ -50,7 +50,7 @@ from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.connections import ConnectionGuard, GuardedRunner
 from server.dashboard import add_dashboard
-from server.errors import SERVER_ERROR, APIError, error_response, from_http_exception
+from server.errors import APIError, error_response, from_http_exception
 from server.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from server.limits import ServerLimits
 from server.metrics import metrics
@@ -135,8 +135,7 @@ class HealthStatus(msgspec.Struct):
 
 
 async def health(request: web.Request) -> web.Response:
-    if not request.app[STATE].engine.is_alive:
-        raise APIError(503, "the engine loop is not running", type=SERVER_ERROR, code="engine_dead")
+    request.app[STATE].check_engine_alive()
     return json_response(HealthStatus())
 
 

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from engine.async_engine import AsyncEngine
 from server.connections import ConnectionGuard
-from server.errors import APIError
+from server.errors import SERVER_ERROR, APIError
 from server.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from server.limits import ServerLimits
 from server.response_store import ResponseStore
@@ -48,6 +48,13 @@ class ServerState:
                 + " or ".join(repr(n) for n in names),
                 param="model",
                 code="model_not_found",
+            )
+
+    def check_engine_alive(self) -> None:
+        """503 ``engine_dead`` unless the engine loop (and every tensor-parallel rank) runs."""
+        if not self.engine.is_alive:
+            raise APIError(
+                503, "the engine loop is not running", type=SERVER_ERROR, code="engine_dead"
             )
 
     @property

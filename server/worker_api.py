@@ -22,6 +22,7 @@ times the block size), which ``power_of_two`` routing compares between workers.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.metadata
 
 import msgspec
@@ -37,6 +38,7 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0  # seconds a one-token health generation may ta
 CACHE_PATHS = frozenset({"/flush_cache", "/reset_prefix_cache"})  # need the API key
 
 
+@functools.cache
 def package_version() -> str:
     """The installed paged-serve's version (``unknown`` when run from an uninstalled tree)."""
     try:
@@ -142,8 +144,7 @@ async def health_generate(request: web.Request) -> web.Response:
     """200 once a one-token greedy generation of a one-token prompt came back: the engine
     steps, not only its thread lives. It is an ordinary request (counted in the metrics)."""
     state = request.app[STATE]
-    if not state.engine.is_alive:
-        raise APIError(503, "the engine loop is not running", type=SERVER_ERROR, code="engine_dead")
+    state.check_engine_alive()
     job = Job(0, [0], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     with start_generation(state, state.engine.new_request_id("health"), [job], "prompt") as gen:
         try:
