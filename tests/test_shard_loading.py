@@ -41,8 +41,11 @@ def _model(family: str):
     return tiny_model("llama") if family == "llama" else tiny_architecture(family)
 
 
-def _expected(folder: Path, rank: int) -> dict[str, torch.Tensor]:
-    whole = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+def _expected(
+    folder: Path, rank: int, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Rank ``rank`` of 2's state dict the old way: the whole model loaded, then sharded."""
+    whole = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     shard_model(whole, rank=rank, world_size=2)
     return whole.state_dict()
 
@@ -73,9 +76,7 @@ def test_a_tied_head_stays_tied_and_bf16_is_cast_at_load(tmp_path: Path):
     model.save_pretrained(tmp_path)  # one file, no index
     got = load_shard(str(tmp_path), rank=1, world_size=2, dtype=torch.bfloat16)
     assert got.lm_head.weight is got.model.embed_tokens.weight
-    whole = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
-    shard_model(whole, rank=1, world_size=2)
-    _assert_same(got, whole.state_dict())
+    _assert_same(got, _expected(tmp_path, 1, torch.bfloat16))
 
 
 def test_the_whole_model_where_the_files_do_not_name_every_parameter(tmp_path: Path):
