@@ -10,8 +10,9 @@ Shapes: q ``[T, Hq, D]``; key/value ``[T, Hkv, D]``; k_cache, v_cache
 ``[num_blocks, block_size, Hkv, D]``; block_tables ``[S, max_blocks]`` int32; seq_lens ``[S]``
 int32 (context including the new tokens); cu_seqlens_q ``[S + 1]`` int32; slot_mapping ``[T]``
 int64 (-1: do not write); block_mapping ``[N, 2]`` int64 ``(src, dst)`` rows; kv_caches
-``[num_layers, 2, num_blocks, block_size, Hkv, D]``. The semantics are the references'
-(``fused_moe_ref`` for ``FusedMoe``).
+``[num_layers, 2, num_blocks, block_size, Hkv, D]`` (``[num_layers, 1, num_blocks, block_size, 1,
+C]`` for a latent cache); latent_cache ``[num_blocks, block_size, C]`` with ``C = kv_lora_rank +
+rope_dim``. The semantics are the references' (``fused_moe_ref`` for ``FusedMoe``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,35 @@ class PagedAttention(Protocol):
         sliding_window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
+class WriteLatent(Protocol):
+    """Scatter a step's latent cache entries ``[T, C]`` into one layer's latent cache, in place
+    (multi-head latent attention)."""
+
+    def __call__(
+        self, latent: torch.Tensor, latent_cache: torch.Tensor, *, slot_mapping: torch.Tensor
+    ) -> None: ...
+
+
+class MlaAttention(Protocol):
+    """Absorbed-query multi-head latent attention over the paged latent cache: ``q [T, H, C]``
+    (``q_nope @ W_UK``, then the rotated rope part) in, latent outputs ``[T, H, kv_lora_rank]``
+    in q's dtype out; metadata as for ``PagedAttention``."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        latent_cache: torch.Tensor,
+        *,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        scale: float,
+        kv_lora_rank: int,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
     ) -> torch.Tensor: ...
 
 

@@ -98,6 +98,46 @@ def paged_attention_ref(
     return out.to(q.dtype)
 
 
+def mla_attention_ref(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    *,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+) -> torch.Tensor:
+    """Multi-head latent attention with absorbed weights, in fp32, one sequence at a time.
+
+    latent_cache: ``[num_blocks, block_size, R + rope]``, one entry per token: the normalised
+    latent (first ``R = kv_lora_rank`` lanes) and the rotated shared key part. q: ``[T, H, R +
+    rope]``, each head's ``q_nope @ W_UK`` then its rotated ``q_rope``. Head ``h`` scores a
+    token ``q_h . entry * scale`` over every lane and takes the latent ``entry[:R]`` as its
+    value, causal inside a chunk as in :func:`paged_attention_ref` (same metadata; the maxima
+    are accepted for interface parity). Returns ``[T, H, R]`` in ``q.dtype``: the latent
+    outputs, which ``W_UV`` turns into per-head values.
+    """
+    block_size = latent_cache.shape[1]
+    out = torch.zeros((*q.shape[:2], kv_lora_rank), dtype=torch.float32, device=q.device)
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for s, seq_len in enumerate(lens):
+        first, last = cu[s], cu[s + 1]
+        if last == first:
+            continue
+        blocks = block_tables[s, : (seq_len + block_size - 1) // block_size].long()
+        entries = latent_cache[blocks].flatten(0, 1)[:seq_len].float()  # [L, R + rope]
+        queries = q[first:last].float().transpose(0, 1)  # [H, Lq, R + rope]
+        scores = queries @ entries.T * scale  # [H, Lq, L]
+        q_pos = torch.arange(seq_len - (last - first), seq_len, device=q.device)[:, None]
+        allowed = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        out[first:last] = (probs @ entries[:, :kv_lora_rank]).transpose(0, 1)
+    return out.to(q.dtype)
+
+
 def kept_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The slots to write and the token rows they come from (None: every row, in order), given
     ``slot_mapping [T]`` where ``-1`` means "do not write"."""
@@ -139,12 +179,25 @@ def write_kv_ref(
     scatter_kv(key, value, k_cache, v_cache, *kept_slots(slot_mapping))
 
 
+def write_latent_ref(
+    latent: torch.Tensor, latent_cache: torch.Tensor, *, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter ``latent [T, C]`` into ``latent_cache [num_blocks, block_size, C]`` at
+    ``slot_mapping [T]`` (int64; ``-1``: do not write). In place, exact."""
+    slots, rows = kept_slots(slot_mapping)
+    if rows is not None:
+        latent = latent[rows]
+    num_blocks, block_size, width = latent_cache.shape
+    latent_cache.view(num_blocks * block_size, width)[slots] = latent.to(latent_cache.dtype)
+
+
 def copy_blocks_ref(kv_caches: torch.Tensor, *, block_mapping: torch.Tensor) -> None:
     """Copy whole blocks for every layer and side at once.
 
-    kv_caches: ``[num_layers, 2, num_blocks, block_size, Hkv, D]`` (the engine's one allocation);
-    block_mapping: ``[N, 2]`` int64 rows of ``(src_block, dst_block)``. In place, exact.
-    Destinations must be distinct and never also a source in the same call.
+    kv_caches: ``[num_layers, sides, num_blocks, block_size, Hkv, D]`` (the engine's one
+    allocation: 2 sides, K and V, or 1, a latent cache's entries); block_mapping: ``[N, 2]``
+    int64 rows of ``(src_block, dst_block)``. In place, exact. Destinations must be distinct
+    and never also a source in the same call.
     """
     if block_mapping.numel() == 0:
         return

@@ -204,6 +204,21 @@ def test_triton_kernels_in_the_graph_path():
     assert_pool_clean(llm.engine.block_manager)
 
 
+def test_latent_attention_in_the_graph_path():
+    """DeepSeek-V3's latent cache and MLA kernel through the graphs' static buffers (padding rows
+    write no latent entry): HF's greedy tokens."""
+    from tests.test_model_coverage import tiny_architecture
+
+    model = tiny_architecture("deepseek_v3")
+    prompts = random_prompts([1, 17, 33], seed=31)
+    want = [hf_greedy(model, p, 5) for p in prompts]
+    llm = LLM(loaded=loaded(model), kv_cache_memory=2 << 20, attention_backend="triton")
+    graphs = with_graphs(llm, max_batch_size=4)
+    assert [r.token_ids for r in llm.generate(prompts, greedy(5))] == want
+    assert graphs.replays[4] > 0
+    assert_pool_clean(llm.engine.block_manager)
+
+
 def graph_splits(graphs: DecodeGraphs, *, num_seqs: int, num_kv_heads: int) -> int:
     """The split-KV factor the graphs' decode steps run with (eager steps: from true lengths)."""
     return choose_num_kv_splits(

@@ -11,12 +11,18 @@ import torch
 from transformers import (
     CohereConfig,
     CohereForCausalLM,
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
+    Glm4MoeLiteConfig,
+    Glm4MoeLiteForCausalLM,
     GptOssConfig,
     GptOssForCausalLM,
     GraniteConfig,
@@ -39,6 +45,7 @@ from transformers import (
 )
 
 from engine import LLM, SamplingParams
+from engine.runner.kv_cache import KVCache, cache_layout
 from tests.conftest import TINY_VOCAB, assert_pool_clean, hf_greedy, loaded, random_prompts
 
 COMMON = dict(
@@ -58,6 +65,20 @@ COMMON = dict(
 )
 WINDOW = 8  # tokens: shorter than most prompts, so the sliding layers cut
 MOE = dict(moe_intermediate_size=64, num_experts_per_tok=2)
+# Multi-head latent attention: a 32-lane latent and a 16-lane shared rope key per token; query
+# and value head sizes unlike each other and unlike the latent's.
+MLA = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=32,
+    v_head_dim=24,
+    head_dim=16,  # the rope part: what HF's rotary embedding reads
+    n_routed_experts=8,
+    n_shared_experts=1,
+    first_k_dense_replace=1,  # layer 0 dense, layer 1 mixture-of-experts
+    **MOE,
+)
 ARCHITECTURES: dict[str, tuple[type, type, dict]] = {
     "phi3": (Phi3Config, Phi3ForCausalLM, {}),
     "olmo2": (Olmo2Config, Olmo2ForCausalLM, {}),
@@ -110,6 +131,21 @@ ARCHITECTURES: dict[str, tuple[type, type, dict]] = {
             "first_k_dense_replace": 1,  # layer 0 dense, layer 1 mixture-of-experts
             **MOE,
         },
+    ),
+    "deepseek_v3": (  # MLA with a low-rank query, and DeepSeek's group-limited router
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        {"q_lora_rank": 48, "n_group": 2, "topk_group": 1, **MLA},
+    ),
+    "deepseek_v2": (  # MLA with a full-rank query; complex-number rotary embedding
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        {"q_lora_rank": None, "n_group": 2, "topk_group": 1, **MLA},
+    ),
+    "glm4_moe_lite": (  # MLA whose latent and query are scaled (its LoRA scales)
+        Glm4MoeLiteConfig,
+        Glm4MoeLiteForCausalLM,
+        {"q_lora_rank": 48, "n_group": 2, "topk_group": 1, **MLA},
     ),
     "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 4, **MOE}),
     "olmoe": (OlmoeConfig, OlmoeForCausalLM, {"num_experts": 4, **MOE}),
@@ -181,7 +217,10 @@ def test_preemption(expected) -> None:
     prompts, steps = prompts[:3], 40
     want = [hf_greedy(model, p, steps) for p in prompts]
     hf = model.config
-    block_bytes = hf.num_hidden_layers * 2 * 16 * hf.num_key_value_heads * hf.head_dim * 4
+    layout = cache_layout(hf)
+    block_bytes = KVCache.bytes_per_block(
+        num_layers=hf.num_hidden_layers, block_size=16, layout=layout, dtype=torch.float32
+    )
     llm = LLM(loaded=loaded(model), kv_cache_memory=6 * block_bytes, max_num_batched_tokens=64)
     assert llm.engine.block_manager.num_blocks == 6
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
@@ -212,13 +251,15 @@ def test_logprobs_and_prompt_logprobs_follow_the_models_head(expected) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["gemma2", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "gpt_oss"]
+    "name",
+    ["gemma2", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "gpt_oss", "deepseek_v3"],
 )
 def test_tensor_parallel_equals_hf(name: str) -> None:
     """TP=2 over gloo: soft-capping, sliding layers and Gemma's scalings hold on sharded heads;
     the experts' width is sharded and their partial sums all-reduced; shared experts are
     sharded as dense MLPs beside them; gpt-oss's sinks, biases and interleaved transposed
-    experts are sliced per rank."""
+    experts are sliced per rank; latent attention's heads are sharded over a replicated
+    latent cache."""
     model = tiny_architecture(name)
     prompts = random_prompts(LENGTHS, seed=3)
     want = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]

@@ -25,6 +25,7 @@ from tests.test_model_coverage import tiny_architecture
 FAMILIES = [
     "llama",
     "cohere",
+    "deepseek_v3",
     "gemma2",
     "gemma3",
     "glm4_moe",

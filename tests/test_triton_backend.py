@@ -33,10 +33,11 @@ def test_greedy_matches_torch_backend_and_hf(model):
     assert_pool_clean(triton.engine.block_manager)
 
 
-@pytest.mark.parametrize("name", ["gpt_oss", "gemma2"])
-def test_moe_sinks_and_softcap_through_the_kernels(name: str):
+@pytest.mark.parametrize("name", ["gpt_oss", "gemma2", "deepseek_v3"])
+def test_families_through_the_kernels(name: str):
     """gpt-oss (the fused-MoE kernel with biases and its clamped gate, attention sinks, sliding
-    layers) and Gemma 2 (soft-capped scores) on the triton backend: HF's greedy tokens."""
+    layers), Gemma 2 (soft-capped scores) and DeepSeek-V3 (the latent write and the MLA kernel
+    over chunks of 24 tokens) on the triton backend: HF's greedy tokens."""
     from tests.test_model_coverage import tiny_architecture
 
     hf = tiny_architecture(name)

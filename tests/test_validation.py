@@ -69,8 +69,8 @@ def test_a_request_larger_than_the_kv_pool_is_refused():
 
 REFUSED = {
     # what the engine lacks -> a tiny model that needs it
-    "multi-head latent attention": lambda: transformers.DeepseekV3ForCausalLM(
-        transformers.DeepseekV3Config(
+    "DeepSeek sparse attention": lambda: transformers.DeepseekV32ForCausalLM(
+        transformers.DeepseekV32Config(
             num_hidden_layers=1, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
             n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
             num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16,

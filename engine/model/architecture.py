@@ -3,11 +3,13 @@
 The engine swaps its paged attention in through transformers' attention interface and runs the
 model's own modules, so any causal LM whose attention layers call that interface and know their
 ``layer_idx`` runs, dense or mixture-of-experts: RoPE, NoPE layers, per-layer sliding windows,
-soft-capped scores, attention sinks and any ``scaling`` arrive as the arguments HF passes. The
+soft-capped scores, attention sinks and any ``scaling`` arrive as the arguments HF passes;
+multi-head latent attention (MLA) modules built as DeepSeek-V3's run on a latent cache
+(``engine/model/latent_attention.py``). The
 families whose decoder ``engine/model/body.py`` reproduces without HF's per-layer Python run on
 it (``FAST_BODY_ARCHITECTURES``); every other one runs HF's own decoder forward over the flat
 batch. What cannot be right is refused at load, before any KV memory is allocated, with what is
-missing: latent attention (MLA), linear-attention or state-space layers, ALiBi biases,
+missing: linear-attention or state-space layers, DeepSeek's sparse attention, ALiBi biases,
 bidirectional attention, attention that does not go through the interface, encoder-decoders.
 """
 
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 from torch import nn
 from transformers import PreTrainedModel
+
+from engine.model.latent_attention import unservable_latent_reason
 
 # Decoders engine/model/body.py runs op for op (tests/test_model_body.py).
 FAST_BODY_ARCHITECTURES = (
@@ -49,11 +53,11 @@ def check_servable(model: PreTrainedModel) -> None:
         )
     if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", "") == "alibi":
         raise ValueError(f"{name} uses ALiBi position biases, which the paged kernels do not add")
-    if getattr(config, "kv_lora_rank", None) or getattr(config, "q_lora_rank", None):
-        raise ValueError(
-            f"{name} uses multi-head latent attention (MLA), which paged-serve does not support "
-            "yet: its KV cache holds one latent vector a token, not per-head keys and values"
-        )
+    if getattr(config, "kv_lora_rank", None):
+        for module in attention_layers(model):
+            reason = unservable_latent_reason(module)
+            if reason is not None:
+                raise ValueError(f"{name} {reason}")
     layer_types = getattr(config, "layer_types", None) or []
     other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
     if other:

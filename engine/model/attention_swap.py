@@ -16,6 +16,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 
 from engine.model.architecture import check_servable
+from engine.model.latent_attention import install_latent_attention, latent_attention_flat
 from engine.runner.attention_context import current_attention_context
 
 ATTN_NAME = "paged_serve"
@@ -39,10 +40,14 @@ def paged_attention_forward(
     What the family's attention module passes is honoured: ``scaling`` (Granite's
     ``attention_multiplier``, Gemma's ``query_pre_attn_scalar``), the layer's ``sliding_window``
     (None on full layers), ``softcap`` (Gemma 2: scores soft-capped before the softmax) and
-    ``s_aux`` (gpt-oss: one learned sink logit per query head in the softmax denominator)."""
+    ``s_aux`` (gpt-oss: one learned sink logit per query head in the softmax denominator).
+    A latent-attention module (``engine/model/latent_attention.py``) passes its latent and rope
+    key as ``key`` and ``value``: those go to the latent cache."""
     if query.shape[0] != 1:
         raise ValueError(f"paged attention takes one flat batch, got batch size {query.shape[0]}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if getattr(module, "absorbed", False):
+        return latent_attention_flat(module, query, key, value, scale), None
     out = paged_attention_flat(
         module.layer_idx,
         query[0].transpose(0, 1),  # [T, Hq, D]
@@ -95,4 +100,5 @@ def install_paged_attention(model: PreTrainedModel) -> None:
     """Point every attention layer of ``model`` at the paged attention function (ValueError,
     naming what is missing, for a model the engine cannot serve: engine/model/architecture.py)."""
     check_servable(model)
+    install_latent_attention(model)  # MLA: absorbed weights over the latent cache
     model.set_attn_implementation(ATTN_NAME)

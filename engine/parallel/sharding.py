@@ -4,6 +4,8 @@ Megatron's layout, applied to every decoder layer of the supported families::
 
     attention: q_proj, k_proj, v_proj  column-parallel (rank r: heads r*H/N .. (r+1)*H/N - 1)
                o_proj                  row-parallel (the input columns of those heads), all_reduce
+    latent:    q_proj | q_b_proj,      column-parallel by heads (multi-head latent attention;
+               kv_b_proj               q_a_proj and kv_a_proj_with_mqa, the latent, replicated)
     MLP:       gate_proj, up_proj      column-parallel (rows r*I/N .. (r+1)*I/N - 1)
                down_proj               row-parallel, all_reduce
 
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.model.fused_projections import linear_from, unfuse_projections
+from engine.model.latent_attention import is_latent_attention
 from engine.platform.cpu.linears import restore_plain_linears
 from engine.platform.cpu.packed_experts import restore_plain_experts
 
@@ -105,7 +108,7 @@ def check_shardable(model: nn.Module, world_size: int) -> None:
     head_dim = getattr(model.config, "head_dim", None)
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, getattr(layer, "mlp", None)
-        missing = [n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if not _linear(attn, n)]
+        missing = [n for n in _head_projections(attn) + ["o_proj"] if not _linear(attn, n)]
         if missing:
             raise ValueError(f"tensor parallelism: {name} layer {i} has no {missing} Linear")
         if not _dense_mlp(mlp) and not _plain_experts(mlp):
@@ -134,6 +137,14 @@ def check_shardable(model: nn.Module, world_size: int) -> None:
                     f"tensor parallelism: {name}'s {norm_name} normalises over all heads "
                     f"({weight.numel()} wide), which needs every rank's heads"
                 )
+
+
+def _head_projections(attn: nn.Module) -> list[str]:
+    """The projections of ``attn`` whose output rows are per-head (column-parallel)."""
+    if is_latent_attention(attn):
+        query = "q_proj" if getattr(attn, "q_proj", None) is not None else "q_b_proj"
+        return [query, "kv_b_proj"]
+    return ["q_proj", "k_proj", "v_proj"]
 
 
 def _linear(module: nn.Module, name: str) -> bool:
@@ -291,7 +302,7 @@ def shard_model(
     plain_projections(model)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for name in ("q_proj", "k_proj", "v_proj"):
+        for name in _head_projections(attn):
             setattr(attn, name, _rows(getattr(attn, name), rank, world_size))
         attn.o_proj = _columns(attn.o_proj, rank, world_size, group)
         # The ratio is unchanged, but keep the module's own bookkeeping true to its heads.

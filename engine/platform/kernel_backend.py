@@ -17,13 +17,23 @@ from engine.platform.cpu.attention import PlannedTorchAttention
 from engine.platform.cpu.moe import grouped_moe
 from kernels import reference
 from kernels.cpu import decode_attention as cpu_decode_attention
-from kernels.interface import CopyBlocks, FusedMoe, FusedSample, PagedAttention, WriteKv
+from kernels.interface import (
+    CopyBlocks,
+    FusedMoe,
+    FusedSample,
+    MlaAttention,
+    PagedAttention,
+    WriteKv,
+    WriteLatent,
+)
 
 
 @dataclass(frozen=True, slots=True)
 class KernelBackend:
     """The functions a step calls (``kernels/interface.py``); ``fused_moe`` runs the routed
-    experts of a mixture-of-experts layer (``engine/model/experts_swap.py``). ``sample`` is the
+    experts of a mixture-of-experts layer (``engine/model/experts_swap.py``); ``write_latent``
+    and ``mla_attention`` serve multi-head latent attention layers
+    (``engine/model/latent_attention.py``). ``sample`` is the
     fused draw (``kernels/triton/sampling.py``), or None for the eager one; ``graph_safe``: the
     functions can be captured in a CUDA graph."""
 
@@ -32,6 +42,8 @@ class KernelBackend:
     paged_attention: PagedAttention
     copy_blocks: CopyBlocks
     fused_moe: FusedMoe
+    write_latent: WriteLatent
+    mla_attention: MlaAttention
     sample: FusedSample | None = None
     graph_safe: bool = False
 
@@ -57,17 +69,32 @@ def make_kernels(
         kernel = cpu_decode_attention.load(cache_root()) if decode_kernel else None
         planned = PlannedTorchAttention(group_alone=group_alone, decode_kernel=kernel)
         return KernelBackend(
-            name, planned.write_kv, planned.paged_attention, reference.copy_blocks_ref, grouped_moe
+            name,
+            planned.write_kv,
+            planned.paged_attention,
+            reference.copy_blocks_ref,
+            grouped_moe,
+            reference.write_latent_ref,
+            reference.mla_attention_ref,
         )
     if name == "triton":
         # Imported here: triton must not load before TRITON_INTERPRET is decided.
         from kernels.triton.block_copy import copy_blocks
         from kernels.triton.fused_moe import fused_moe
-        from kernels.triton.kv_write import write_kv
+        from kernels.triton.kv_write import write_kv, write_latent
+        from kernels.triton.mla_attention import mla_attention
         from kernels.triton.paged_attention import paged_attention
 
         sample = fused_sampler(name)
         return KernelBackend(
-            name, write_kv, paged_attention, copy_blocks, fused_moe, sample, graph_safe=True
+            name,
+            write_kv,
+            paged_attention,
+            copy_blocks,
+            fused_moe,
+            write_latent,
+            mla_attention,
+            sample,
+            graph_safe=True,
         )
     raise ValueError(f"unknown attention backend {name!r}")

@@ -1,19 +1,70 @@
-"""The KV cache: one allocation for all layers, sized from a memory budget."""
+"""The KV cache: one allocation for all layers, sized from a memory budget.
+
+Per-head attention stores a key and a value per KV head and token; multi-head latent attention
+(DeepSeek's MLA) stores one entry per token, its normalised latent and shared rotated key part
+(``kv_lora_rank + qk_rope_head_dim`` lanes, shared by every head and every tensor-parallel rank).
+``CacheLayout`` says which a model needs; blocks, block tables, the prefix cache and
+copy-on-write are the same for both.
+"""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class CacheLayout:
+    """What one token stores in one layer: ``sides`` tensors (2: K and V; 1: a latent cache's
+    entry) of ``num_kv_heads x head_dim`` elements each."""
+
+    sides: int
+    num_kv_heads: int
+    head_dim: int
+    kv_lora_rank: int | None = None  # latent lanes of a latent entry (the rest are rope)
+
+    @property
+    def latent(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    def elements_per_token(self) -> int:
+        """Elements one token takes in one layer."""
+        return self.sides * self.num_kv_heads * self.head_dim
+
+
+def cache_layout(hf_config: object, tensor_parallel_size: int = 1) -> CacheLayout:
+    """The layout a Hugging Face config needs on one tensor-parallel rank: this rank's KV heads,
+    or for latent attention the whole (replicated) latent entry."""
+    kv_lora_rank = getattr(hf_config, "kv_lora_rank", None)
+    if kv_lora_rank:
+        width = kv_lora_rank + hf_config.qk_rope_head_dim
+        return CacheLayout(sides=1, num_kv_heads=1, head_dim=width, kv_lora_rank=kv_lora_rank)
+    head_dim = getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+    heads = hf_config.num_key_value_heads // tensor_parallel_size
+    return CacheLayout(sides=2, num_kv_heads=heads, head_dim=head_dim)
+
+
+def per_head_elements_per_token(hf_config: object) -> int:
+    """Elements one token would take in one layer were a latent-attention model's keys and
+    values cached per head: ``H * (qk_nope + qk_rope + v_head_dim)``, what the latent entry
+    (``kv_lora_rank + qk_rope``) is measured against."""
+    key = hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim
+    return hf_config.num_attention_heads * (key + hf_config.v_head_dim)
+
+
 class KVCache:
-    """K and V for every layer: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+    """Every layer's cache: ``[num_layers, sides, num_blocks, block_size, num_kv_heads,
+    head_dim]``.
 
     One tensor, so the block-copy kernel copies a block for every layer in one launch;
-    ``layer(i)`` returns the ``[num_blocks, block_size, num_kv_heads, head_dim]`` K and V views.
+    ``layer(i)`` returns the ``[num_blocks, block_size, num_kv_heads, head_dim]`` K and V views,
+    ``latent(i)`` a latent cache's ``[num_blocks, block_size, kv_lora_rank + rope]`` entries.
     """
 
     def __init__(
@@ -22,27 +73,39 @@ class KVCache:
         num_layers: int,
         num_blocks: int,
         block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
+        layout: CacheLayout,
         dtype: torch.dtype,
         device: torch.device,
     ):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.layout = layout
         self.tensor = torch.zeros(
             num_layers,
-            2,
+            layout.sides,
             num_blocks,
             block_size,
-            num_kv_heads,
-            head_dim,
+            layout.num_kv_heads,
+            layout.head_dim,
             dtype=dtype,
             device=device,
         )
-        self._layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(num_layers)]
+        if layout.latent:
+            self._layers = [(self.tensor[i, 0], self.tensor[i, 0]) for i in range(num_layers)]
+        else:
+            self._layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(num_layers)]
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index``'s K and V caches (per-head layout)."""
+        if self.layout.latent:
+            raise RuntimeError("a latent cache has no per-head K and V: use latent(i)")
         return self._layers[index]
+
+    def latent(self, index: int) -> torch.Tensor:
+        """Layer ``index``'s latent entries ``[num_blocks, block_size, kv_lora_rank + rope]``."""
+        if not self.layout.latent:
+            raise RuntimeError("a per-head KV cache has no latent entries: use layer(i)")
+        return self._layers[index][0][:, :, 0]
 
     @property
     def num_bytes(self) -> int:
@@ -60,26 +123,27 @@ class KVCache:
         tensor_parallel_size: int = 1,
     ) -> KVCache:
         """As many blocks as ``budget_bytes`` holds for a Hugging Face model config's layers and
-        KV heads (this rank's share of them under tensor parallelism). Raises ValueError when
-        not even one block fits."""
-        num_kv_heads = hf_config.num_key_value_heads // tensor_parallel_size
-        head_dim = getattr(hf_config, "head_dim", None) or (
-            hf_config.hidden_size // hf_config.num_attention_heads
+        layout (this rank's share of the KV heads under tensor parallelism). Raises ValueError
+        when not even one block fits."""
+        layout = cache_layout(hf_config, tensor_parallel_size)
+        num_layers = hf_config.num_hidden_layers
+        per_block = cls.bytes_per_block(
+            num_layers=num_layers, block_size=block_size, layout=layout, dtype=dtype
         )
-        shape = {
-            "num_layers": hf_config.num_hidden_layers,
-            "block_size": block_size,
-            "num_kv_heads": num_kv_heads,
-            "head_dim": head_dim,
-            "dtype": dtype,
-        }
-        per_block = cls.bytes_per_block(**shape)
         num_blocks = budget_bytes // per_block
         if num_blocks < 1:
             raise ValueError(f"KV cache budget holds no block ({per_block} bytes per block)")
-        cache = cls(num_blocks=num_blocks, device=device, **shape)
+        cache = cls(
+            num_layers=num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            layout=layout,
+            dtype=dtype,
+            device=device,
+        )
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",
+            "KV cache%s: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",
+            " (latent)" if layout.latent else "",
             num_blocks,
             block_size,
             num_blocks * block_size,
@@ -90,8 +154,8 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(
-        *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        *, num_layers: int, block_size: int, layout: CacheLayout, dtype: torch.dtype
     ) -> int:
-        """Bytes one block takes across all layers, K and V."""
+        """Bytes one block takes across all layers (both sides of a per-head layout)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return num_layers * 2 * block_size * num_kv_heads * head_dim * itemsize
+        return num_layers * block_size * layout.elements_per_token() * itemsize

@@ -71,7 +71,7 @@ def check_attention_inputs(
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
 
-    num_seqs = _check_metadata(block_tables, seq_lens, cu_seqlens_q, q.device)
+    num_seqs = check_step_metadata(block_tables, seq_lens, cu_seqlens_q, q.device)
     if max_seqlen_q < 0 or max_seqlen_k < 0:
         raise ValueError(f"max_seqlen_q {max_seqlen_q} / max_seqlen_k {max_seqlen_k} < 0")
     if max_seqlen_k > block_tables.shape[1] * block_size:
@@ -162,7 +162,7 @@ def _check_q_and_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         raise ValueError(f"q's last dim must be contiguous, got strides {q.stride()}")
 
 
-def _check_metadata(
+def check_step_metadata(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor,

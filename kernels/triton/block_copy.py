@@ -2,11 +2,12 @@
 
 Semantics are exactly those of :func:`kernels.reference.copy_blocks_ref`: for each row
 ``(src, dst)`` of ``block_mapping``, ``kv_caches[:, :, dst] = kv_caches[:, :, src]`` where
-``kv_caches`` is the engine's single ``[num_layers, 2, num_blocks, block_size, Hkv, D]``
-allocation. Pure data movement, bit-exact. Destinations must be distinct and never a source in
-the same call (the engine's copy-on-write guarantees it), so the programs never race.
+``kv_caches`` is the engine's single ``[num_layers, sides, num_blocks, block_size, Hkv, D]``
+allocation (2 sides, K and V; 1 for a latent cache, ``kernels/triton/mla_attention.py``).
+Pure data movement, bit-exact. Destinations must be distinct and never a source in the same
+call (the engine's copy-on-write guarantees it), so the programs never race.
 
-Grid: ``(N, num_layers * 2, cdiv(block_numel, CHUNK))``. A block is ``block_numel =
+Grid: ``(N, num_layers * sides, cdiv(block_numel, CHUNK))``. A block is ``block_numel =
 block_size * Hkv * D`` contiguous elements; each program copies one ``CHUNK``-element slice
 (``CHUNK`` = block_numel rounded up to a power of two, capped at 4096) of one block of one
 (layer, side). All offsets are int64.
@@ -45,13 +46,14 @@ def _copy_blocks_kernel(
 def copy_blocks(kv_caches: torch.Tensor, *, block_mapping: torch.Tensor) -> None:
     """Copy blocks ``block_mapping [N, 2]`` (int64 ``(src, dst)`` rows) in every layer and side.
 
-    kv_caches: ``[num_layers, 2, num_blocks, block_size, Hkv, D]``, contiguous. Block ids are
+    kv_caches: ``[num_layers, sides, num_blocks, block_size, Hkv, D]`` (sides 2, or 1 for a
+    latent cache), contiguous. Block ids are
     not range-checked (that would need a device sync). In place; bit-exact.
     """
-    # kv_caches: [L, 2, num_blocks, block_size, Hkv, D]; block_mapping: [N, 2]
-    if kv_caches.dim() != 6 or kv_caches.shape[1] != 2:
+    # kv_caches: [L, sides, num_blocks, block_size, Hkv, D]; block_mapping: [N, 2]
+    if kv_caches.dim() != 6 or kv_caches.shape[1] not in (1, 2):
         raise ValueError(
-            "kv_caches must be [num_layers, 2, num_blocks, block_size, Hkv, D], got "
+            "kv_caches must be [num_layers, 1 or 2, num_blocks, block_size, Hkv, D], got "
             f"{tuple(kv_caches.shape)}"
         )
     if block_mapping.dtype != torch.int64:
@@ -68,11 +70,11 @@ def copy_blocks(kv_caches: torch.Tensor, *, block_mapping: torch.Tensor) -> None
     if not block_mapping.is_contiguous():
         raise ValueError("block_mapping must be contiguous")
     num_pairs = block_mapping.shape[0]
-    num_layers, _, num_blocks = kv_caches.shape[:3]
+    num_layers, sides, num_blocks = kv_caches.shape[:3]
     block_numel = kv_caches[0, 0, 0].numel()
     if num_pairs == 0 or num_layers == 0 or block_numel == 0:
         return
 
     chunk = min(triton.next_power_of_2(block_numel), _MAX_CHUNK)
-    grid = (num_pairs, num_layers * 2, triton.cdiv(block_numel, chunk))
+    grid = (num_pairs, num_layers * sides, triton.cdiv(block_numel, chunk))
     _copy_blocks_kernel[grid](kv_caches, block_mapping, num_blocks, block_numel, CHUNK=chunk)

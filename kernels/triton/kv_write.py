@@ -8,7 +8,9 @@ of ``k_cache`` / ``v_cache`` ``[num_blocks, block_size, Hkv, D]``; slot ``-1`` m
 Grid: ``(num_tokens, cdiv(Hkv, BLOCK_H))``. Each program reads its token's slot once, returns
 early for ``-1``, and copies a ``[BLOCK_H, BLOCK_D]`` tile (``BLOCK_D`` = head_dim rounded up to
 a power of two, masked; ``BLOCK_H * BLOCK_D`` <= 4096) of both the key and the value. Slot and
-token offsets are int64, so caches beyond 2^31 elements are addressed correctly.
+token offsets are int64, so caches beyond 2^31 elements are addressed correctly. A latent cache
+(``write_latent``: one ``[C]`` entry per token, multi-head latent attention) is written by the
+same kernel with one head and no value side.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WRITE_VALUE: tl.constexpr = True,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -51,8 +54,11 @@ def _write_kv_kernel(
 
     k = tl.load(key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask)
     tl.store(k_cache_ptr + cache_off, k, mask=mask)
-    v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask)
-    tl.store(v_cache_ptr + cache_off, v, mask=mask)
+    if WRITE_VALUE:
+        v = tl.load(
+            value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask
+        )
+        tl.store(v_cache_ptr + cache_off, v, mask=mask)
 
 
 def write_kv(
@@ -135,4 +141,56 @@ def write_kv(
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+    )
+
+
+def write_latent(
+    latent: torch.Tensor, latent_cache: torch.Tensor, *, slot_mapping: torch.Tensor
+) -> None:
+    """Write ``latent [T, C]`` (a latent cache's entries) into ``latent_cache [num_blocks,
+    block_size, C]`` at ``slot_mapping [T]`` (int64, ``-1``: skip); the same kernel as
+    :func:`write_kv`, one "head" and no value side. In place; bit-exact."""
+    if latent.dim() != 2 or latent_cache.dim() != 3:
+        raise ValueError(
+            f"latent must be [T, C] and latent_cache [num_blocks, block_size, C], got "
+            f"{tuple(latent.shape)} and {tuple(latent_cache.shape)}"
+        )
+    num_tokens, width = latent.shape
+    if latent_cache.shape[2] != width or latent_cache.dtype != latent.dtype:
+        raise ValueError(
+            f"latent_cache entries {latent_cache.shape[2]} {latent_cache.dtype} do not match "
+            f"latent {width} {latent.dtype}"
+        )
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (num_tokens,):
+        raise ValueError(
+            f"slot_mapping must be int64 [{num_tokens}], got {slot_mapping.dtype} "
+            f"{tuple(slot_mapping.shape)}"
+        )
+    for name, t in (("latent_cache", latent_cache), ("slot_mapping", slot_mapping)):
+        if t.device != latent.device:
+            raise ValueError(f"{name} is on {t.device}, latent is on {latent.device}")
+    check_device(latent.device)
+    if not latent_cache.is_contiguous() or latent.stride(-1) != 1:
+        raise ValueError("latent_cache must be contiguous, latent's last dim too")
+    if not slot_mapping.is_contiguous():
+        raise ValueError("slot_mapping must be contiguous")
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens, 1)](
+        latent,
+        latent,
+        latent_cache,
+        latent_cache,
+        slot_mapping,
+        1,
+        latent.stride(0),
+        0,
+        latent.stride(0),
+        0,
+        latent_cache.stride(1),
+        0,
+        HEAD_DIM=width,
+        BLOCK_H=1,
+        BLOCK_D=triton.next_power_of_2(width),
+        WRITE_VALUE=False,
     )

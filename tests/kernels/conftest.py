@@ -39,6 +39,7 @@ for _name in (
     "kernels.triton.kv_write",
     "kernels.triton.block_copy",
     "kernels.triton.sampling",
+    "kernels.triton.mla_attention",
 ):
     _mod = sys.modules.get(_name)
     if _mod is not None and not HAS_CUDA and os.environ.get("TRITON_INTERPRET") == "1":

@@ -10,20 +10,22 @@ from kernels.triton.block_copy import copy_blocks
 
 
 @pytest.mark.parametrize(
-    "num_layers,block_size,num_kv_heads,head_dim,dtype,mapping",
+    "num_layers,sides,block_size,num_kv_heads,head_dim,dtype,mapping",
     [
-        (1, 16, 1, 64, torch.float32, [(0, 1)]),
-        (3, 16, 3, 80, torch.float16, [(2, 5), (0, 7), (6, 1)]),
-        (2, 32, 2, 128, torch.bfloat16, [(7, 0), (3, 4)]),
+        (1, 2, 16, 1, 64, torch.float32, [(0, 1)]),
+        (3, 2, 16, 3, 80, torch.float16, [(2, 5), (0, 7), (6, 1)]),
+        (2, 2, 32, 2, 128, torch.bfloat16, [(7, 0), (3, 4)]),
         # block_numel = 32 * 8 * 128 = 32768 > 4096: several chunks per block.
-        (2, 32, 8, 128, torch.float32, [(1, 6), (5, 2), (0, 3)]),
+        (2, 2, 32, 8, 128, torch.float32, [(1, 6), (5, 2), (0, 3)]),
+        # a latent cache: one side, one "head" of 512 + 64 lanes
+        (3, 1, 16, 1, 576, torch.bfloat16, [(4, 2), (0, 6)]),
     ],
 )
 def test_matches_reference_exactly(
-    device, num_layers, block_size, num_kv_heads, head_dim, dtype, mapping
+    device, num_layers, sides, block_size, num_kv_heads, head_dim, dtype, mapping
 ):
     gen = torch.Generator().manual_seed(0)
-    shape = (num_layers, 2, 8, block_size, num_kv_heads, head_dim)
+    shape = (num_layers, sides, 8, block_size, num_kv_heads, head_dim)
     kv_caches = torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
     block_mapping = torch.tensor(mapping, dtype=torch.int64, device=device)
     original = kv_caches.clone()

@@ -12,7 +12,14 @@ import pytest
 from engine.platform.cpu.attention import PlannedTorchAttention
 from engine.platform.cpu.moe import grouped_moe
 from kernels import interface, reference
-from kernels.triton import block_copy, fused_moe, kv_write, paged_attention, sampling
+from kernels.triton import (
+    block_copy,
+    fused_moe,
+    kv_write,
+    mla_attention,
+    paged_attention,
+    sampling,
+)
 
 PLANNED = PlannedTorchAttention()
 IMPLEMENTATIONS: list[tuple[type, Callable]] = [
@@ -22,6 +29,10 @@ IMPLEMENTATIONS: list[tuple[type, Callable]] = [
     (interface.PagedAttention, paged_attention.paged_attention),
     (interface.PagedAttention, reference.paged_attention_ref),
     (interface.PagedAttention, PLANNED.paged_attention),
+    (interface.WriteLatent, kv_write.write_latent),
+    (interface.WriteLatent, reference.write_latent_ref),
+    (interface.MlaAttention, mla_attention.mla_attention),
+    (interface.MlaAttention, reference.mla_attention_ref),
     (interface.CopyBlocks, block_copy.copy_blocks),
     (interface.CopyBlocks, reference.copy_blocks_ref),
     (interface.FusedSample, sampling.sample),

@@ -1,0 +1,464 @@
+"""Multi-head latent attention (MLA) over a paged latent cache, with absorbed weights.
+
+Semantics are exactly those of :func:`kernels.reference.mla_attention_ref`. DeepSeek's MLA
+caches one entry per token, ``[kv_lora_rank + rope_dim]``: the normalised latent ``c`` (the
+first ``R = kv_lora_rank`` lanes) and the shared rotated key part ``k_rope``. With the key and
+value up-projections absorbed (the caller multiplies ``q_nope`` by ``W_UK`` before and the
+output by ``W_UV`` after), every query head attends over the same entries: the score of head
+``h`` against a token is ``q_h . entry`` over all ``R + rope_dim`` lanes, and the value is the
+latent ``entry[:R]``. It is multi-query attention with one cache "head" whose values are the
+first ``R`` lanes of its keys, so each cache tile is loaded once for a whole block of heads.
+
+Algorithm: FlashAttention-2's online softmax (fp32 running max, sum and accumulator; scores in
+log2 units), as in ``kernels/triton/paged_attention.py``, whose helpers it shares: the same
+query-tile search over ``cu_seqlens_q`` (``_locate_q_tile``), the same causal key range and
+split runs (``_key_tiles``) and the same split-KV merge (``_paged_attention_reduce_kernel``).
+
+* **Rows.** A program owns ``BLOCK_H`` query heads of ``TOKENS_PER_TILE`` tokens: row ``r`` is
+  token ``r // BLOCK_H`` of the tile and head ``head_block * BLOCK_H + r % BLOCK_H``. Decode-only
+  batches take one token per tile; rows are padded to 16 for ``tl.dot`` and masked.
+* **Lanes.** The latent and the rope part are separate tiles (``LATENT_PAD``, ``ROPE_PAD``: each
+  rounded up to a power of two and masked), so a 512 + 64 entry is not padded to 1024. The
+  score is ``q_latent . c + q_rope . k_rope``; the accumulator is ``[rows, LATENT_PAD]``.
+* **Paging and masking** as in paged attention: positions ``>= seq_len`` are never loaded, so
+  free (NaN) slots cannot reach the result; causal masking inside a chunk.
+* **Split-KV** (flash-decoding): ``num_kv_splits > 1`` cuts each key range into runs, one
+  program each, writing normalised partials and log-sum-exps to an fp32 workspace the reduce
+  kernel merges. ``num_kv_splits=None`` chooses with
+  :func:`kernels.triton.paged_attention.choose_num_kv_splits`, counting ``(sequence, head
+  block)`` programs.
+
+Grids: main ``(num_q_tiles, cdiv(H, BLOCK_H), num_kv_splits)`` (``num_q_tiles`` as in paged
+attention); reduce ``(T, cdiv(H, 16))``.
+
+Under ``TRITON_INTERPRET=1`` bf16 operands are cast to fp32 before the dots (the interpreter's
+bf16 ``tl.dot`` is wrong); fp32 dots use ``input_precision="ieee"`` on CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.attention_checks import (
+    SUPPORTED_DTYPES,
+    check_step_metadata,
+    check_workspace,
+)
+from kernels.triton.paged_attention import (
+    _key_tiles,
+    _locate_q_tile,
+    _paged_attention_reduce_kernel,
+    choose_num_kv_splits,
+)
+from kernels.triton.runtime import check_device, interpreting, multiprocessor_count
+
+_LOG2_E = 1.4426950408889634
+MAX_LATENT_DIM = 1024
+MAX_ROPE_DIM = 256
+
+
+@triton.jit
+def _mla_attention_kernel(
+    q_ptr,
+    cache_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    cu_seqlens_q_ptr,
+    num_seqs,
+    num_heads,
+    num_kv_splits,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_bt,
+    LATENT: tl.constexpr,
+    ROPE: tl.constexpr,
+    LATENT_PAD: tl.constexpr,
+    ROPE_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TOKENS_PER_TILE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DECODE_ONLY: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    head_block = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+
+    seq, tile = _locate_q_tile(cu_seqlens_q_ptr, pid_q, num_seqs, TOKENS_PER_TILE, DECODE_ONLY)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tile_tok0 = tile * TOKENS_PER_TILE
+    if tile_tok0 >= q_len:
+        return
+
+    # -- rows: (token, head) pairs of this head block
+    offs_m = tl.arange(0, BLOCK_M)
+    tok_in_seq = tile_tok0 + offs_m // BLOCK_H
+    head = head_block * BLOCK_H + offs_m % BLOCK_H
+    row_valid = (offs_m < TOKENS_PER_TILE * BLOCK_H) & (tok_in_seq < q_len) & (head < num_heads)
+    token = (q_start + tok_in_seq).to(tl.int64)
+    q_pos = seq_len - q_len + tok_in_seq
+    offs_c = tl.arange(0, LATENT_PAD)
+    offs_r = tl.arange(0, ROPE_PAD)
+    c_mask = offs_c < LATENT
+    r_mask = offs_r < ROPE
+
+    q_row = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+    q_lat = tl.load(q_row + offs_c[None, :], mask=row_valid[:, None] & c_mask[None, :], other=0.0)
+    q_rope = tl.load(
+        q_row + LATENT + offs_r[None, :], mask=row_valid[:, None] & r_mask[None, :], other=0.0
+    )
+    if DOT_FP32:
+        q_lat = q_lat.to(tl.float32)
+        q_rope = q_rope.to(tl.float32)
+
+    kv_lo, kv_hi, tile_begin, tile_end = _key_tiles(
+        seq_len, q_len, tile_tok0, split, num_kv_splits, 0, TOKENS_PER_TILE, TILE_N, False
+    )
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, LATENT_PAD], dtype=tl.float32)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for t in range(tile_begin, tile_end):
+        offs_n = kv_lo + t * TILE_N + tl.arange(0, TILE_N)
+        n_valid = offs_n < kv_hi
+        block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        slot = block * stride_cache_block + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_cache_slot
+        c = tl.load(
+            cache_ptr + slot[:, None] + offs_c[None, :],
+            mask=n_valid[:, None] & c_mask[None, :],
+            other=0.0,
+        )
+        k_rope = tl.load(
+            cache_ptr + slot[:, None] + LATENT + offs_r[None, :],
+            mask=n_valid[:, None] & r_mask[None, :],
+            other=0.0,
+        )
+        if DOT_FP32:
+            c = c.to(tl.float32)
+            k_rope = k_rope.to(tl.float32)
+        s = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
+        s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
+        s = s * scale_log2
+        allowed = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+        # A row with no allowed key so far keeps m = -inf and uses 0 as its reference.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out_mask = row_valid[:, None] & c_mask[None, :]
+    if SPLIT:
+        part_row = (token * num_heads + head) * num_kv_splits + split
+        tl.store(part_out_ptr + part_row[:, None] * LATENT + offs_c[None, :], o, mask=out_mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
+    else:
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_c[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MlaShapes:
+    """The sizes of one call: ``q [T, H, R + rope]``, cache ``[num_blocks, block_size, R +
+    rope]``, ``S`` sequences."""
+
+    num_tokens: int
+    num_heads: int
+    kv_lora_rank: int
+    rope_dim: int
+    block_size: int
+    num_seqs: int
+
+
+@dataclass(frozen=True, slots=True)
+class MlaLaunch:
+    """Every launch setting of one call, a fixed function of the shapes and dtype.
+
+    ``block_h``: query heads per program (16, fewer for fewer heads); ``tokens_per_tile``: 1 for
+    decode-only batches, else enough tokens for 64 rows; ``block_m`` = rows, at least 16;
+    ``tile_n``: cache entries per inner step (32, 16 for latents wider than 256 lanes).
+    """
+
+    shapes: MlaShapes
+    num_kv_splits: int
+    decode_only: bool
+    block_h: int
+    tokens_per_tile: int
+    block_m: int
+    tile_n: int
+    num_warps: int
+    dot_fp32: bool
+    dot_precision: str
+
+    @property
+    def split(self) -> bool:
+        return self.num_kv_splits > 1
+
+    @property
+    def head_blocks(self) -> int:
+        return triton.cdiv(self.shapes.num_heads, self.block_h)
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        shapes = self.shapes
+        if self.decode_only:
+            num_q_tiles = shapes.num_seqs
+        else:
+            num_q_tiles = shapes.num_tokens // self.tokens_per_tile + shapes.num_seqs
+        return num_q_tiles, self.head_blocks, self.num_kv_splits
+
+    def constexprs(self) -> dict[str, int | bool | str]:
+        shapes = self.shapes
+        return dict(
+            LATENT=shapes.kv_lora_rank,
+            ROPE=shapes.rope_dim,
+            LATENT_PAD=max(16, triton.next_power_of_2(shapes.kv_lora_rank)),
+            ROPE_PAD=max(16, triton.next_power_of_2(shapes.rope_dim)),
+            BLOCK_H=self.block_h,
+            BLOCK_M=self.block_m,
+            TOKENS_PER_TILE=self.tokens_per_tile,
+            TILE_N=self.tile_n,
+            BLOCK_SIZE=shapes.block_size,
+            DECODE_ONLY=self.decode_only,
+            SPLIT=self.split,
+            DOT_FP32=self.dot_fp32,
+            DOT_PRECISION=self.dot_precision,
+        )
+
+
+def mla_launch(
+    shapes: MlaShapes,
+    *,
+    dtype: torch.dtype,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    num_kv_splits: int | None,
+    num_sms: int,
+) -> MlaLaunch:
+    """The launch settings of one call (``num_kv_splits=None``: chosen as paged attention
+    chooses, one program per (sequence, head block))."""
+    decode_only = max_seqlen_q == 1
+    block_h = min(16, triton.next_power_of_2(shapes.num_heads))
+    tokens_per_tile = 1 if decode_only else max(1, 64 // block_h)
+    block_m = max(16, tokens_per_tile * block_h)
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(
+            num_seqs=shapes.num_seqs,
+            num_kv_heads=triton.cdiv(shapes.num_heads, block_h),
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            num_sms=num_sms,
+        )
+    if num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+    wide = shapes.kv_lora_rank > 256
+    dot_fp32 = dtype == torch.bfloat16 and interpreting()
+    return MlaLaunch(
+        shapes=shapes,
+        num_kv_splits=num_kv_splits,
+        decode_only=decode_only,
+        block_h=block_h,
+        tokens_per_tile=tokens_per_tile,
+        block_m=block_m,
+        tile_n=16 if wide else 32,
+        num_warps=8 if wide else 4,
+        dot_fp32=dot_fp32,
+        dot_precision="ieee" if dtype == torch.float32 or dot_fp32 else "tf32",
+    )
+
+
+def mla_workspace_numel(
+    *, num_tokens: int, num_heads: int, kv_lora_rank: int, num_kv_splits: int
+) -> int:
+    """fp32 elements of split-KV scratch: partial outputs ``[T, H, splits, R]`` then LSEs."""
+    return num_tokens * num_heads * num_kv_splits * (kv_lora_rank + 1)
+
+
+def check_mla_inputs(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    *,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> MlaShapes:
+    """ValueError naming what is wrong with the arguments; the sizes when nothing is."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, H, kv_lora_rank + rope_dim], got {tuple(q.shape)}")
+    if latent_cache.dim() != 3:
+        raise ValueError(
+            "latent_cache must be [num_blocks, block_size, kv_lora_rank + rope_dim], got "
+            f"{tuple(latent_cache.shape)}"
+        )
+    num_tokens, num_heads, width = q.shape
+    _, block_size, cache_width = latent_cache.shape
+    if cache_width != width:
+        raise ValueError(f"cache entries are {cache_width} wide, q rows {width}")
+    if not 1 <= kv_lora_rank < width:
+        raise ValueError(f"kv_lora_rank must be in [1, {width}), got {kv_lora_rank}")
+    rope_dim = width - kv_lora_rank
+    if kv_lora_rank > MAX_LATENT_DIM or rope_dim > MAX_ROPE_DIM:
+        raise ValueError(
+            f"latent {kv_lora_rank} / rope {rope_dim} lanes exceed {MAX_LATENT_DIM} / "
+            f"{MAX_ROPE_DIM}"
+        )
+    if q.dtype not in SUPPORTED_DTYPES or latent_cache.dtype != q.dtype:
+        raise ValueError(
+            f"q ({q.dtype}) and latent_cache ({latent_cache.dtype}) must share one of "
+            f"{SUPPORTED_DTYPES}"
+        )
+    if latent_cache.device != q.device:
+        raise ValueError(f"latent_cache is on {latent_cache.device}, q is on {q.device}")
+    check_device(q.device)
+    if latent_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("q's and latent_cache's last dims must be contiguous")
+    if latent_cache.stride(0) != block_size * latent_cache.stride(1):
+        raise ValueError("latent_cache's blocks must be contiguous runs of slots")
+    if num_heads < 1 or block_size < 1:
+        raise ValueError(f"need heads and block_size >= 1, got {num_heads}, {block_size}")
+    num_seqs = check_step_metadata(block_tables, seq_lens, cu_seqlens_q, q.device)
+    if max_seqlen_q < 0 or max_seqlen_k < 0:
+        raise ValueError(f"max_seqlen_q {max_seqlen_q} / max_seqlen_k {max_seqlen_k} < 0")
+    if max_seqlen_k > block_tables.shape[1] * block_size:
+        raise ValueError(
+            f"max_seqlen_k {max_seqlen_k} exceeds block_tables capacity "
+            f"{block_tables.shape[1]} blocks x {block_size}"
+        )
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return MlaShapes(num_tokens, num_heads, kv_lora_rank, rope_dim, block_size, num_seqs)
+
+
+def mla_attention(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    *,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    num_kv_splits: int | None = None,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Absorbed-query attention over the paged latent cache; see ``mla_attention_ref``.
+
+    q: ``[T, H, R + rope]`` (``q_nope @ W_UK`` then the rotated ``q_rope``); latent_cache:
+    ``[num_blocks, block_size, R + rope]`` (slot strides free within a block row); metadata as
+    in ``paged_attention``. ``scale``: the model's softmax scale. Returns ``[T, H, R]`` latent
+    outputs in q's dtype (the caller applies ``W_UV``). ``workspace``: optional contiguous
+    fp32 scratch of at least :func:`mla_workspace_numel` elements for split-KV.
+    """
+    shapes = check_mla_inputs(
+        q,
+        latent_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        cu_seqlens_q=cu_seqlens_q,
+        scale=scale,
+        kv_lora_rank=kv_lora_rank,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+    )
+    out = torch.empty(
+        (shapes.num_tokens, shapes.num_heads, kv_lora_rank), dtype=q.dtype, device=q.device
+    )
+    if shapes.num_tokens == 0 or shapes.num_seqs == 0 or max_seqlen_q == 0:
+        return out
+    launch = mla_launch(
+        shapes,
+        dtype=q.dtype,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        num_kv_splits=num_kv_splits,
+        num_sms=multiprocessor_count(q.device),
+    )
+    if launch.split:
+        numel = mla_workspace_numel(
+            num_tokens=shapes.num_tokens,
+            num_heads=shapes.num_heads,
+            kv_lora_rank=kv_lora_rank,
+            num_kv_splits=launch.num_kv_splits,
+        )
+        workspace = check_workspace(workspace, numel=numel, device=q.device)
+        num_lse = numel // (kv_lora_rank + 1)
+        part_out, part_lse = workspace[: numel - num_lse], workspace[numel - num_lse : numel]
+    else:
+        part_out = part_lse = out  # unused (SPLIT=False)
+    _mla_attention_kernel[launch.grid](
+        q,
+        latent_cache,
+        out,
+        part_out,
+        part_lse,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        shapes.num_seqs,
+        shapes.num_heads,
+        launch.num_kv_splits,
+        scale * _LOG2_E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        latent_cache.stride(0),
+        latent_cache.stride(1),
+        block_tables.stride(0),
+        **launch.constexprs(),
+        num_warps=launch.num_warps,
+    )
+    if launch.split:
+        reduce_block_h = min(16, triton.next_power_of_2(shapes.num_heads))
+        _paged_attention_reduce_kernel[
+            (shapes.num_tokens, triton.cdiv(shapes.num_heads, reduce_block_h))
+        ](
+            part_out,
+            part_lse,
+            out,
+            part_lse,  # no sinks
+            shapes.num_heads,
+            launch.num_kv_splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=kv_lora_rank,
+            HEAD_DIM_PAD=max(16, triton.next_power_of_2(kv_lora_rank)),
+            BLOCK_H=reduce_block_h,
+            SPLITS_PAD=triton.next_power_of_2(launch.num_kv_splits),
+            USE_SINKS=False,
+        )
+    return out
