@@ -6,8 +6,9 @@
 
 A configuration is compiled as the launcher would launch it: the attention kernel's
 compile-time arguments and options come from ``kernels.triton.paged_attention.attention_launch``
-(the
-record the launcher uses) and the sampling tile from ``kernels.triton.sampling``, pointers and the
+(the record the launcher uses), the MLA kernel's (DeepSeek-V3's 128 heads and 512 + 64 latent,
+per dtype: decode, split decode, prefill) from ``kernels.triton.mla_attention.mla_launch``, and
+the sampling tile from ``kernels.triton.sampling``, pointers and the
 strides a contiguous cache makes multiples of 16 carry the JIT's launch-time
 ``tt.divisibility=16`` specialisation, and the target is ``GPUTarget("cuda", 90, 32)``. ptxas
 (the one Triton itself runs for sm_90) is run again with ``-v`` on the PTX for the registers,
@@ -43,7 +44,8 @@ DTYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
 
 @dataclass(frozen=True)
 class Config:
-    """One kernel build: ``kind`` is ``attention`` or ``sampling``."""
+    """One kernel build: ``kind`` is ``attention``, ``mla`` (``group`` is its query heads) or
+    ``sampling``."""
 
     kind: str
     dtype: str = "fp32"
@@ -55,6 +57,8 @@ class Config:
     vocab: int = 0
     token_mask: bool = False  # sampling: the HAS_MASK build (grammar-constrained rows)
     tiles: tuple[int, ...] | None = None  # (tile_n, num_warps, num_stages, maxnreg) override
+    latent: int = 0  # mla: kv_lora_rank + rope lanes of a latent cache entry
+    rope: int = 0
 
     @property
     def name(self) -> str:
@@ -62,6 +66,8 @@ class Config:
             return f"sampling V={self.vocab}" + " mask" * self.token_mask
         mode = "decode" if self.decode_only else "prefill"
         extra = "".join((" split" if self.split else "", " window" if self.window else ""))
+        if self.kind == "mla":
+            return f"mla {self.dtype} R={self.latent}+{self.rope} H={self.group} {mode}{extra}"
         tiles = f" tiles={','.join(map(str, self.tiles))}" if self.tiles else ""
         return f"attention {self.dtype} D={self.head_dim} G={self.group} {mode}{extra}{tiles}"
 
@@ -146,6 +152,42 @@ def _attention_source(cfg: Config):
     return ASTSource(_paged_attention_kernel, signature, constants, attrs), launch.options()
 
 
+def _mla_source(cfg: Config):
+    import torch
+    from triton.compiler import ASTSource
+
+    from kernels.triton.mla_attention import MlaShapes, _mla_attention_kernel, mla_launch
+
+    torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    shapes = MlaShapes(1, cfg.group, cfg.latent, cfg.rope, 64, 1)
+    launch = mla_launch(
+        shapes,
+        dtype=torch_dtype[cfg.dtype],
+        max_seqlen_q=1 if cfg.decode_only else 2,
+        max_seqlen_k=1,
+        num_kv_splits=2 if cfg.split else 1,
+        num_sms=132,
+    )
+    constants = launch.constexprs()
+    aligned = {"stride_qt", "stride_qh", "stride_ot", "stride_oh"}
+    aligned |= {"stride_cache_block", "stride_cache_slot"}
+    int_ptrs = {"block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr"}
+    signature, attrs = {}, {}
+    for i, arg in enumerate(_mla_attention_kernel.arg_names):
+        if arg in constants:
+            signature[arg] = "constexpr"
+        elif arg.endswith("_ptr"):
+            dtype = "*i32" if arg in int_ptrs else "*fp32" if arg.startswith("part_") else None
+            signature[arg] = dtype or DTYPES[cfg.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[arg] = "fp32" if arg == "scale_log2" else "i32"
+            if arg in aligned and (cfg.latent + cfg.rope) % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(_mla_attention_kernel, signature, constants, attrs)
+    return source, {"num_warps": launch.num_warps}
+
+
 def _sampling_source(cfg: Config):
     from triton.compiler import ASTSource
 
@@ -200,7 +242,7 @@ def measure(cfg: Config) -> Resources:
     from triton.backends.compiler import GPUTarget
 
     try:
-        make = _attention_source if cfg.kind == "attention" else _sampling_source
+        make = {"attention": _attention_source, "mla": _mla_source}.get(cfg.kind, _sampling_source)
         source, options = make(cfg)
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         registers, stores, loads, stack = _ptxas_report(kernel.asm["ptx"])
@@ -222,6 +264,9 @@ def configs(args: argparse.Namespace) -> list[Config]:
             out.append(Config("attention", dtype, head_dim, group, False, True, True))
     if args.tiles is not None:
         out = [replace(c, tiles=tuple(args.tiles)) for c in out]
+    for dtype in args.dtypes:  # DeepSeek-V3's latent attention: 128 heads, a 512 + 64 entry
+        for decode_only, split in ((True, False), (True, True), (False, False)):
+            out.append(Config("mla", dtype, 0, 128, decode_only, split, latent=512, rope=64))
     masks = (False, True) if args.token_mask else (False,)
     out += [Config("sampling", vocab=v, token_mask=m) for v in args.vocabs for m in masks]
     return out

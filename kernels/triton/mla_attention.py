@@ -203,8 +203,9 @@ class MlaLaunch:
     """Every launch setting of one call, a fixed function of the shapes and dtype.
 
     ``block_h``: query heads per program (16, fewer for fewer heads); ``tokens_per_tile``: 1 for
-    decode-only batches, else enough tokens for 64 rows; ``block_m`` = rows, at least 16;
-    ``tile_n``: cache entries per inner step (32, 16 for latents wider than 256 lanes).
+    decode-only batches, else enough tokens for 64 rows (16 for latents wider than 256 lanes,
+    whose fp32 accumulator would not fit the registers: ``ci/aot_compile.py``); ``block_m`` =
+    rows, at least 16; ``tile_n``: cache entries per inner step (32, 16 for wide latents).
     """
 
     shapes: MlaShapes
@@ -266,8 +267,10 @@ def mla_launch(
     """The launch settings of one call (``num_kv_splits=None``: chosen as paged attention
     chooses, one program per (sequence, head block))."""
     decode_only = max_seqlen_q == 1
+    wide = shapes.kv_lora_rank > 256
     block_h = min(16, triton.next_power_of_2(shapes.num_heads))
-    tokens_per_tile = 1 if decode_only else max(1, 64 // block_h)
+    rows = 16 if wide else 64  # a wide latent's [rows, R] fp32 accumulator must fit registers
+    tokens_per_tile = 1 if decode_only else max(1, rows // block_h)
     block_m = max(16, tokens_per_tile * block_h)
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(
@@ -279,7 +282,6 @@ def mla_launch(
         )
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
-    wide = shapes.kv_lora_rank > 256
     dot_fp32 = dtype == torch.bfloat16 and interpreting()
     return MlaLaunch(
         shapes=shapes,

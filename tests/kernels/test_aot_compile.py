@@ -48,10 +48,12 @@ def aot_compile(*args: str) -> tuple[int, list[dict]]:
 
 
 def test_fp32_attention_and_sampling_build_without_spills():
+    """Paged attention, DeepSeek-V3's MLA (decode, split decode, prefill) and sampling."""
     rc, rows = aot_compile(
         "--dtypes", "fp32", "--head-dims", "64,80,128,256", "--groups", "1,8", "--vocabs", "1000"
     )
-    assert len(rows) == 4 * (2 * 2 + 2) + 1
+    assert len(rows) == 4 * (2 * 2 + 2) + 3 + 1
+    assert sum(r["config"].startswith("mla fp32 R=512+64 H=128") for r in rows) == 3
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad
     assert rc == 0
