@@ -90,8 +90,9 @@ class KVCache:
             dtype=dtype,
             device=device,
         )
+        # The per-layer views, made once (a step asks for every layer's)
         if layout.latent:
-            self._layers = [(self.tensor[i, 0], self.tensor[i, 0]) for i in range(num_layers)]
+            self._latents = [self.tensor[i, 0, :, :, 0] for i in range(num_layers)]
         else:
             self._layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(num_layers)]
 
@@ -105,7 +106,7 @@ class KVCache:
         """Layer ``index``'s latent entries ``[num_blocks, block_size, kv_lora_rank + rope]``."""
         if not self.layout.latent:
             raise RuntimeError("a per-head KV cache has no latent entries: use layer(i)")
-        return self._layers[index][0][:, :, 0]
+        return self._latents[index]
 
     @property
     def num_bytes(self) -> int:

@@ -72,6 +72,23 @@ def check_attention_inputs(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
 
     num_seqs = check_step_metadata(block_tables, seq_lens, cu_seqlens_q, q.device)
+    check_step_bounds(
+        block_tables, block_size, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, scale=scale
+    )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    return AttentionShapes(num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, num_seqs)
+
+
+def check_step_bounds(
+    block_tables: torch.Tensor,
+    block_size: int,
+    *,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+) -> None:
+    """The step's host-side maxima fit its block tables, and the softmax scale is finite."""
     if max_seqlen_q < 0 or max_seqlen_k < 0:
         raise ValueError(f"max_seqlen_q {max_seqlen_q} / max_seqlen_k {max_seqlen_k} < 0")
     if max_seqlen_k > block_tables.shape[1] * block_size:
@@ -79,11 +96,8 @@ def check_attention_inputs(
             f"max_seqlen_k {max_seqlen_k} exceeds block_tables capacity "
             f"{block_tables.shape[1]} blocks x {block_size}"
         )
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
-    return AttentionShapes(num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, num_seqs)
 
 
 def check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ first ``R`` lanes of its keys, so each cache tile is loaded once for a whole blo
 Algorithm: FlashAttention-2's online softmax (fp32 running max, sum and accumulator; scores in
 log2 units), as in ``kernels/triton/paged_attention.py``, whose helpers it shares: the same
 query-tile search over ``cu_seqlens_q`` (``_locate_q_tile``), the same causal key range and
-split runs (``_key_tiles``) and the same split-KV merge (``_paged_attention_reduce_kernel``).
+split runs (``_key_tiles``), online-softmax step (``_online_softmax_step``), row store
+(``_store_rows``) and split-KV merge (``merge_splits``).
 
 * **Rows.** A program owns ``BLOCK_H`` query heads of ``TOKENS_PER_TILE`` tokens: row ``r`` is
   token ``r // BLOCK_H`` of the tile and head ``head_block * BLOCK_H + r % BLOCK_H``. Decode-only
@@ -37,7 +38,6 @@ bf16 ``tl.dot`` is wrong); fp32 dots use ``input_precision="ieee"`` on CUDA.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -46,14 +46,17 @@ import triton.language as tl
 
 from kernels.triton.attention_checks import (
     SUPPORTED_DTYPES,
+    check_step_bounds,
     check_step_metadata,
     check_workspace,
 )
 from kernels.triton.paged_attention import (
     _key_tiles,
     _locate_q_tile,
-    _paged_attention_reduce_kernel,
+    _online_softmax_step,
+    _store_rows,
     choose_num_kv_splits,
+    merge_splits,
 )
 from kernels.triton.runtime import check_device, interpreting, multiprocessor_count
 
@@ -160,29 +163,12 @@ def _mla_attention_kernel(
         s = s * scale_log2
         allowed = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(allowed, s, float("-inf"))
-        # A row with no allowed key so far keeps m = -inf and uses 0 as its reference.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_ref[:, None])
-        alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, c, m_i, l_i, acc, DOT_PRECISION)
 
-    has_keys = l_i > 0.0
-    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    out_mask = row_valid[:, None] & c_mask[None, :]
-    if SPLIT:
-        part_row = (token * num_heads + head) * num_kv_splits + split
-        tl.store(part_out_ptr + part_row[:, None] * LATENT + offs_c[None, :], o, mask=out_mask)
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
-    else:
-        tl.store(
-            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_c[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=out_mask,
-        )
+    _store_rows(
+        acc, m_i, l_i, row_valid, c_mask, offs_c, token, head, split, num_heads, num_kv_splits,
+        out_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh, LATENT, SPLIT,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,15 +337,9 @@ def check_mla_inputs(
     if num_heads < 1 or block_size < 1:
         raise ValueError(f"need heads and block_size >= 1, got {num_heads}, {block_size}")
     num_seqs = check_step_metadata(block_tables, seq_lens, cu_seqlens_q, q.device)
-    if max_seqlen_q < 0 or max_seqlen_k < 0:
-        raise ValueError(f"max_seqlen_q {max_seqlen_q} / max_seqlen_k {max_seqlen_k} < 0")
-    if max_seqlen_k > block_tables.shape[1] * block_size:
-        raise ValueError(
-            f"max_seqlen_k {max_seqlen_k} exceeds block_tables capacity "
-            f"{block_tables.shape[1]} blocks x {block_size}"
-        )
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    check_step_bounds(
+        block_tables, block_size, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, scale=scale
+    )
     return MlaShapes(num_tokens, num_heads, kv_lora_rank, rope_dim, block_size, num_seqs)
 
 
@@ -445,22 +425,5 @@ def mla_attention(
         num_warps=launch.num_warps,
     )
     if launch.split:
-        reduce_block_h = min(16, triton.next_power_of_2(shapes.num_heads))
-        _paged_attention_reduce_kernel[
-            (shapes.num_tokens, triton.cdiv(shapes.num_heads, reduce_block_h))
-        ](
-            part_out,
-            part_lse,
-            out,
-            part_lse,  # no sinks
-            shapes.num_heads,
-            launch.num_kv_splits,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=kv_lora_rank,
-            HEAD_DIM_PAD=max(16, triton.next_power_of_2(kv_lora_rank)),
-            BLOCK_H=reduce_block_h,
-            SPLITS_PAD=triton.next_power_of_2(launch.num_kv_splits),
-            USE_SINKS=False,
-        )
+        merge_splits(part_out, part_lse, out, num_kv_splits=launch.num_kv_splits)
     return out

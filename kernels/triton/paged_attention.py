@@ -54,11 +54,13 @@ Layout
 ------
 The kernel is built from ``@triton.jit`` helpers, which Triton inlines (the same PTX as one
 long body): ``_locate_q_tile`` (the binary search), ``_key_tiles`` (the split's run of key
-tiles), ``_load_kv_tile`` (one gathered K/V tile) and ``_attend_key_tile`` (one online-softmax
-step). The launcher checks its inputs with ``kernels/triton/attention_checks.py``, which returns the
-sizes as an ``AttentionShapes`` record, and takes every launch setting -- grids, compile-time
-arguments, warps -- from the frozen ``AttentionLaunch`` that :func:`attention_launch` builds
-(``ci/aot_compile.py`` compiles from the same record).
+tiles), ``_load_kv_tile`` (one gathered K/V tile), ``_attend_key_tile`` (the masked scores of
+a tile, then ``_online_softmax_step``) and ``_store_rows`` (the normalised rows, or a split's
+partials); ``merge_splits`` launches the reduce. The launcher checks its inputs with
+``kernels/triton/attention_checks.py``, which returns the sizes as an ``AttentionShapes``
+record, and takes every launch setting -- grids, compile-time arguments, warps -- from the
+frozen ``AttentionLaunch`` that :func:`attention_launch` builds (``ci/aot_compile.py`` compiles
+from the same record).
 """
 
 from __future__ import annotations
@@ -214,7 +216,13 @@ def _attend_key_tile(
     if USE_WINDOW:
         allowed = allowed & (offs_n[None, :] > q_pos[:, None] - sliding_window)
     s = tl.where(allowed, s, float("-inf"))
+    return _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """``(m_i, l_i, acc)`` after one tile of masked scores ``s`` (log2 units, ``-inf`` where a
+    row may not see the key) and its values ``v``."""
     # A row with no allowed key so far keeps m = -inf and uses 0 as its reference so
     # exp2(-inf - m) is 0 rather than NaN.
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -224,6 +232,45 @@ def _attend_key_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _store_rows(
+    acc,
+    m_i,
+    l_i,
+    row_valid,
+    d_mask,
+    offs_d,
+    token,
+    head,
+    split,
+    num_heads,
+    num_kv_splits,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Normalise the rows and store them: to ``out`` ``[T, H, HEAD_DIM]``, or with split-KV the
+    partial output and its log-sum-exp to the workspace."""
+    has_keys = l_i > 0.0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out_mask = row_valid[:, None] & d_mask[None, :]
+    if SPLIT:
+        part_row = (token * num_heads + head) * num_kv_splits + split
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=out_mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
+    else:
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
 
 
 @triton.jit
@@ -328,20 +375,10 @@ def _paged_attention_kernel(
         m_i = m_new
 
     # -- normalise; with split-KV, the partial output and its log-sum-exp go to the workspace
-    has_keys = l_i > 0.0
-    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    out_mask = row_valid[:, None] & d_mask[None, :]
-    if SPLIT:
-        part_row = (token * num_q_heads + head) * num_kv_splits + split
-        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=out_mask)
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
-    else:
-        tl.store(
-            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=out_mask,
-        )
+    _store_rows(
+        acc, m_i, l_i, row_valid, d_mask, offs_d, token, head, split, num_q_heads,
+        num_kv_splits, out_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh, HEAD_DIM, SPLIT,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -479,15 +516,6 @@ class AttentionLaunch:
         else:
             num_q_tiles = shapes.num_tokens // self.tiles.tokens_per_tile + shapes.num_seqs
         return num_q_tiles, shapes.num_kv_heads, self.num_kv_splits
-
-    @property
-    def reduce_block_h(self) -> int:
-        """Query heads per program of the split-KV reduce."""
-        return min(16, triton.next_power_of_2(self.shapes.num_q_heads))
-
-    @property
-    def reduce_grid(self) -> tuple[int, int]:
-        return self.shapes.num_tokens, triton.cdiv(self.shapes.num_q_heads, self.reduce_block_h)
 
     def constexprs(self) -> dict[str, int | bool | str]:
         """The compile-time arguments of ``_paged_attention_kernel``, by name."""
@@ -701,22 +729,38 @@ def paged_attention(
         **launch.options(),
     )
     if launch.split:
-        _paged_attention_reduce_kernel[launch.reduce_grid](
-            part_out,
-            part_lse,
-            out,
-            sinks if sinks is not None else part_lse,
-            shapes.num_q_heads,
-            launch.num_kv_splits,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=shapes.head_dim,
-            HEAD_DIM_PAD=launch.tiles.head_dim_pad,
-            BLOCK_H=launch.reduce_block_h,
-            SPLITS_PAD=triton.next_power_of_2(launch.num_kv_splits),
-            USE_SINKS=launch.use_sinks,
-        )
+        merge_splits(part_out, part_lse, out, num_kv_splits=launch.num_kv_splits, sinks=sinks)
     return out
+
+
+def merge_splits(
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    num_kv_splits: int,
+    sinks: torch.Tensor | None = None,
+) -> None:
+    """Merge split-KV partials (``part_out`` ``[T, H, splits, D]``, ``part_lse`` ``[T, H,
+    splits]``, fp32, flat) into ``out [T, H, D]`` with ``_paged_attention_reduce_kernel``;
+    ``sinks`` (fp32 ``[H]``) join each row's denominator once."""
+    num_tokens, num_heads, head_dim = out.shape
+    block_h = min(16, triton.next_power_of_2(num_heads))
+    _paged_attention_reduce_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+        part_out,
+        part_lse,
+        out,
+        sinks if sinks is not None else part_lse,
+        num_heads,
+        num_kv_splits,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_H=block_h,
+        SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
+        USE_SINKS=sinks is not None,
+    )
 
 
 def _partials(
