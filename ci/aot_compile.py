@@ -7,7 +7,9 @@
 A configuration is compiled as the launcher would launch it: the attention kernel's
 compile-time arguments and options come from ``kernels.triton.paged_attention.attention_launch``
 (the record the launcher uses), the MLA kernel's (DeepSeek-V3's 128 heads and 512 + 64 latent,
-per dtype: decode, split decode, prefill) from ``kernels.triton.mla_attention.mla_launch``, and
+per dtype: decode, split decode, prefill) from ``kernels.triton.mla_attention.mla_launch``, the
+gated DeltaNet kernels' (Qwen3-Next's 128-lane key and value heads: recurrent and chunked delta
+rule, the 4-wide causal convolution) from ``delta_rule_constants`` and ``conv_constants``, and
 the sampling tile from ``kernels.triton.sampling``, pointers and the
 strides a contiguous cache makes multiples of 16 carry the JIT's launch-time
 ``tt.divisibility=16`` specialisation, and the target is ``GPUTarget("cuda", 90, 32)``. ptxas
@@ -44,7 +46,8 @@ DTYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
 
 @dataclass(frozen=True)
 class Config:
-    """One kernel build: ``kind`` is ``attention``, ``mla`` (``group`` is its query heads) or
+    """One kernel build: ``kind`` is ``attention``, ``mla`` (``group`` is its query heads),
+    ``delta`` (``decode_only``: the recurrent kernel, else the chunked one), ``conv`` or
     ``sampling``."""
 
     kind: str
@@ -68,6 +71,11 @@ class Config:
         extra = "".join((" split" if self.split else "", " window" if self.window else ""))
         if self.kind == "mla":
             return f"mla {self.dtype} R={self.latent}+{self.rope} H={self.group} {mode}{extra}"
+        if self.kind == "delta":
+            kernel = "recurrent" if self.decode_only else "chunked"
+            return f"delta rule {self.dtype} D={self.head_dim} {kernel}"
+        if self.kind == "conv":
+            return f"causal conv {self.dtype} K=4"
         tiles = f" tiles={','.join(map(str, self.tiles))}" if self.tiles else ""
         return f"attention {self.dtype} D={self.head_dim} G={self.group} {mode}{extra}{tiles}"
 
@@ -188,6 +196,41 @@ def _mla_source(cfg: Config):
     return source, {"num_warps": launch.num_warps}
 
 
+def _linear_attention_source(cfg: Config):
+    """The gated delta rule (q, k, v, out in ``cfg.dtype``; g, beta, states fp32) or the causal
+    convolution (x, weight, window, out in ``cfg.dtype``) at Qwen3-Next's shapes."""
+    from triton.compiler import ASTSource
+
+    from kernels.triton.causal_conv import _causal_conv_kernel, conv_constants
+    from kernels.triton.delta_rule import (
+        _CHUNKED_WARPS,
+        _delta_rule_chunked_kernel,
+        _delta_rule_recurrent_kernel,
+        delta_rule_constants,
+    )
+
+    if cfg.kind == "conv":
+        kernel, constants = _causal_conv_kernel, conv_constants(4, has_bias=False, silu=True)
+        fp32_ptrs: set[str] = set()
+    else:
+        kernel = _delta_rule_recurrent_kernel if cfg.decode_only else _delta_rule_chunked_kernel
+        constants = delta_rule_constants(cfg.head_dim, cfg.head_dim, chunked=not cfg.decode_only)
+        fp32_ptrs = {"g_ptr", "beta_ptr", "state_ptr"}
+    int_ptrs = {"cu_seqlens_ptr", "state_slots_ptr", "has_state_ptr"}
+    signature, attrs = {}, {}
+    for i, arg in enumerate(kernel.arg_names):
+        if arg in constants:
+            signature[arg] = "constexpr"
+        elif arg.endswith("_ptr"):
+            kind = "*i32" if arg in int_ptrs else "*fp32" if arg in fp32_ptrs else None
+            signature[arg] = kind or DTYPES[cfg.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[arg] = "fp32" if arg == "scale" else "i32"
+    warps = _CHUNKED_WARPS if cfg.kind == "delta" and not cfg.decode_only else 4
+    return ASTSource(kernel, signature, constants, attrs), {"num_warps": warps}
+
+
 def _sampling_source(cfg: Config):
     from triton.compiler import ASTSource
 
@@ -242,7 +285,12 @@ def measure(cfg: Config) -> Resources:
     from triton.backends.compiler import GPUTarget
 
     try:
-        make = {"attention": _attention_source, "mla": _mla_source}.get(cfg.kind, _sampling_source)
+        make = {
+            "attention": _attention_source,
+            "mla": _mla_source,
+            "delta": _linear_attention_source,
+            "conv": _linear_attention_source,
+        }.get(cfg.kind, _sampling_source)
         source, options = make(cfg)
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         registers, stores, loads, stack = _ptxas_report(kernel.asm["ptx"])
@@ -267,6 +315,10 @@ def configs(args: argparse.Namespace) -> list[Config]:
     for dtype in args.dtypes:  # DeepSeek-V3's latent attention: 128 heads, a 512 + 64 entry
         for decode_only, split in ((True, False), (True, True), (False, False)):
             out.append(Config("mla", dtype, 0, 128, decode_only, split, latent=512, rope=64))
+    for dtype in args.dtypes:  # Qwen3-Next's gated DeltaNet: 128-lane heads, a 4-wide window
+        chunked = (False,) if dtype == "fp32" else (False, True)  # uses_chunked_kernel
+        out += [Config("delta", dtype, 128, decode_only=not c) for c in chunked]
+        out.append(Config("conv", dtype))
     masks = (False, True) if args.token_mask else (False,)
     out += [Config("sampling", vocab=v, token_mask=m) for v in args.vocabs for m in masks]
     return out

@@ -12,7 +12,10 @@ int32 (context including the new tokens); cu_seqlens_q ``[S + 1]`` int32; slot_m
 int64 (-1: do not write); block_mapping ``[N, 2]`` int64 ``(src, dst)`` rows; kv_caches
 ``[num_layers, 2, num_blocks, block_size, Hkv, D]`` (``[num_layers, 1, num_blocks, block_size, 1,
 C]`` for a latent cache); latent_cache ``[num_blocks, block_size, C]`` with ``C = kv_lora_rank +
-rope_dim``. The semantics are the references' (``fused_moe_ref`` for ``FusedMoe``).
+rope_dim``. Linear-attention state (gated DeltaNet): conv_state ``[num_slots, K - 1, C]`` and
+state ``[num_slots, Hv, Dk, Dv]`` fp32, one slot per live sequence; state_slots ``[S]`` int32
+and has_state ``[S]`` int32 (0: the sequence starts from zeros). The semantics are the
+references' (``fused_moe_ref`` for ``FusedMoe``, ``causal_conv1d_ref``, ``gated_delta_rule_ref``).
 """
 
 from __future__ import annotations
@@ -132,4 +135,43 @@ class FusedMoe(Protocol):
         apply_gate: Callable[[torch.Tensor], torch.Tensor],
         gate_up_bias: torch.Tensor | None = None,
         down_bias: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
+class CausalConv(Protocol):
+    """Depthwise causal convolution of ragged rows ``x [T, C]`` with ``weight [C, K]``, each
+    sequence continuing from (and updating) its window in ``conv_state``; ``[T, C]``."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        conv_state: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor,
+        state_slots: torch.Tensor,
+        has_state: torch.Tensor,
+        silu: bool = True,
+    ) -> torch.Tensor: ...
+
+
+class GatedDeltaRule(Protocol):
+    """The gated delta rule of ragged sequences over their recurrent states (updated in
+    place): q, k ``[T, Hk, Dk]``, v ``[T, Hv, Dv]``, g and beta ``[T, Hv]``; ``[T, Hv, Dv]``."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor,
+        state_slots: torch.Tensor,
+        has_state: torch.Tensor,
+        max_seqlen_q: int,
+        scale: float | None = None,
     ) -> torch.Tensor: ...

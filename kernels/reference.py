@@ -410,3 +410,100 @@ def fused_moe_ref(
                 y = y + down_bias[e].float()
             out[t] += topk_weights[t, j].float() * y
     return out.to(hidden.dtype)
+
+
+# --------------------------------------------------------------------------- linear attention
+# Gated DeltaNet layers (Qwen3-Next, Qwen3.5) keep a fixed-size state per sequence instead of a
+# growing KV cache: a convolution window ``conv_state [num_slots, K - 1, C]`` (the last K - 1
+# inputs of a depthwise causal convolution of width K) and a recurrent state
+# ``state [num_slots, Hv, Dk, Dv]``. A step's ragged sequences (``cu_seqlens [S + 1]``) read and
+# update slot ``state_slots[s]``; ``has_state[s] == 0`` starts the sequence from zeros (its first
+# chunk), whatever the slot held.
+
+
+def causal_conv1d_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_state: torch.Tensor,
+    silu: bool = True,
+) -> torch.Tensor:
+    """Depthwise causal convolution of each sequence's ``x [T, C]`` rows, continuing from its
+    window: ``out[t, c] = act(bias[c] + sum_j weight[c, j] * ext[t + j, c])`` with ``ext`` the
+    window (``K - 1`` rows, zeros for a fresh sequence) followed by the sequence's rows. The
+    window becomes ``ext``'s last ``K - 1`` rows (in place). Computed in fp32 (in float64 for
+    float64 inputs); ``[T, C]`` in ``x``'s dtype."""
+    width = weight.shape[1]
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out = torch.empty_like(x)
+    w = weight.to(compute)
+    for s, (a, b) in enumerate(zip(cu_seqlens.tolist(), cu_seqlens[1:].tolist())):
+        slot = int(state_slots[s])
+        prev = conv_state[slot].to(compute)
+        if not int(has_state[s]):
+            prev = torch.zeros_like(prev)
+        ext = torch.cat([prev, x[a:b].to(compute)])  # [K - 1 + L, C]
+        n = b - a
+        y = sum(ext[j : j + n] * w[:, j] for j in range(width))
+        if bias is not None:
+            y = y + bias.to(compute)
+        if silu:
+            y = torch.nn.functional.silu(y)
+        out[a:b] = y.to(x.dtype)
+        conv_state[slot] = ext[n:].to(conv_state.dtype)
+    return out
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x * rsqrt(sum(x^2) + eps)`` over the last dim (the gated delta rule's q/k norm)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_rule_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_state: torch.Tensor,
+    max_seqlen_q: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The gated delta rule, token by token (its definition).
+
+    q, k ``[T, Hk, Dk]``; v ``[T, Hv, Dv]``; g (log decay, <= 0) and beta ``[T, Hv]``; value
+    head ``h`` reads key head ``h // (Hv // Hk)``. q and k are L2-normalised, q scaled by
+    ``scale`` (``Dk ** -0.5``). For each token, per head, with ``S [Dk, Dv]``::
+
+        S = exp(g) * S;  S += k (beta * (v - k^T S));  o = q^T S
+
+    Computed in ``state``'s dtype (fp32; float64 to check); the final ``S`` goes back to the
+    slot. Returns ``o [T, Hv, Dv]`` in v's dtype. ``max_seqlen_q`` is the kernels' launch choice
+    (unused here)."""
+    del max_seqlen_q
+    compute = state.dtype
+    num_v, num_k = v.shape[1], k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    group = num_v // num_k
+    qn = l2_normalize(q.to(compute)).repeat_interleave(group, dim=1) * scale
+    kn = l2_normalize(k.to(compute)).repeat_interleave(group, dim=1)
+    vv, gg, bb = v.to(compute), g.to(compute), beta.to(compute)
+    out = torch.empty(v.shape, dtype=compute, device=v.device)
+    for s, (a, b) in enumerate(zip(cu_seqlens.tolist(), cu_seqlens[1:].tolist())):
+        slot = int(state_slots[s])
+        S = state[slot].clone() if int(has_state[s]) else torch.zeros_like(state[slot])
+        for t in range(a, b):
+            S = S * gg[t].exp()[:, None, None]
+            delta = (vv[t] - torch.einsum("hkv,hk->hv", S, kn[t])) * bb[t][:, None]
+            S = S + kn[t][:, :, None] * delta[:, None, :]
+            out[t] = torch.einsum("hkv,hk->hv", S, qn[t])
+        state[slot] = S
+    return out.to(v.dtype)

@@ -40,6 +40,8 @@ for _name in (
     "kernels.triton.block_copy",
     "kernels.triton.sampling",
     "kernels.triton.mla_attention",
+    "kernels.triton.causal_conv",
+    "kernels.triton.delta_rule",
 ):
     _mod = sys.modules.get(_name)
     if _mod is not None and not HAS_CUDA and os.environ.get("TRITON_INTERPRET") == "1":

@@ -48,16 +48,36 @@ def aot_compile(*args: str) -> tuple[int, list[dict]]:
 
 
 def test_fp32_attention_and_sampling_build_without_spills():
-    """Paged attention, DeepSeek-V3's MLA (decode, split decode, prefill) and sampling."""
+    """Paged attention, DeepSeek-V3's MLA (decode, split decode, prefill), Qwen3-Next's gated
+    delta rule (fp32 takes the recurrent kernel on a GPU) and convolution, and sampling."""
     rc, rows = aot_compile(
         "--dtypes", "fp32", "--head-dims", "64,80,128,256", "--groups", "1,8", "--vocabs", "1000"
     )
-    assert len(rows) == 4 * (2 * 2 + 2) + 3 + 1
+    assert len(rows) == 4 * (2 * 2 + 2) + 3 + 2 + 1
     assert sum(r["config"].startswith("mla fp32 R=512+64 H=128") for r in rows) == 3
+    assert {"delta rule fp32 D=128 recurrent", "causal conv fp32 K=4"} <= {
+        r["config"] for r in rows
+    }
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad
     assert rc == 0
     assert all(r["registers"] <= 255 and r["spill_stores"] == 0 for r in rows)
+
+
+def test_bf16_gated_deltanet_kernels_build_without_spills():
+    """The chunked delta rule's tensor-core tiles (16 tokens x 32 value lanes, 8 warps) at
+    Qwen3-Next's 128-lane heads, beside the recurrent kernel and the convolution."""
+    rc, rows = aot_compile(
+        "--dtypes", "bf16", "--head-dims", "128", "--groups", "1", "--vocabs", ""
+    )  # fmt: skip
+    linear = [r for r in rows if r["config"].startswith(("delta rule", "causal conv"))]
+    assert [r["config"] for r in linear] == [
+        "delta rule bf16 D=128 recurrent",
+        "delta rule bf16 D=128 chunked",
+        "causal conv bf16 K=4",
+    ]
+    assert all(r["ok"] for r in rows), rows
+    assert rc == 0
 
 
 def test_the_check_sees_the_spills_of_fp16_sized_fp32_tiles():

@@ -10,10 +10,13 @@ from collections.abc import Callable
 import pytest
 
 from engine.platform.cpu.attention import PlannedTorchAttention
+from engine.platform.cpu.linear_attention import causal_conv1d_cpu, gated_delta_rule_cpu
 from engine.platform.cpu.moe import grouped_moe
 from kernels import interface, reference
 from kernels.triton import (
     block_copy,
+    causal_conv,
+    delta_rule,
     fused_moe,
     kv_write,
     mla_attention,
@@ -33,6 +36,12 @@ IMPLEMENTATIONS: list[tuple[type, Callable]] = [
     (interface.WriteLatent, reference.write_latent_ref),
     (interface.MlaAttention, mla_attention.mla_attention),
     (interface.MlaAttention, reference.mla_attention_ref),
+    (interface.CausalConv, causal_conv.causal_conv1d),
+    (interface.CausalConv, reference.causal_conv1d_ref),
+    (interface.CausalConv, causal_conv1d_cpu),
+    (interface.GatedDeltaRule, delta_rule.gated_delta_rule),
+    (interface.GatedDeltaRule, reference.gated_delta_rule_ref),
+    (interface.GatedDeltaRule, gated_delta_rule_cpu),
     (interface.CopyBlocks, block_copy.copy_blocks),
     (interface.CopyBlocks, reference.copy_blocks_ref),
     (interface.FusedSample, sampling.sample),
