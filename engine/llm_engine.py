@@ -30,6 +30,7 @@ from engine.sched.block_manager import BlockManager
 from engine.sched.forks import join_forks, make_samples, sample_ids
 from engine.sched.live_request import LiveRequest
 from engine.sched.scheduler import Scheduler
+from engine.sched.state_slots import StateSlots
 from engine.step_outputs import StepOutputs
 
 logger = logging.getLogger(__name__)
@@ -86,10 +87,17 @@ class LLMEngine:
             eos_token_ids=sorted(self.eos_token_ids),
             group=lambda: None if self.tp is None else self.tp.group,
         )
+        state_cache = self.runner.state_cache
+        prefix_caching = config.enable_prefix_caching
+        if state_cache is not None and prefix_caching:
+            # A prefix hit would skip tokens whose linear-attention state was never kept.
+            logger.info("prefix caching is off: a hybrid model's recurrent state is per sequence")
+            prefix_caching = False
         self.block_manager = BlockManager(
             self.runner.kv_cache.num_blocks,
             config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=prefix_caching,
+            state_slots=None if state_cache is None else StateSlots(state_cache.num_slots),
         )
         self.scheduler = Scheduler(
             self.block_manager,

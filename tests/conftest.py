@@ -168,9 +168,13 @@ def random_prompts(lengths: list[int], seed: int = 0, vocab: int = TINY_VOCAB) -
 
 
 def assert_pool_clean(bm: BlockManager) -> None:
-    """After a scenario: the pool is consistent and no live request holds a block."""
+    """After a scenario: the pool is consistent and no live request holds a block (or, for a
+    hybrid model, a state slot)."""
     bm.check_integrity()
     assert bm.usage().used_blocks == 0
+    if bm.state_slots is not None:
+        assert bm.state_slots.num_free == bm.state_slots.num_slots
+        assert not bm.state_slots.pending_copies
 
 
 @pytest.fixture

@@ -42,6 +42,7 @@ def with_graphs(llm: LLM, max_batch_size: int) -> DecodeGraphs:
         engine.runner.backend,
         max_batch_size=max_batch_size,
         max_model_len=engine.max_model_len,
+        state_cache=engine.runner.state_cache,
     )
     engine.runner.enable_decode_graphs(graphs, EagerReplay())
     return graphs

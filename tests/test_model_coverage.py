@@ -38,14 +38,19 @@ from transformers import (
     PreTrainedModel,
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
 
 from engine import LLM, SamplingParams
-from engine.runner.kv_cache import KVCache, cache_layout
+from engine.runner.kv_cache import KVCache, attention_layer_ids, cache_layout
+from engine.runner.state_cache import linear_layer_ids
 from tests.conftest import TINY_VOCAB, assert_pool_clean, hf_greedy, loaded, random_prompts
 
 COMMON = dict(
@@ -78,6 +83,17 @@ MLA = dict(
     n_shared_experts=1,
     first_k_dense_replace=1,  # layer 0 dense, layer 1 mixture-of-experts
     **MOE,
+)
+# Hybrid linear attention: gated DeltaNet layers 0 and 2 around a full-attention layer, with
+# grouped value heads (4 over 2 key heads) and value heads wider than key heads.
+HYBRID = dict(
+    num_hidden_layers=3,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=24,
+    linear_conv_kernel_dim=4,
 )
 ARCHITECTURES: dict[str, tuple[type, type, dict]] = {
     "phi3": (Phi3Config, Phi3ForCausalLM, {}),
@@ -147,6 +163,12 @@ ARCHITECTURES: dict[str, tuple[type, type, dict]] = {
         Glm4MoeLiteForCausalLM,
         {"q_lora_rank": 48, "n_group": 2, "topk_group": 1, **MLA},
     ),
+    "qwen3_next": (  # gated DeltaNet + gated full attention; routed and shared experts
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
+        {"num_experts": 4, "shared_expert_intermediate_size": 64, **MOE, **HYBRID},
+    ),
+    "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM, HYBRID),  # separate input projections
     "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 4, **MOE}),
     "olmoe": (OlmoeConfig, OlmoeForCausalLM, {"num_experts": 4, **MOE}),
     "gpt_oss": (
@@ -206,7 +228,10 @@ def test_batched_chunked_with_a_prefix_hit(expected) -> None:
     results = llm.generate(prompts, GREEDY)
     assert first.token_ids == want[-2]
     assert [r.token_ids for r in results] == want
-    assert results[-1].metrics.num_cached_tokens >= 16
+    if linear_layer_ids(model.config):  # a hybrid's per-sequence state is not prefix-cached
+        assert results[-1].metrics.num_cached_tokens == 0
+    else:
+        assert results[-1].metrics.num_cached_tokens >= 16
     assert_pool_clean(llm.engine.block_manager)
 
 
@@ -219,15 +244,31 @@ def test_preemption(expected) -> None:
     hf = model.config
     layout = cache_layout(hf)
     block_bytes = KVCache.bytes_per_block(
-        num_layers=hf.num_hidden_layers, block_size=16, layout=layout, dtype=torch.float32
+        num_layers=len(attention_layer_ids(hf)), block_size=16, layout=layout, dtype=torch.float32
     )
-    llm = LLM(loaded=loaded(model), kv_cache_memory=6 * block_bytes, max_num_batched_tokens=64)
+    llm = LLM(
+        loaded=loaded(model),
+        kv_cache_memory=6 * block_bytes + state_bytes(model, max_num_seqs=8),
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+    )
     assert llm.engine.block_manager.num_blocks == 6
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     results = llm.generate(prompts, params)
     assert [r.token_ids for r in results] == want
     assert llm.engine.scheduler.num_preemptions > 0
     assert_pool_clean(llm.engine.block_manager)
+
+
+def state_bytes(model: PreTrainedModel, max_num_seqs: int) -> int:
+    """What a hybrid model's state slots take of the KV budget (0 for other models)."""
+    from engine.runner.state_cache import StateCache, linear_state_shape
+
+    shape = linear_state_shape(model.config)
+    if shape is None:
+        return 0
+    cache = StateCache(shape, num_slots=max_num_seqs, dtype=torch.float32, device="cpu")
+    return cache.num_bytes
 
 
 def test_logprobs_and_prompt_logprobs_follow_the_models_head(expected) -> None:

@@ -77,11 +77,10 @@ REFUSED = {
             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, vocab_size=64,
         )
     ),  # fmt: skip
-    "linear_attention layers": lambda: transformers.Qwen3NextForCausalLM(
-        transformers.Qwen3NextConfig(
+    "has conv layers": lambda: transformers.Lfm2ForCausalLM(  # LFM2's short convolutions
+        transformers.Lfm2Config(
             num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_attention_heads=2,
-            num_key_value_heads=1, vocab_size=64,
-            layer_types=["linear_attention", "full_attention"],
+            num_key_value_heads=1, vocab_size=64, layer_types=["conv", "full_attention"],
         )
     ),  # fmt: skip
     "elsewhere than model.model.layers": lambda: transformers.GPT2LMHeadModel(

@@ -5,11 +5,13 @@ model's own modules, so any causal LM whose attention layers call that interface
 ``layer_idx`` runs, dense or mixture-of-experts: RoPE, NoPE layers, per-layer sliding windows,
 soft-capped scores, attention sinks and any ``scaling`` arrive as the arguments HF passes;
 multi-head latent attention (MLA) modules built as DeepSeek-V3's run on a latent cache
-(``engine/model/latent_attention.py``). The
+(``engine/model/latent_attention.py``); hybrids whose ``linear_attention`` layers are gated
+DeltaNet mixers (Qwen3-Next, Qwen3.5) run them over per-sequence state slots
+(``engine/model/linear_attention.py``). The
 families whose decoder ``engine/model/body.py`` reproduces without HF's per-layer Python run on
 it (``FAST_BODY_ARCHITECTURES``); every other one runs HF's own decoder forward over the flat
 batch. What cannot be right is refused at load, before any KV memory is allocated, with what is
-missing: linear-attention or state-space layers, DeepSeek's sparse attention, ALiBi biases,
+missing: other linear-attention or state-space layers, DeepSeek's sparse attention, ALiBi biases,
 bidirectional attention, attention that does not go through the interface, encoder-decoders.
 """
 
@@ -19,6 +21,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from engine.model.latent_attention import unservable_latent_reason
+from engine.model.linear_attention import linear_attention_layers
 
 # Decoders engine/model/body.py runs op for op (tests/test_model_body.py).
 FAST_BODY_ARCHITECTURES = (
@@ -28,6 +31,7 @@ FAST_BODY_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+LINEAR_LAYER_TYPE = "linear_attention"  # gated DeltaNet, over state slots
 
 
 def attention_layers(model: nn.Module) -> list[nn.Module]:
@@ -59,13 +63,17 @@ def check_servable(model: PreTrainedModel) -> None:
             if reason is not None:
                 raise ValueError(f"{name} {reason}")
     layer_types = getattr(config, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+    served = (*ATTENTION_LAYER_TYPES, LINEAR_LAYER_TYPE)
+    other = sorted({t for t in layer_types if t not in served})
     if other:
         raise ValueError(
             f"{name} has {', '.join(other)} layers, which paged-serve does not support yet "
-            f"(it pages softmax attention: {', '.join(ATTENTION_LAYER_TYPES)})"
+            f"(it serves {', '.join(served)} layers)"
         )
-    if not getattr(model, "_supports_attention_backend", False):
+    linear = _check_linear_layers(model, layer_types)
+    # Hybrids' flag is off for their stateful cache, not their attention (which calls the
+    # interface): their mixers are swapped whole.
+    if not getattr(model, "_supports_attention_backend", False) and not linear:
         raise ValueError(
             f"{name}'s attention does not go through transformers' attention interface, so "
             "paged attention cannot be swapped in"
@@ -75,7 +83,7 @@ def check_servable(model: PreTrainedModel) -> None:
         raise ValueError(
             f"{name} has bidirectional attention layers: paged-serve serves causal LMs"
         )
-    found = sorted({m.layer_idx for m in modules})
+    found = sorted({m.layer_idx for m in modules} | set(linear))
     layers = int(config.num_hidden_layers)
     if found != list(range(layers)):
         shown = ", ".join(map(str, found[:8])) + (", ..." if len(found) > 8 else "")
@@ -83,6 +91,28 @@ def check_servable(model: PreTrainedModel) -> None:
             f"{name}: attention modules found for layers [{shown}] of {layers}; paged attention "
             "needs one per decoder layer, numbered by layer_idx"
         )
+
+
+def _check_linear_layers(model: PreTrainedModel, layer_types: list[str]) -> list[int]:
+    """The layer ids of ``model``'s gated DeltaNet mixers, one per ``linear_attention`` entry
+    of ``layer_types`` (ValueError naming what does not fit)."""
+    wanted = [i for i, t in enumerate(layer_types) if t == LINEAR_LAYER_TYPE]
+    mixers = linear_attention_layers(model)
+    found = sorted(m.layer_idx for m in mixers)
+    name = type(model).__name__
+    if found != wanted:
+        raise ValueError(
+            f"{name}: linear_attention layers {wanted}, but gated DeltaNet mixers (with conv1d, "
+            f"A_log, dt_bias, a gated norm and HF's input projections) at {found}: other "
+            "linear-attention and state-space layers are not supported yet"
+        )
+    for module in mixers:
+        if module.activation not in ("silu", "swish"):
+            raise ValueError(
+                f"{name}: the gated DeltaNet convolution's activation is {module.activation!r}; "
+                "the kernels apply SiLU"
+            )
+    return wanted
 
 
 def runs_fast_body(model: PreTrainedModel) -> bool:

@@ -17,6 +17,7 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from engine.model.architecture import check_servable
 from engine.model.latent_attention import install_latent_attention, latent_attention_flat
+from engine.model.linear_attention import install_linear_attention
 from engine.runner.attention_context import current_attention_context
 
 ATTN_NAME = "paged_serve"
@@ -101,4 +102,5 @@ def install_paged_attention(model: PreTrainedModel) -> None:
     naming what is missing, for a model the engine cannot serve: engine/model/architecture.py)."""
     check_servable(model)
     install_latent_attention(model)  # MLA: absorbed weights over the latent cache
+    install_linear_attention(model)  # gated DeltaNet mixers over state slots
     model.set_attn_implementation(ATTN_NAME)

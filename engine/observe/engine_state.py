@@ -61,6 +61,7 @@ class RequestState:
     preemptions: int
     age_s: float  # since arrival
     blocks: list[int]  # its block table (empty while waiting)
+    state_slot: int | None = None  # a hybrid model's linear-attention state slot, if it holds one
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,9 @@ class BlockPoolState:
     copy_on_write_total: int
     recent_copies: list[tuple[int, int]]  # the last (src, dst) copies, oldest first
     integrity: str  # "ok", or what BlockManager.check_integrity found wrong
+    # A hybrid model's linear-attention state slots beside the blocks (0 and 0 otherwise).
+    state_slots_total: int = 0
+    state_slots_used: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +99,7 @@ class EngineState:
 def _request_state(engine: LLMEngine, request: Request, now: float) -> RequestState:
     bm = engine.block_manager
     rid = request.request_id
+    slots = bm.state_slots
     return RequestState(
         id=rid,
         status=request.status.value,
@@ -106,6 +111,7 @@ def _request_state(engine: LLMEngine, request: Request, now: float) -> RequestSt
         preemptions=request.num_preemptions,
         age_s=round(now - request.arrival_time, 3),
         blocks=list(bm.block_table(rid)) if bm.has(rid) else [],
+        state_slot=slots.slot(rid) if slots is not None and slots.holds(rid) else None,
     )
 
 
@@ -134,6 +140,10 @@ def take_state(engine: LLMEngine, gauges: object) -> EngineState:
         copy_on_write_total=bm.copy_on_write_total,
         recent_copies=list(bm.recent_copies),
         integrity=pool_integrity(bm),
+        state_slots_total=0 if bm.state_slots is None else bm.state_slots.num_slots,
+        state_slots_used=0
+        if bm.state_slots is None
+        else bm.state_slots.num_slots - bm.state_slots.num_free,
     )
     waiting = itertools.islice(scheduler.waiting, MAX_WAITING_LISTED)
     return EngineState(

@@ -14,13 +14,16 @@ from dataclasses import dataclass
 
 from engine.config import cache_root
 from engine.platform.cpu.attention import PlannedTorchAttention
+from engine.platform.cpu.linear_attention import causal_conv1d_cpu, gated_delta_rule_cpu
 from engine.platform.cpu.moe import grouped_moe
 from kernels import reference
 from kernels.cpu import decode_attention as cpu_decode_attention
 from kernels.interface import (
+    CausalConv,
     CopyBlocks,
     FusedMoe,
     FusedSample,
+    GatedDeltaRule,
     MlaAttention,
     PagedAttention,
     WriteKv,
@@ -33,7 +36,9 @@ class KernelBackend:
     """The functions a step calls (``kernels/interface.py``); ``fused_moe`` runs the routed
     experts of a mixture-of-experts layer (``engine/model/experts_swap.py``); ``write_latent``
     and ``mla_attention`` serve multi-head latent attention layers
-    (``engine/model/latent_attention.py``). ``sample`` is the
+    (``engine/model/latent_attention.py``); ``causal_conv`` and ``gated_delta_rule`` serve
+    gated DeltaNet layers over their state slots (``engine/model/linear_attention.py``).
+    ``sample`` is the
     fused draw (``kernels/triton/sampling.py``), or None for the eager one; ``graph_safe``: the
     functions can be captured in a CUDA graph."""
 
@@ -44,6 +49,8 @@ class KernelBackend:
     fused_moe: FusedMoe
     write_latent: WriteLatent
     mla_attention: MlaAttention
+    causal_conv: CausalConv
+    gated_delta_rule: GatedDeltaRule
     sample: FusedSample | None = None
     graph_safe: bool = False
 
@@ -76,10 +83,14 @@ def make_kernels(
             grouped_moe,
             reference.write_latent_ref,
             reference.mla_attention_ref,
+            causal_conv1d_cpu,
+            gated_delta_rule_cpu,
         )
     if name == "triton":
         # Imported here: triton must not load before TRITON_INTERPRET is decided.
         from kernels.triton.block_copy import copy_blocks
+        from kernels.triton.causal_conv import causal_conv1d
+        from kernels.triton.delta_rule import gated_delta_rule
         from kernels.triton.fused_moe import fused_moe
         from kernels.triton.kv_write import write_kv, write_latent
         from kernels.triton.mla_attention import mla_attention
@@ -94,6 +105,8 @@ def make_kernels(
             fused_moe,
             write_latent,
             mla_attention,
+            causal_conv1d,
+            gated_delta_rule,
             sample,
             graph_safe=True,
         )

@@ -19,6 +19,7 @@ import torch
 if TYPE_CHECKING:
     from engine.platform.kernel_backend import KernelBackend
     from engine.runner.kv_cache import KVCache
+    from engine.runner.state_cache import StateCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,8 @@ class AttentionContext:
     seq_lens: ``[S]`` int32 context lengths including this step's tokens;
     block_tables: ``[S, max_blocks]`` int32; slot_mapping: ``[T]`` int64 cache slot per token.
     max_seqlen_q / max_seqlen_k: host-side maxima, so kernels never sync to read them.
+    A hybrid model's linear-attention layers also read ``state_cache``, each sequence's
+    ``state_slots [S]`` int32 and ``has_state [S]`` int32 (0: start from a zero state).
     """
 
     cu_seqlens_q: torch.Tensor
@@ -39,6 +42,9 @@ class AttentionContext:
     max_seqlen_k: int
     kv_cache: KVCache
     backend: KernelBackend
+    state_cache: StateCache | None = None
+    state_slots: torch.Tensor | None = None
+    has_state: torch.Tensor | None = None
 
 
 _state = threading.local()

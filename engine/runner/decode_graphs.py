@@ -10,6 +10,7 @@ Padding rows (``B`` up to the bucket size) are inert: token 0 at position 0, KV 
 (the KV write skips it), context length 1 read through whatever block id their table row holds
 (always a valid block). Each row of the model's computation is independent, so padding never
 changes a real row. Block-table columns past a request's length are stale and never read.
+A hybrid model's padding rows use the state cache's scratch slot, from a zero state.
 
 The kernels fix their launch shapes from host integers, so the captured context declares
 ``max_seqlen_k`` = the table capacity (``max_blocks_per_seq * block_size``): the split-KV
@@ -37,6 +38,7 @@ from engine.platform.host_tensors import host_tensor
 from engine.platform.kernel_backend import KernelBackend
 from engine.runner.attention_context import AttentionContext, attention_context
 from engine.runner.kv_cache import KVCache
+from engine.runner.state_cache import StateCache
 from engine.runner.step_inputs import StepInputs
 
 Forward = Callable[[], object]  # a forward that reads and writes only static buffers
@@ -101,7 +103,7 @@ class DecodeGraphs:
     sets the block-table width. ``with_logits=False`` captures the model body only (a
     tensor-parallel worker, which never samples). ``replays[size]`` counts the steps each
     bucket served and ``padded_rows`` the padding rows they computed in all (the price of
-    bucketing).
+    bucketing). ``state_cache``: a hybrid model's linear-attention state.
     """
 
     def __init__(
@@ -113,8 +115,10 @@ class DecodeGraphs:
         max_batch_size: int,
         max_model_len: int,
         with_logits: bool = True,
+        state_cache: StateCache | None = None,
     ):
         self.model = model
+        self.state_cache = state_cache
         self.with_logits = with_logits
         self.kv_cache = kv_cache
         self.backend = backend
@@ -131,6 +135,9 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, self.table_width, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
+        scratch = state_cache.scratch_slot if state_cache is not None else 0
+        self.state_slots = torch.full((n,), scratch, dtype=torch.int32, device=device)
+        self.has_state = torch.zeros(n, dtype=torch.int32, device=device)
         # One fp32 logits buffer for every bucket (each graph's own output would hold sum(sizes)
         # rows); fp32 because the sampler upcasts anyway, so no model's logits lose precision.
         vocab_size = model.get_output_embeddings().weight.shape[0] if with_logits else 0
@@ -156,6 +163,9 @@ class DecodeGraphs:
             max_seqlen_k=self.max_seqlen_k,
             kv_cache=self.kv_cache,
             backend=self.backend,
+            state_cache=self.state_cache,
+            state_slots=self.state_slots[:size] if self.state_cache is not None else None,
+            has_state=self.has_state[:size] if self.state_cache is not None else None,
         )
         with attention_context(ctx):
             if not self.with_logits:
@@ -201,13 +211,18 @@ class DecodeGraphs:
                 f"a block table of {width} blocks exceeds the graphs' {self.table_width}"
             )
         tables = [t + [0] * (width - len(t)) for t in inputs.block_tables]
-        for dst, data, dtype in (
+        buffers = [
             (self.input_ids[0, :size], inputs.input_ids + [0] * pad, torch.long),
             (self.positions[0, :size], inputs.positions + [0] * pad, torch.long),
             (self.slot_mapping[:size], inputs.slots + [-1] * pad, torch.int64),
             (self.seq_lens[:size], inputs.seq_lens + [1] * pad, torch.int32),
             (self.block_tables[:count, :width], tables, torch.int32),
-        ):
+        ]
+        if self.state_cache is not None:
+            scratch = [self.state_cache.scratch_slot] * pad
+            buffers.append((self.state_slots[:size], inputs.state_slots + scratch, torch.int32))
+            buffers.append((self.has_state[:size], inputs.has_state + [0] * pad, torch.int32))
+        for dst, data, dtype in buffers:
             dst.copy_(host_tensor(data, dtype, dst.device), non_blocking=True)
         self._replay[size]()
         self.replays[size] += 1

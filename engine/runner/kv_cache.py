@@ -4,7 +4,8 @@ Per-head attention stores a key and a value per KV head and token; multi-head la
 (DeepSeek's MLA) stores one entry per token, its normalised latent and shared rotated key part
 (``kv_lora_rank + qk_rope_head_dim`` lanes, shared by every head and every tensor-parallel rank).
 ``CacheLayout`` says which a model needs; blocks, block tables, the prefix cache and
-copy-on-write are the same for both.
+copy-on-write are the same for both. Only softmax-attention layers have a KV cache: a hybrid
+model's linear-attention layers keep per-sequence state instead (``state_cache.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import logging
 from dataclasses import dataclass
 
 import torch
+
+from engine.runner.state_cache import linear_layer_ids
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,12 @@ def cache_layout(hf_config: object, tensor_parallel_size: int = 1) -> CacheLayou
     return CacheLayout(sides=2, num_kv_heads=heads, head_dim=head_dim)
 
 
+def attention_layer_ids(hf_config: object) -> tuple[int, ...]:
+    """The layers that cache keys and values: every layer but the linear-attention ones."""
+    linear = set(linear_layer_ids(hf_config))
+    return tuple(i for i in range(hf_config.num_hidden_layers) if i not in linear)
+
+
 def per_head_elements_per_token(hf_config: object) -> int:
     """Elements one token would take in one layer were a latent-attention model's keys and
     values cached per head: ``H * (qk_nope + qk_rope + v_head_dim)``, what the latent entry
@@ -59,12 +68,14 @@ def per_head_elements_per_token(hf_config: object) -> int:
 
 
 class KVCache:
-    """Every layer's cache: ``[num_layers, sides, num_blocks, block_size, num_kv_heads,
-    head_dim]``.
+    """Every attention layer's cache: ``[num_layers, sides, num_blocks, block_size,
+    num_kv_heads, head_dim]``.
 
     One tensor, so the block-copy kernel copies a block for every layer in one launch;
-    ``layer(i)`` returns the ``[num_blocks, block_size, num_kv_heads, head_dim]`` K and V views,
-    ``latent(i)`` a latent cache's ``[num_blocks, block_size, kv_lora_rank + rope]`` entries.
+    ``layer(i)`` returns decoder layer ``i``'s ``[num_blocks, block_size, num_kv_heads,
+    head_dim]`` K and V views, ``latent(i)`` a latent cache's ``[num_blocks, block_size,
+    kv_lora_rank + rope]`` entries. ``layer_ids``: the decoder layers cached, in order (default
+    ``0 .. num_layers - 1``; a hybrid model's attention layers only).
     """
 
     def __init__(
@@ -76,7 +87,12 @@ class KVCache:
         layout: CacheLayout,
         dtype: torch.dtype,
         device: torch.device,
+        layer_ids: tuple[int, ...] | None = None,
     ):
+        layer_ids = tuple(range(num_layers)) if layer_ids is None else layer_ids
+        if len(layer_ids) != num_layers:
+            raise ValueError(f"{len(layer_ids)} layer ids for {num_layers} cached layers")
+        self._index = {layer: i for i, layer in enumerate(layer_ids)}
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.layout = layout
@@ -100,13 +116,13 @@ class KVCache:
         """Layer ``index``'s K and V caches (per-head layout)."""
         if self.layout.latent:
             raise RuntimeError("a latent cache has no per-head K and V: use latent(i)")
-        return self._layers[index]
+        return self._layers[self._index[index]]
 
     def latent(self, index: int) -> torch.Tensor:
         """Layer ``index``'s latent entries ``[num_blocks, block_size, kv_lora_rank + rope]``."""
         if not self.layout.latent:
             raise RuntimeError("a per-head KV cache has no latent entries: use layer(i)")
-        return self._latents[index]
+        return self._latents[self._index[index]]
 
     @property
     def num_bytes(self) -> int:
@@ -127,7 +143,8 @@ class KVCache:
         layout (this rank's share of the KV heads under tensor parallelism). Raises ValueError
         when not even one block fits."""
         layout = cache_layout(hf_config, tensor_parallel_size)
-        num_layers = hf_config.num_hidden_layers
+        layer_ids = attention_layer_ids(hf_config)
+        num_layers = len(layer_ids)
         per_block = cls.bytes_per_block(
             num_layers=num_layers, block_size=block_size, layout=layout, dtype=dtype
         )
@@ -141,6 +158,7 @@ class KVCache:
             layout=layout,
             dtype=dtype,
             device=device,
+            layer_ids=layer_ids,
         )
         logger.info(
             "KV cache%s: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",

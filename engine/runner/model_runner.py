@@ -33,6 +33,7 @@ from engine.runner.prompt_logprobs import (
     plan_prompt_scoring,
     score_prompt,
 )
+from engine.runner.state_cache import StateCache, linear_state_shape
 from engine.runner.step_inputs import StepInputs, flatten_step
 from engine.sample.sampler import Sampler
 from engine.sched.forks import sampling_rows
@@ -130,6 +131,20 @@ class ModelRunner:
         budget = self.platform.kv_budget_bytes(config)
         if tp is not None:  # equal blocks on every rank: the smallest budget decides
             budget = tp.min_over_ranks(budget)
+        # A hybrid model's linear-attention state: one slot per seat, taken from the budget first.
+        self.state_cache: StateCache | None = None
+        shape = linear_state_shape(model.config, 1 if tp is None else tp.world_size)
+        if shape is not None:
+            self.state_cache = StateCache(
+                shape, num_slots=config.max_num_seqs, dtype=dtype, device=device
+            )
+            budget -= self.state_cache.num_bytes
+            logger.info(
+                "linear-attention state: %d slots x %d layers, %.1f MiB",
+                config.max_num_seqs,
+                len(shape.layer_ids),
+                self.state_cache.num_bytes / 2**20,
+            )
         self.kv_cache = KVCache.for_model(
             model.config,
             budget_bytes=budget,
@@ -159,6 +174,7 @@ class ModelRunner:
             max_batch_size=max_batch_size,
             max_model_len=max_model_len,
             with_logits=self.tp is None or self.tp.is_driver,
+            state_cache=self.state_cache,
         )
         start = time.monotonic()
         try:
@@ -202,12 +218,23 @@ class ModelRunner:
             max_seqlen_k=max(inputs.seq_lens),
             kv_cache=self.kv_cache,
             backend=self.backend,
+            **self._state_context(inputs),
         )
         return (
             self._tensor(inputs.input_ids, torch.long),
             self._tensor(inputs.positions, torch.long),
             ctx,
         )
+
+    def _state_context(self, inputs: StepInputs) -> dict:
+        """The linear-attention fields of a hybrid model's context (none for other models)."""
+        if self.state_cache is None:
+            return {}
+        return {
+            "state_cache": self.state_cache,
+            "state_slots": self._tensor(inputs.state_slots, torch.int32),
+            "has_state": self._tensor(inputs.has_state, torch.int32),
+        }
 
     def hidden_states(self, inputs: StepInputs) -> torch.Tensor:
         """The eager forward of the model body: final-norm hidden states ``[T, hidden]``."""
@@ -265,6 +292,7 @@ class ModelRunner:
         if self.tp is not None:  # the workers run the same copies and forward on their shards
             self.tp.send_step(StepMessage(STEP, batch.block_copies, inputs))
         self._copy_blocks(batch.block_copies)
+        self._copy_states(batch.state_copies)
         rows = sampling_rows(batch)
         draw = self.sampler.begin(rows, self.vocab_size)  # grammar masks fill during the forward
         logits, prompt_scores = self.forward(inputs, plan_prompt_scoring(batch, inputs.cu_seqlens))
@@ -281,6 +309,10 @@ class ModelRunner:
         if block_copies:
             mapping = self._tensor([list(p) for p in block_copies], torch.int64)
             self.backend.copy_blocks(self.kv_cache.tensor, block_mapping=mapping)
+
+    def _copy_states(self, state_copies: list[tuple[int, int]]) -> None:
+        if state_copies and self.state_cache is not None:
+            self.state_cache.copy_slots(self._tensor([list(p) for p in state_copies], torch.int64))
 
     @torch.inference_mode()
     def run_worker_step(self, message: StepMessage) -> None:

@@ -6,7 +6,7 @@ buffers. Building them once keeps the two paths from drifting apart.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.sched.forks import group_size
 from engine.sched.scheduler import ScheduledBatch
@@ -20,6 +20,8 @@ class StepInputs:
     cu_seqlens: ``S + 1`` query offsets; seq_lens: ``S`` context lengths including this step's
     tokens; block_tables: ``S`` ragged lists of block ids; logit_rows: the flat token index each
     sampled row reads its logits from (a request's last token, repeated for its pending forks).
+    A hybrid model's step also has ``S`` linear-attention ``state_slots`` and ``has_state`` flags
+    (0: the sequence's first chunk, which starts from a zero state); empty lists otherwise.
     """
 
     input_ids: list[int]
@@ -29,6 +31,8 @@ class StepInputs:
     seq_lens: list[int]
     block_tables: list[list[int]]
     logit_rows: list[int]
+    state_slots: list[int] = field(default_factory=list)
+    has_state: list[int] = field(default_factory=list)
 
     @property
     def max_seqlen_q(self) -> int:
@@ -61,4 +65,15 @@ def flatten_step(
         if sched.samples:
             # Pending forks (n > 1) sample their first token from the same logits row.
             logit_rows += [cu[-1] - 1] * group_size(request)
-    return StepInputs(input_ids, positions, slots, cu, seq_lens, block_tables, logit_rows)
+    has_state = [int(s.start > 0) for s in batch.requests] if batch.state_slots else []
+    return StepInputs(
+        input_ids,
+        positions,
+        slots,
+        cu,
+        seq_lens,
+        block_tables,
+        logit_rows,
+        list(batch.state_slots),
+        has_state,
+    )

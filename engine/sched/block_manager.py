@@ -31,6 +31,8 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.sched.state_slots import StateSlots
+
 _PROCESS_KEY = os.urandom(32)  # keys the prefix digests: they differ in every process
 
 
@@ -83,10 +85,18 @@ class _Block:
 class BlockManager:
     """Allocates fixed-size KV blocks to requests.
 
-    num_blocks: pool size; block_size: tokens per block.
+    num_blocks: pool size; block_size: tokens per block. ``state_slots`` (a hybrid model's
+    linear-attention state, ``engine/sched/state_slots.py``): a slot goes with every table, taken
+    at ``allocate``/``fork`` and given back at ``free``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        state_slots: StateSlots | None = None,
+    ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
@@ -94,6 +104,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.state_slots = state_slots
         self._blocks = [_Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._tables: dict[str, list[int]] = {}
@@ -159,7 +170,8 @@ class BlockManager:
         """Whether ``allocate`` for ``num_tokens`` tokens (reusing ``cached_blocks``) would fit."""
         fresh = self.blocks_for(num_tokens) - len(cached_blocks)
         revived = sum(1 for b in cached_blocks if self._blocks[b].ref_count == 0)
-        return fresh + revived <= len(self._free)
+        slot_free = self.state_slots is None or self.state_slots.num_free > 0
+        return fresh + revived <= len(self._free) and slot_free
 
     def can_append(self, request_id: str, num_tokens: int) -> bool:
         """Whether the request's table can grow to hold ``num_tokens`` tokens."""
@@ -183,6 +195,8 @@ class BlockManager:
                 f"need {self.blocks_for(num_tokens)} blocks for {num_tokens} tokens, "
                 f"{len(self._free)} free"
             )
+        if self.state_slots is not None and not self.state_slots.num_free:
+            raise OutOfBlocksError("no free state slot")
         table: list[int] = []
         for block_id in cached_blocks:
             self._take(block_id)
@@ -191,6 +205,8 @@ class BlockManager:
         self._num_tokens[request_id] = len(cached_blocks) * self.block_size
         self._hashed[request_id] = len(cached_blocks)
         self.append_slots(request_id, num_tokens)
+        if self.state_slots is not None:
+            self.state_slots.allocate(request_id)
         return table
 
     def append_slots(self, request_id: str, num_tokens: int) -> list[tuple[int, int]]:
@@ -263,12 +279,16 @@ class BlockManager:
         self._tables[child_id] = table
         self._num_tokens[child_id] = self._num_tokens[parent_id]
         self._hashed[child_id] = self._hashed[parent_id]
+        if self.state_slots is not None:
+            self.state_slots.fork(parent_id, child_id)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (last first, so leaves are evicted before parents)."""
         table = self._tables.pop(request_id, None)
         if table is None:
             return
+        if self.state_slots is not None:
+            self.state_slots.free(request_id)
         del self._num_tokens[request_id]
         del self._hashed[request_id]
         for block_id in reversed(table):
@@ -359,6 +379,8 @@ class BlockManager:
         cached = sum(1 for b in self._free if self._blocks[b].block_hash is not None)
         if cached != self._num_cached_free:
             raise AssertionError(f"{cached} cached free blocks, counted {self._num_cached_free}")
+        if self.state_slots is not None:
+            self.state_slots.check_integrity(set(self._tables))
 
     # ----------------------------------------------------------------- internals
     def _fresh_blocks_needed(self, request_id: str, num_tokens: int) -> int:

@@ -43,11 +43,16 @@ class ScheduledRequest:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledBatch:
-    """What one engine step runs. ``block_copies`` are (src, dst) pairs to copy first."""
+    """What one engine step runs. ``block_copies`` are (src, dst) pairs to copy first.
+
+    A hybrid model's step also names each request's linear-attention ``state_slots`` (in
+    scheduled order) and the ``state_copies`` (src, dst) of forked sequences, run first."""
 
     requests: list[ScheduledRequest]
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    state_slots: list[int] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -137,7 +142,11 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, start, num_new))
             budget -= num_new
 
-        return ScheduledBatch(scheduled, copies, preempted)
+        slots = bm.state_slots
+        if slots is None:
+            return ScheduledBatch(scheduled, copies, preempted)
+        held = [slots.slot(s.request.request_id) for s in scheduled]
+        return ScheduledBatch(scheduled, copies, preempted, held, slots.take_copies())
 
     def finish(self, request: Request, reason: str) -> None:
         """Mark ``request`` finished and free its blocks now, wherever it is queued."""
