@@ -99,6 +99,22 @@ def test_the_kernels_in_the_engine_and_the_graph_path(hybrid) -> None:
     assert_pool_clean(engine.block_manager)
 
 
+def test_tensor_parallel_forks_and_chunks_equal_one_rank(hybrid) -> None:
+    """TP=2 (gloo): each rank holds half the key and value heads and their states; the driver
+    sends the fork copies with the step. Seeded n = 2 samples through 8-token chunks equal
+    TP=1's."""
+    model, _ = hybrid
+    params = SamplingParams(max_tokens=6, temperature=1.0, n=2, seed=3, ignore_eos=True)
+    kwargs = dict(kv_cache_memory=4 << 20, max_num_batched_tokens=8, max_num_seqs=8)
+    want = [r.token_ids for r in LLM(loaded=loaded(model), **kwargs).generate(PROMPTS, params)]
+    tp2 = LLM(loaded=loaded(model), tensor_parallel_size=2, **kwargs)
+    try:
+        assert [r.token_ids for r in tp2.generate(PROMPTS, params)] == want
+        assert_pool_clean(tp2.engine.block_manager)
+    finally:
+        tp2.shutdown()
+
+
 def test_a_mixer_that_is_not_gated_deltanet_is_refused() -> None:
     model = tiny_architecture("qwen3_next")
     del model.model.layers[2].linear_attn.dt_bias

@@ -293,14 +293,17 @@ def test_logprobs_and_prompt_logprobs_follow_the_models_head(expected) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["gemma2", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "gpt_oss", "deepseek_v3"],
-)
+    [
+        "gemma2", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "gpt_oss",
+        "deepseek_v3", "qwen3_next", "qwen3_5",
+    ],
+)  # fmt: skip
 def test_tensor_parallel_equals_hf(name: str) -> None:
     """TP=2 over gloo: soft-capping, sliding layers and Gemma's scalings hold on sharded heads;
     the experts' width is sharded and their partial sums all-reduced; shared experts are
     sharded as dense MLPs beside them; gpt-oss's sinks, biases and interleaved transposed
     experts are sliced per rank; latent attention's heads are sharded over a replicated
-    latent cache."""
+    latent cache; gated DeltaNet's key and value heads (and their state slots) are sharded."""
     model = tiny_architecture(name)
     prompts = random_prompts(LENGTHS, seed=3)
     want = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]

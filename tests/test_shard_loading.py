@@ -34,6 +34,8 @@ FAMILIES = [
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
+    "qwen3_next",
+    "qwen3_5",
     "smollm3",
 ]
 

@@ -168,6 +168,10 @@ def test_a_worker_that_fails_at_start_up_is_named_with_its_cause(tmp_path):
 
 
 # ------------------------------------------------------------------ the step message
+def vars_of(inputs: StepInputs) -> dict:
+    return {name: getattr(inputs, name) for name in StepInputs.__dataclass_fields__}
+
+
 def test_step_message_round_trip():
     inputs = StepInputs(
         input_ids=[5, 6, 7, 8],
@@ -180,6 +184,13 @@ def test_step_message_round_trip():
     )
     message = StepMessage(STEP, [(1, 4), (7, 9)], inputs)
     assert unpack_step(pack_step(message)) == message
+    hybrid = StepMessage(  # a hybrid model's step: state slots, fresh flags, fork copies
+        STEP,
+        [],
+        StepInputs(**{**vars_of(inputs), "state_slots": [3, 0], "has_state": [0, 1]}),
+        [(0, 5)],
+    )
+    assert unpack_step(pack_step(hybrid)) == hybrid
     assert unpack_step(pack_step(StepMessage.shutdown())) == StepMessage.shutdown()
     with pytest.raises(ValueError, match="malformed step message"):
         unpack_step(pack_step(message)[:-1])

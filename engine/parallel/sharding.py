@@ -8,6 +8,9 @@ Megatron's layout, applied to every decoder layer of the supported families::
                kv_b_proj               q_a_proj and kv_a_proj_with_mqa, the latent, replicated)
     MLP:       gate_proj, up_proj      column-parallel (rows r*I/N .. (r+1)*I/N - 1)
                down_proj               row-parallel, all_reduce
+    DeltaNet:  input projections,      column-parallel by key heads and the value heads they
+               conv1d, A_log, dt_bias  serve (gated DeltaNet: each rank's own q, k, v channels)
+               out_proj                row-parallel, all_reduce
 
 A column-parallel projection is a plain ``nn.Linear`` holding its rank's output rows, so the
 attention module's ``view(*shape, -1, head_dim)`` yields the local heads by itself and the paged
@@ -31,6 +34,7 @@ from torch import nn
 
 from engine.model.fused_projections import linear_from, unfuse_projections
 from engine.model.latent_attention import is_latent_attention
+from engine.model.linear_attention import is_gated_delta_net
 from engine.platform.cpu.linears import restore_plain_linears
 from engine.platform.cpu.packed_experts import restore_plain_experts
 
@@ -107,8 +111,18 @@ def check_shardable(model: nn.Module, world_size: int) -> None:
     name = type(model).__name__
     head_dim = getattr(model.config, "head_dim", None)
     for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, getattr(layer, "mlp", None)
-        missing = [n for n in _head_projections(attn) + ["o_proj"] if not _linear(attn, n)]
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        mixer = getattr(layer, "linear_attn", None)
+        if attn is None and mixer is not None and is_gated_delta_net(mixer):
+            _check_delta_net_shardable(mixer, f"{name} layer {i}", world_size)
+            attn = None
+        elif attn is None:
+            raise ValueError(f"tensor parallelism: {name} layer {i} has no self_attn to shard")
+        missing = (
+            []
+            if attn is None
+            else [n for n in _head_projections(attn) + ["o_proj"] if not _linear(attn, n)]
+        )
         if missing:
             raise ValueError(f"tensor parallelism: {name} layer {i} has no {missing} Linear")
         if not _dense_mlp(mlp) and not _plain_experts(mlp):
@@ -130,13 +144,27 @@ def check_shardable(model: nn.Module, world_size: int) -> None:
                     f"{what} width {width}"
                 )
         for norm_name in ("q_norm", "k_norm"):
-            norm = getattr(attn, norm_name, None)
+            norm = getattr(attn, norm_name, None) if attn is not None else None
             weight = getattr(norm, "weight", None)
             if weight is not None and head_dim is not None and weight.numel() != head_dim:
                 raise ValueError(
                     f"tensor parallelism: {name}'s {norm_name} normalises over all heads "
                     f"({weight.numel()} wide), which needs every rank's heads"
                 )
+
+
+def _check_delta_net_shardable(mixer: nn.Module, where: str, world_size: int) -> None:
+    """Each rank needs whole key heads and the value heads they serve, as plain Linears."""
+    for what, count in (("key heads", mixer.num_k_heads), ("value heads", mixer.num_v_heads)):
+        if count % world_size:
+            raise ValueError(
+                f"tensor_parallel_size {world_size} does not divide {where}'s {count} gated "
+                f"DeltaNet {what}"
+            )
+    names = [n for n, m in mixer.named_children() if n.startswith("in_proj") or n == "out_proj"]
+    missing = [n for n in names if not _linear(mixer, n)]
+    if missing:
+        raise ValueError(f"tensor parallelism: {where} has no {missing} Linear")
 
 
 def _head_projections(attn: nn.Module) -> list[str]:
@@ -277,6 +305,18 @@ def _rows(linear: nn.Linear, rank: int, world_size: int) -> nn.Linear:
     return out
 
 
+def _row_ranges(linear: nn.Linear, ranges: tuple[tuple[int, int], ...]) -> nn.Linear:
+    """Column-parallel over several blocks: output rows ``ranges``, concatenated."""
+    linear = _plain(linear)
+    keep = torch.cat([torch.arange(a, b) for a, b in ranges])
+    bias = None if linear.bias is None else linear.bias.detach()[keep].clone()
+    out = linear_from(linear.weight.detach()[keep].clone(), bias)
+    _note(out.weight, ShardSource(linear.weight, 0, ranges))
+    if linear.bias is not None:
+        _note(out.bias, ShardSource(linear.bias, 0, ranges))
+    return out
+
+
 def _columns(linear: nn.Linear, rank: int, world_size: int, group: object | None) -> nn.Module:
     """Row-parallel: the ``rank``-th block of input columns, summed over the ranks."""
     linear = _plain(linear)
@@ -301,17 +341,11 @@ def shard_model(
     shape = shard_shape(model.config, world_size)
     plain_projections(model)
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for name in _head_projections(attn):
-            setattr(attn, name, _rows(getattr(attn, name), rank, world_size))
-        attn.o_proj = _columns(attn.o_proj, rank, world_size, group)
-        # The ratio is unchanged, but keep the module's own bookkeeping true to its heads.
-        attn.num_key_value_groups = shape.num_heads // shape.num_kv_heads
-        sinks = getattr(attn, "sinks", None)
-        if sinks is not None:  # gpt-oss: one logit per query head, this rank's heads
-            heads = slice(rank * shape.num_heads, (rank + 1) * shape.num_heads)
-            attn.sinks = nn.Parameter(sinks.data[heads].clone(), requires_grad=False)
-            _note(attn.sinks, ShardSource(sinks, 0, ((heads.start, heads.stop),)))
+        attn, mlp = getattr(layer, "self_attn", None), layer.mlp
+        if attn is None:  # a hybrid's gated DeltaNet layer (check_shardable)
+            _shard_delta_net(layer.linear_attn, rank, world_size, group)
+        else:
+            _shard_attention(attn, shape, rank, world_size, group)
         if _plain_experts(mlp):
             _shard_experts(mlp.experts, rank, world_size, group)
             dense = [m for m in _shared_parts(mlp).values() if _dense_mlp(m)]
@@ -320,6 +354,64 @@ def shard_model(
         for part in dense:
             _shard_dense_mlp(part, rank, world_size, group)
     return shape
+
+
+def _shard_attention(
+    attn: nn.Module, shape: ShardShape, rank: int, world_size: int, group: object | None
+) -> None:
+    """Megatron's attention split: per-head projections column-parallel, o_proj row-parallel."""
+    for name in _head_projections(attn):
+        setattr(attn, name, _rows(getattr(attn, name), rank, world_size))
+    attn.o_proj = _columns(attn.o_proj, rank, world_size, group)
+    # The ratio is unchanged, but keep the module's own bookkeeping true to its heads.
+    attn.num_key_value_groups = shape.num_heads // shape.num_kv_heads
+    sinks = getattr(attn, "sinks", None)
+    if sinks is not None:  # gpt-oss: one logit per query head, this rank's heads
+        heads = slice(rank * shape.num_heads, (rank + 1) * shape.num_heads)
+        attn.sinks = nn.Parameter(sinks.data[heads].clone(), requires_grad=False)
+        _note(attn.sinks, ShardSource(sinks, 0, ((heads.start, heads.stop),)))
+
+
+def _shard_delta_net(mixer: nn.Module, rank: int, world_size: int, group: object | None) -> None:
+    """Rank ``r`` keeps key heads ``r*Hk/N ..`` and the value heads they serve: its rows of the
+    input projections (Qwen3-Next's fused ones are grouped per key head, so those are one
+    block; Qwen3.5's ``in_proj_qkv`` is q, k, v one after another, three blocks, as are the
+    convolution's channels), its ``A_log`` and ``dt_bias`` entries and ``out_proj``'s input
+    columns (all-reduced). The gated norm is per value head: replicated."""
+    hk, hv = mixer.num_k_heads // world_size, mixer.num_v_heads // world_size
+    dk, dv, key_dim = mixer.head_k_dim, mixer.head_v_dim, mixer.key_dim
+    channels = (
+        (rank * hk * dk, (rank + 1) * hk * dk),
+        (key_dim + rank * hk * dk, key_dim + (rank + 1) * hk * dk),
+        (2 * key_dim + rank * hv * dv, 2 * key_dim + (rank + 1) * hv * dv),
+    )
+    if hasattr(mixer, "in_proj_qkvz"):
+        for name in ("in_proj_qkvz", "in_proj_ba"):
+            setattr(mixer, name, _rows(getattr(mixer, name), rank, world_size))
+    else:
+        mixer.in_proj_qkv = _row_ranges(mixer.in_proj_qkv, channels)
+        for name in ("in_proj_z", "in_proj_b", "in_proj_a"):
+            setattr(mixer, name, _rows(getattr(mixer, name), rank, world_size))
+    conv = mixer.conv1d
+    keep = torch.cat([torch.arange(a, b) for a, b in channels])
+    full = conv.weight
+    conv.weight = nn.Parameter(full.data[keep].contiguous(), requires_grad=False)
+    _note(conv.weight, ShardSource(full, 0, channels))
+    if conv.bias is not None:
+        full_bias = conv.bias
+        conv.bias = nn.Parameter(full_bias.data[keep].contiguous(), requires_grad=False)
+        _note(conv.bias, ShardSource(full_bias, 0, channels))
+    conv.in_channels = conv.out_channels = conv.groups = len(keep)
+    heads = ((rank * hv, (rank + 1) * hv),)
+    for name in ("A_log", "dt_bias"):
+        full = getattr(mixer, name)
+        mine = full.data[rank * hv : (rank + 1) * hv].clone()
+        setattr(mixer, name, nn.Parameter(mine, requires_grad=False))
+        _note(getattr(mixer, name), ShardSource(full, 0, heads))
+    mixer.out_proj = _columns(mixer.out_proj, rank, world_size, group)
+    mixer.num_k_heads, mixer.num_v_heads = hk, hv
+    mixer.key_dim, mixer.value_dim = hk * dk, hv * dv
+    mixer.conv_dim = len(keep)
 
 
 def _shard_dense_mlp(mlp: nn.Module, rank: int, world_size: int, group: object | None) -> None:

@@ -4,16 +4,18 @@ A step's ``StepInputs`` and its copy-on-write block copies are everything a work
 the same forward as the driver (it never samples, so no sampling parameters travel). They are
 packed into one int64 array, header first::
 
-    [kind, T, S, C, R, B | input_ids T | positions T | slots T | cu_seqlens S+1 | seq_lens S |
-     table lengths S | block tables B (concatenated) | logit_rows R | block copies 2C (src, dst)]
+    [kind, T, S, C, R, B, L, F | input_ids T | positions T | slots T | cu_seqlens S+1 |
+     seq_lens S | table lengths S | block tables B (concatenated) | logit_rows R |
+     block copies 2C (src, dst) | state_slots L | has_state L | state copies 2F (src, dst)]
 
-``T`` tokens, ``S`` sequences, ``C`` block copies, ``R`` sampled rows, ``B`` block-table entries.
+``T`` tokens, ``S`` sequences, ``C`` block copies, ``R`` sampled rows, ``B`` block-table entries;
+a hybrid model's ``L = S`` linear-attention state slots and ``F`` fork copies (``0`` otherwise).
 ``kind`` is ``STEP`` or ``SHUTDOWN`` (an empty message that stops the workers).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -22,16 +24,18 @@ from engine.runner.step_inputs import StepInputs
 
 STEP = 1
 SHUTDOWN = 2
-HEADER_LEN = 6
+HEADER_LEN = 8
 
 
 @dataclass(frozen=True, slots=True)
 class StepMessage:
-    """One step for the workers: its block copies ``(src, dst)``, then its flat inputs."""
+    """One step for the workers: its block copies ``(src, dst)``, its flat inputs, and a hybrid
+    model's state-slot copies ``(src, dst)``."""
 
     kind: int
     block_copies: list[tuple[int, int]]
     inputs: StepInputs | None
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def shutdown(cls) -> StepMessage:
@@ -41,13 +45,14 @@ class StepMessage:
 def pack_step(message: StepMessage) -> torch.Tensor:
     """``message`` as a 1-D int64 CPU tensor (layout in the module docstring)."""
     if message.kind == SHUTDOWN:
-        return torch.tensor([SHUTDOWN, 0, 0, 0, 0, 0], dtype=torch.int64)
+        return torch.tensor([SHUTDOWN] + [0] * (HEADER_LEN - 1), dtype=torch.int64)
     inputs = message.inputs
     if message.kind != STEP or inputs is None:
         raise ValueError(f"a step message needs kind STEP and inputs, got kind {message.kind}")
     tables = inputs.block_tables
     flat_tables = [b for table in tables for b in table]
     copies = [i for pair in message.block_copies for i in pair]
+    state_copies = [i for pair in message.state_copies for i in pair]
     header = [
         STEP,
         len(inputs.input_ids),
@@ -55,6 +60,8 @@ def pack_step(message: StepMessage) -> torch.Tensor:
         len(message.block_copies),
         len(inputs.logit_rows),
         len(flat_tables),
+        len(inputs.state_slots),
+        len(message.state_copies),
     ]
     return torch.tensor(
         header
@@ -66,7 +73,10 @@ def pack_step(message: StepMessage) -> torch.Tensor:
         + [len(t) for t in tables]
         + flat_tables
         + inputs.logit_rows
-        + copies,
+        + copies
+        + inputs.state_slots
+        + inputs.has_state
+        + state_copies,
         dtype=torch.int64,
     )
 
@@ -76,20 +86,25 @@ def unpack_step(packed: torch.Tensor) -> StepMessage:
     values = packed.tolist()
     if len(values) < HEADER_LEN:
         raise ValueError(f"a step message has a {HEADER_LEN}-entry header, got {len(values)}")
-    kind, t, s, c, r, b = values[:HEADER_LEN]
+    kind, t, s, c, r, b, n_state, f = values[:HEADER_LEN]
     if kind == SHUTDOWN:
         return StepMessage.shutdown()
-    sizes = [t, t, t, s + 1, s, s, b, r, 2 * c]
+    sizes = [t, t, t, s + 1, s, s, b, r, 2 * c, n_state, n_state, 2 * f]
     expected = HEADER_LEN + sum(sizes)
     if kind != STEP or len(values) != expected:
         raise ValueError(
             f"malformed step message: kind {kind}, {len(values)} entries, expected {expected}"
         )
     ends = list(accumulate(sizes, initial=HEADER_LEN))
-    ids, pos, slots, cu, lens, table_lens, flat, rows, copies = (
+    ids, pos, slots, cu, lens, table_lens, flat, rows, copies, held, has, fork_copies = (
         values[a:z] for a, z in zip(ends, ends[1:])
     )
     offsets = list(accumulate(table_lens, initial=0))
     tables = [flat[a:z] for a, z in zip(offsets, offsets[1:])]
-    inputs = StepInputs(ids, pos, slots, cu, lens, tables, rows)
-    return StepMessage(STEP, list(zip(copies[::2], copies[1::2])), inputs)
+    inputs = StepInputs(ids, pos, slots, cu, lens, tables, rows, held, has)
+    return StepMessage(
+        STEP,
+        list(zip(copies[::2], copies[1::2])),
+        inputs,
+        list(zip(fork_copies[::2], fork_copies[1::2])),
+    )

@@ -290,7 +290,7 @@ class ModelRunner:
         """Queue the step's device work: copy-on-write, forward, sampling. Never syncs."""
         inputs = flatten_step(batch, block_tables, self.block_size)
         if self.tp is not None:  # the workers run the same copies and forward on their shards
-            self.tp.send_step(StepMessage(STEP, batch.block_copies, inputs))
+            self.tp.send_step(StepMessage(STEP, batch.block_copies, inputs, batch.state_copies))
         self._copy_blocks(batch.block_copies)
         self._copy_states(batch.state_copies)
         rows = sampling_rows(batch)
@@ -321,6 +321,7 @@ class ModelRunner:
         LM head, since only the driver samples."""
         inputs = message.inputs
         self._copy_blocks(message.block_copies)
+        self._copy_states(message.state_copies)
         if self.graphs is not None and self.graphs.holds(inputs):
             self.graphs.run(inputs)
             return
