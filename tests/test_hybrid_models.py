@@ -115,6 +115,12 @@ def test_tensor_parallel_forks_and_chunks_equal_one_rank(hybrid) -> None:
         tp2.shutdown()
 
 
+def test_a_budget_the_states_fill_is_refused_naming_them() -> None:
+    model = tiny_architecture("qwen3_5")
+    with pytest.raises(ValueError, match="linear-attention state of 128 sequences"):
+        LLM(loaded=loaded(model), kv_cache_memory=1 << 20, max_num_seqs=128)
+
+
 def test_a_mixer_that_is_not_gated_deltanet_is_refused() -> None:
     model = tiny_architecture("qwen3_next")
     del model.model.layers[2].linear_attn.dt_bias

@@ -138,6 +138,12 @@ class ModelRunner:
             self.state_cache = StateCache(
                 shape, num_slots=config.max_num_seqs, dtype=dtype, device=device
             )
+            if self.state_cache.num_bytes >= budget:
+                raise ValueError(
+                    f"the linear-attention state of {config.max_num_seqs} sequences takes "
+                    f"{self.state_cache.num_bytes / 2**20:.1f} MiB of a {budget / 2**20:.1f} MiB "
+                    "KV budget, leaving no KV block: lower max_num_seqs or raise the budget"
+                )
             budget -= self.state_cache.num_bytes
             logger.info(
                 "linear-attention state: %d slots x %d layers, %.1f MiB",
