@@ -139,13 +139,14 @@ def gated_delta_rule_cpu(
         rows = torch.tensor([starts[s] for s in single])
         at = torch.tensor([slots[s] for s in single])
         S = state.index_select(0, at)  # [n, H, Dk, Dv]
-        S *= torch.tensor([float(has[s] != 0) for s in single], dtype=compute)[:, None, None, None]
-        S *= gg[rows].exp()[..., None, None]
-        kt, qt = kn[rows], qn[rows]  # [n, H, Dk]
-        delta = (vv[rows] - torch.einsum("nhkv,nhk->nhv", S, kt)) * bb[rows][..., None]
-        S += kt[..., None] * delta[..., None, :]
-        out[rows] = torch.einsum("nhkv,nhk->nhv", S, qt)
-        state[at] = S
+        fresh = torch.tensor([float(has[s] != 0) for s in single], dtype=compute)
+        S *= (gg[rows].exp() * fresh[:, None])[..., None, None]  # decay; zeros if fresh
+        kt, qt = kn[rows].unsqueeze(-2), qn[rows].unsqueeze(-2)  # [n, H, 1, Dk]
+        delta = (vv[rows] - (kt @ S).squeeze(-2)) * bb[rows][..., None]  # [n, H, Dv]
+        dk, dv = S.shape[-2:]
+        S.view(-1, dk, dv).baddbmm_(kt.reshape(-1, dk, 1), delta.reshape(-1, 1, dv))
+        out[rows] = (qt @ S).squeeze(-2)
+        state.index_copy_(0, at, S)
     for s, (a, b) in enumerate(zip(starts, ends)):
         if b - a <= 1:
             continue
