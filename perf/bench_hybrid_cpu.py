@@ -6,8 +6,8 @@ a random-weight model of ``--layers`` layers, three gated DeltaNet layers to one
 layer (Qwen3-Next's pattern: ``--linear-k-heads`` key heads and ``--linear-v-heads`` value heads
 of ``--linear-head-dim`` lanes, a 4-wide convolution; gated attention with ``--heads`` query and
 2 KV heads of 128 lanes; for Qwen3-Next a mixture of ``--experts`` routed experts and a shared
-one in every layer) and times, per decode step (median over ``--steps`` steps after a
-``--context``-token prompt per stream, in ms):
+one in every layer) and times, per decode step (the median of ``--steps`` steps after a
+``--context``-token prompt per stream, the two systems taking turns step by step, in ms):
 
 * ``hf_ms``: HF's own forward (sdpa attention; its torch fallbacks for the delta rule and the
   convolution, which is what it runs without flash-linear-attention) over a ``DynamicCache``;
@@ -35,7 +35,7 @@ from transformers import (
 
 from engine.runner.kv_cache import KVCache, attention_layer_ids, cache_layout
 from engine.runner.state_cache import linear_state_shape
-from perf.bench_moe import hf_step_ms, paged_step_ms
+from perf.bench_moe import hf_decoder, median_ms, paged_decoder
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -107,8 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for streams in args.streams:
         row: dict[str, float] = {"streams": streams}
-        row["hf_ms"] = round(hf_step_ms(model, streams, args), 2)
-        row["paged_serve_ms"] = round(paged_step_ms(model, streams, args), 2)
+        paged, shutdown = paged_decoder(model, streams, args)
+        try:  # the two take turns, step by step (median_ms)
+            hf_ms, paged_ms = median_ms([hf_decoder(model, streams, args), paged], args.steps)
+        finally:
+            shutdown()
+        row["hf_ms"], row["paged_serve_ms"] = round(hf_ms, 2), round(paged_ms, 2)
         row["over_hf"] = round(row["hf_ms"] / row["paged_serve_ms"], 2)
         rows.append(row)
     report = {

@@ -32,6 +32,7 @@ import copy
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -61,21 +62,43 @@ def build_model(args: argparse.Namespace) -> Qwen3MoeForCausalLM:
     return Qwen3MoeForCausalLM(config).eval().to(getattr(torch, args.dtype))
 
 
+Step = Callable[[], None]
+
+
 @torch.inference_mode()
-def hf_step_ms(model: Qwen3MoeForCausalLM, streams: int, args: argparse.Namespace) -> float:
-    """Median ms of HF decode steps for ``streams`` rows after a ``context``-token prefill."""
+def hf_decoder(model: torch.nn.Module, streams: int, args: argparse.Namespace) -> Step:
+    """HF's forward after a ``context``-token prefill of ``streams`` rows: one greedy decode
+    step per call, over a ``DynamicCache``."""
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (streams, args.context), generator=gen)
     cache = DynamicCache(config=model.config)
     out = model(input_ids=ids, cache=cache, use_cache=True)
     token = out.logits[:, -1].argmax(-1, keepdim=True)
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
+
+    @torch.inference_mode()
+    def step() -> None:
+        nonlocal token
         out = model(input_ids=token, cache=cache, use_cache=True)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times[1:])
+
+    return step
+
+
+def hf_step_ms(model: torch.nn.Module, streams: int, args: argparse.Namespace) -> float:
+    """Median ms of HF decode steps for ``streams`` rows after a ``context``-token prefill."""
+    return median_ms([hf_decoder(model, streams, args)], args.steps)[0]
+
+
+def median_ms(steps: list[Step], rounds: int) -> list[float]:
+    """Each step's median ms over ``rounds`` rounds, the steps taking turns within a round
+    (so a slow spell of the machine falls on all of them alike); the first round dropped."""
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(rounds):
+        for step, spent in zip(steps, times):
+            start = time.perf_counter()
+            step()
+            spent.append(time.perf_counter() - start)
+    return [1e3 * statistics.median(spent[1:]) for spent in times]
 
 
 def chosen_experts(model: Qwen3MoeForCausalLM, streams: int, args: argparse.Namespace) -> list:
@@ -115,8 +138,12 @@ def read_floor_ms(model: Qwen3MoeForCausalLM, streams: int, args: argparse.Names
     return 1e3 * statistics.median(times[1:]), megabytes
 
 
-def paged_step_ms(model: Qwen3MoeForCausalLM, streams: int, args: argparse.Namespace) -> float:
-    """Median ms of ``LLMEngine.step`` while ``streams`` requests decode together."""
+def paged_decoder(
+    model: torch.nn.Module, streams: int, args: argparse.Namespace
+) -> tuple[Step, Step]:
+    """An engine on a copy of ``model`` with ``streams`` requests prefilled: ``(step,
+    shutdown)``, ``step`` one ``LLMEngine.step`` of them decoding together (``args.steps + 1``
+    steps at least)."""
     loaded = LoadedModel(
         model=copy.deepcopy(model),
         tokenizer=None,
@@ -140,13 +167,16 @@ def paged_step_ms(model: Qwen3MoeForCausalLM, streams: int, args: argparse.Names
         or engine.scheduler.waiting
     ):
         engine.step()  # prefill
-    times = []
-    while engine.has_unfinished:
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    engine.shutdown()
-    return 1e3 * statistics.median(times[1:])
+    return engine.step, engine.shutdown
+
+
+def paged_step_ms(model: torch.nn.Module, streams: int, args: argparse.Namespace) -> float:
+    """Median ms of ``LLMEngine.step`` while ``streams`` requests decode together."""
+    step, shutdown = paged_decoder(model, streams, args)
+    try:
+        return median_ms([step], args.steps)[0]
+    finally:
+        shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
