@@ -63,13 +63,12 @@ def _mxfp4(out_features: int, in_features: int, experts: int, gen: torch.Generat
     return values.reshape(experts, out_features, in_features), blocks, scales.to(torch.uint8)
 
 
-def test_gpt_oss_mxfp4_experts_are_dequantised_at_load(tmp_path) -> None:
-    """A gpt-oss checkpoint whose experts are stored as MXFP4 (``*_blocks``, ``*_scales``, a
-    ``quantization_config``) loads with exactly the values those blocks encode and serves the
-    tokens HF computes from them."""
+def save_mxfp4_gpt_oss(folder) -> torch.nn.Module:
+    """A tiny gpt-oss saved in ``folder`` with its experts stored as MXFP4 (``*_blocks``,
+    ``*_scales``, a ``quantization_config``); returns the model holding the encoded values."""
     model = tiny_architecture("gpt_oss")
-    model.save_pretrained(tmp_path)
-    state = load_file(tmp_path / "model.safetensors")
+    model.save_pretrained(folder)
+    state = load_file(folder / "model.safetensors")
     gen = torch.Generator().manual_seed(0)
     experts = model.config.num_local_experts
     for i, layer in enumerate(model.model.layers):
@@ -81,10 +80,17 @@ def test_gpt_oss_mxfp4_experts_are_dequantised_at_load(tmp_path) -> None:
             key = f"model.layers.{i}.mlp.experts.{name}"
             del state[key]
             state[f"{key}_blocks"], state[f"{key}_scales"] = blocks, scales
-    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((tmp_path / "config.json").read_text())
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4"}
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def test_gpt_oss_mxfp4_experts_are_dequantised_at_load(tmp_path) -> None:
+    """A gpt-oss checkpoint whose experts are stored as MXFP4 loads with exactly the values those
+    blocks encode and serves the tokens HF computes from them."""
+    model = save_mxfp4_gpt_oss(tmp_path)
     # dequantised even where transformers would keep MXFP4 (a GPU with its kernels installed)
     assert quantized_checkpoint_options(str(tmp_path))["quantization_config"].dequantize
     loaded = load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu"))

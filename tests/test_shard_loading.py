@@ -92,12 +92,28 @@ def test_the_whole_model_where_the_files_do_not_name_every_parameter(tmp_path: P
     assert load_shard("org/not-on-disk", rank=0, world_size=2, dtype=torch.float32) is None
 
 
-def test_a_quantized_checkpoint_is_loaded_whole(tmp_path: Path):
+def test_a_quantized_checkpoint_other_than_mxfp4_is_loaded_whole(tmp_path: Path):
     tiny_model("llama").save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4"}
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert load_shard(str(tmp_path), rank=0, world_size=2, dtype=torch.float32) is None
+
+
+def test_mxfp4_experts_are_read_and_dequantised_per_rank(tmp_path: Path):
+    """gpt-oss's MXFP4 experts: each rank reads its rows of ``gate_up_proj_blocks`` (output
+    columns, interleaved gate/up pairs) and its groups of ``down_proj_blocks`` (input features),
+    and dequantises them: equal to transformers' dequantisation of the whole model, sharded."""
+    from engine.model.loader import load_model
+    from tests.test_loading import save_mxfp4_gpt_oss
+
+    save_mxfp4_gpt_oss(tmp_path)
+    for rank in (0, 1):
+        got = load_shard(str(tmp_path), rank=rank, world_size=2, dtype=torch.float32)
+        assert got is not None
+        whole = load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu")).model
+        shard_model(whole, rank=rank, world_size=2)
+        _assert_same(got, whole.state_dict())
 
 
 def test_what_does_not_shard_is_refused_before_any_tensor_is_read(tmp_path: Path):
@@ -112,9 +128,15 @@ def test_what_does_not_shard_is_refused_before_any_tensor_is_read(tmp_path: Path
         load_shard(str(tmp_path), rank=0, world_size=2, dtype=torch.float32)
 
 
-def test_a_tp2_engine_on_a_folder_loads_shards_and_equals_hf(tmp_path: Path):
-    model = tiny_architecture("qwen3_moe")
-    model.save_pretrained(tmp_path, max_shard_size="40KB")
+@pytest.mark.parametrize("checkpoint", ["qwen3_moe", "gpt_oss_mxfp4"])
+def test_a_tp2_engine_on_a_folder_loads_shards_and_equals_hf(checkpoint: str, tmp_path: Path):
+    if checkpoint == "gpt_oss_mxfp4":
+        from tests.test_loading import save_mxfp4_gpt_oss
+
+        model = save_mxfp4_gpt_oss(tmp_path)
+    else:
+        model = tiny_architecture(checkpoint)
+        model.save_pretrained(tmp_path, max_shard_size="40KB")
     prompts = random_prompts([5, 17, 40], seed=2)
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     want = [hf_greedy(model, p, 8) for p in prompts]

@@ -18,9 +18,15 @@ rows, and ``experts.down_proj [E, H, I]``), as one tensor per expert and part
 (``experts.{e}.gate_proj/up_proj/down_proj.weight``, Mixtral's ``w1/w3/w2``): each expert's
 rows of this rank are read from its parts and stacked.
 
+gpt-oss's MXFP4 experts (``experts.gate_up_proj_blocks`` / ``_scales``: e2m1 values in groups
+of 32 along the input dim, low nibble first, each group sharing a power-of-two scale, stored
+``[E, out, in / 32, 16]``) are read as the rank's rows of the output dim or its groups of the
+input dim, dequantised into the load dtype and transposed to the model's ``[E, in, out]``: the
+values transformers' own dequantisation gives, for the rank's slice only.
+
 Whole-model loading (``from_pretrained``) remains for what this cannot read: checkpoints stored
-under other names still, quantized checkpoints (gpt-oss's MXFP4), and hub ids (not on disk);
-GGUF files are read through their safetensors conversion. ``load_shard`` returns None for those,
+under other names still, other quantized checkpoints, and hub ids (not on disk); GGUF files are
+read through their safetensors conversion. ``load_shard`` returns None for those,
 with the reason in the log.
 """
 
@@ -30,6 +36,7 @@ import json
 import logging
 import re
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,8 +59,23 @@ EXPERT_PARTS = {
 }
 FUSED_EXPERTS = re.compile(r"(?P<block>.*)\.experts\.(?P<fused>gate_up_proj|down_proj)")
 
-# Where a model tensor is stored: one checkpoint name, or per expert the names of its parts
-Stored = str | list[list[str]]
+MXFP4_GROUP = 32  # input features sharing one scale
+# e2m1: the 16 values a nibble encodes (sign bit 3)
+FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_VALUES = FP4_MAGNITUDES + tuple(-v for v in FP4_MAGNITUDES)
+
+
+@dataclass(frozen=True, slots=True)
+class Mxfp4Stored:
+    """A fused experts tensor ``[E, in, out]`` stored as MXFP4 ``blocks`` and ``scales``."""
+
+    blocks: str
+    scales: str
+
+
+# Where a model tensor is stored: one checkpoint name, per expert the names of its parts, or
+# MXFP4 blocks and scales
+Stored = str | list[list[str]] | Mxfp4Stored
 
 
 def checkpoint_files(folder: Path) -> dict[str, Path]:
@@ -81,6 +103,8 @@ def stored_as(name: str, files: dict[str, Path]) -> Stored | None:
     match = FUSED_EXPERTS.fullmatch(name)
     if match is None:
         return None
+    if f"{name}_blocks" in files and f"{name}_scales" in files:
+        return Mxfp4Stored(f"{name}_blocks", f"{name}_scales")
     block = match["block"]
     blocks = [block] + [
         (block + ".").replace(ours, theirs, 1)[:-1]
@@ -118,8 +142,10 @@ def load_shard(
     folder = Path(path)
     if not (folder / "config.json").is_file():
         return _whole(path, "not a local folder")
-    if getattr(AutoConfig.from_pretrained(folder), "quantization_config", None) is not None:
-        return _whole(path, "a quantized checkpoint")
+    quant = getattr(AutoConfig.from_pretrained(folder), "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if quant is not None and method != "mxfp4":
+        return _whole(path, "a quantized checkpoint other than MXFP4")
     files = checkpoint_files(folder)
     model = empty_model(folder, dtype)
     stored = {id(p): (name, stored_as(name, files)) for name, p in model.named_parameters()}
@@ -133,6 +159,8 @@ def load_shard(
 
         def read(where: Stored, source: ShardSource | None) -> torch.Tensor:
             ranges = () if source is None else source.ranges
+            if isinstance(where, Mxfp4Stored):
+                return _mxfp4_slices(checkpoint, where, source)
             if isinstance(where, str):
                 return _slices([checkpoint.slice(where)], source.dim if ranges else 0, ranges)
             # per expert: its parts are 2-D, the fused tensor's dim d is their dim d - 1
@@ -188,6 +216,40 @@ def _slices(parts: list, dim: int, ranges: tuple[tuple[int, int], ...]) -> torch
             local = slice(start - k * width, stop - k * width)
             pieces.append(parts[k][(*lead, local)])
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def _mxfp4_slices(
+    checkpoint: OneFileAtATime, where: Mxfp4Stored, source: ShardSource | None
+) -> torch.Tensor:
+    """The model's ``[E, in, out]`` tensor (the ranges of ``source`` along its dim) from MXFP4
+    blocks and scales stored ``[E, out, in / 32, (16)]``: the model's out dim is the stored dim
+    1, its in dim the stored groups (dim 2), so a range of inputs must start and end on a group
+    boundary."""
+    blocks, scales = checkpoint.slice(where.blocks), checkpoint.slice(where.scales)
+    if source is None or not source.ranges:
+        return dequantize_mxfp4(blocks[:], scales[:]).transpose(1, 2)
+    if source.dim == 2:  # output rows
+        dim, ranges = 1, source.ranges
+    else:  # input features, in groups
+        bad = [r for r in source.ranges if r[0] % MXFP4_GROUP or r[1] % MXFP4_GROUP]
+        if bad:
+            raise ValueError(
+                f"{where.blocks}: a shard's input range {bad[0]} cuts an MXFP4 group of "
+                f"{MXFP4_GROUP}"
+            )
+        dim, ranges = 2, tuple((a // MXFP4_GROUP, b // MXFP4_GROUP) for a, b in source.ranges)
+    return dequantize_mxfp4(
+        _slices([blocks], dim, ranges), _slices([scales], dim, ranges)
+    ).transpose(1, 2)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``[E, out, in]`` fp32 values of MXFP4 ``blocks [E, out, G, 16]`` uint8 (two e2m1 values a
+    byte, low nibble first) and ``scales [E, out, G]`` uint8 (exponent + 127) of ``G`` groups."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    nibbles = torch.stack([blocks & 15, blocks >> 4], dim=-1).flatten(-2).long()  # [.., G, 32]
+    values = lut[nibbles] * torch.exp2(scales.to(torch.float32) - 127)[..., None]
+    return values.flatten(-2)
 
 
 def _read_buffers(model: nn.Module, files: dict[str, Path], read) -> None:
