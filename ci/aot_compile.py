@@ -10,7 +10,8 @@ compile-time arguments and options come from ``kernels.triton.paged_attention.at
 per dtype: decode, split decode, prefill) from ``kernels.triton.mla_attention.mla_launch``, the
 gated DeltaNet kernels' (Qwen3-Next's 128-lane key and value heads: recurrent and chunked delta
 rule, the 4-wide causal convolution) from ``delta_rule_constants`` and ``conv_constants``, and
-the sampling tile from ``kernels.triton.sampling``, pointers and the
+the sampling tile from ``kernels.triton.sampling`` (and, for vocabularies above its slice, every
+phase of the split-row sampler, ``kernels.triton.sampling_split``), pointers and the
 strides a contiguous cache makes multiples of 16 carry the JIT's launch-time
 ``tt.divisibility=16`` specialisation, and the target is ``GPUTarget("cuda", 90, 32)``. ptxas
 (the one Triton itself runs for sm_90) is run again with ``-v`` on the PTX for the registers,
@@ -62,11 +63,15 @@ class Config:
     tiles: tuple[int, ...] | None = None  # (tile_n, num_warps, num_stages, maxnreg) override
     latent: int = 0  # mla: kv_lora_rank + rope lanes of a latent cache entry
     rope: int = 0
+    phase: int = 0  # sampling split: the phase (MAX .. FINAL), level 7 for the radix walks
 
     @property
     def name(self) -> str:
         if self.kind == "sampling":
             return f"sampling V={self.vocab}" + " mask" * self.token_mask
+        if self.kind == "sampling_split":
+            phases = ("max", "sums", "top-k", "top-p", "race", "final")
+            return f"sampling split V={self.vocab} {phases[self.phase]}"
         mode = "decode" if self.decode_only else "prefill"
         extra = "".join((" split" if self.split else "", " window" if self.window else ""))
         if self.kind == "mla":
@@ -252,6 +257,44 @@ def _sampling_source(cfg: Config):
     return ASTSource(_sample_kernel, signature, constants, attrs), {"num_warps": _NUM_WARPS}
 
 
+def _sampling_split_source(cfg: Config):
+    """One phase of the split-row sampler (radix walks at level 7, the deepest) as
+    ``sampling_split.sample_split`` launches it for ``cfg.vocab``."""
+    import triton
+    from triton.compiler import ASTSource
+
+    from kernels.triton.sampling import _NUM_WARPS
+    from kernels.triton.sampling_split import (
+        _MAX_BLOCK_V,
+        SLICE,
+        _sample_split_kernel,
+        split_slices,
+    )
+
+    level = 7 if cfg.phase in (2, 3) else 0
+    constants = dict(
+        PHASE=cfg.phase,
+        LEVEL=level,
+        P_POW2=triton.next_power_of_2(split_slices(cfg.vocab)),
+        BLOCK_V=min(SLICE, _MAX_BLOCK_V),
+        HAS_MASK=cfg.token_mask,
+    )
+    ints = {"top_k_ptr", "token_mask_ptr", "part_arg_ptr", "part_bad_ptr", "race_idx_ptr"}
+    ints |= {"k_count_ptr", "p_count_ptr", "k_state_ptr", "p_state_ptr"}
+    kinds = {"seeds_ptr": "*i64", "steps_ptr": "*i64", "tokens_ptr": "*i64"}
+    signature, attrs = {}, {}
+    for i, arg in enumerate(_sample_split_kernel.arg_names):
+        if arg in constants:
+            signature[arg] = "constexpr"
+        elif arg.endswith("_ptr"):
+            signature[arg] = kinds.get(arg, "*i32" if arg in ints else "*fp32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[arg] = "i32"
+    source = ASTSource(_sample_split_kernel, signature, constants, attrs)
+    return source, {"num_warps": _NUM_WARPS}
+
+
 def _ptxas_report(ptx: str) -> tuple[int, int, int, int]:
     from triton import knobs
 
@@ -290,6 +333,7 @@ def measure(cfg: Config) -> Resources:
             "mla": _mla_source,
             "delta": _linear_attention_source,
             "conv": _linear_attention_source,
+            "sampling_split": _sampling_split_source,
         }.get(cfg.kind, _sampling_source)
         source, options = make(cfg)
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
@@ -321,6 +365,10 @@ def configs(args: argparse.Namespace) -> list[Config]:
         out.append(Config("conv", dtype))
     masks = (False, True) if args.token_mask else (False,)
     out += [Config("sampling", vocab=v, token_mask=m) for v in args.vocabs for m in masks]
+    from kernels.triton.sampling_split import SLICE  # vocabularies the split-row sampler takes
+
+    split = [v for v in args.vocabs if v > SLICE]
+    out += [Config("sampling_split", vocab=v, phase=ph) for v in split for ph in range(6)]
     return out
 
 

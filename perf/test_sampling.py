@@ -1,8 +1,9 @@
 """Fused sampling benchmark: ``kernels.triton.sampling.sample`` against the PyTorch sort-based
 pipeline.
 
-Batch {1, 64, 256} x vocabulary {49152 (SmolLM2), 151936 (Qwen)} x filter mixes (top-k,
-top-p, min-p, all three), fp32 logits, temperature 0.8, a seed per row. The kernel runs in a
+Batch {1, 8, 64, 256} x vocabulary {49152 (SmolLM2), 151936 (Qwen)} x filter mixes (top-k,
+top-p, min-p, all three), fp32 logits (both vocabularies take the split-row kernel: 12 and 38
+programs per row), temperature 0.8, a seed per row. The kernel runs in a
 CUDA graph, as an engine's decode step would. The baseline is what one writes in PyTorch
 (:func:`torch_sampling_pipeline`): softmax, sort, cumsum, mask, multinomial -- skipping the
 sort when no row uses top-k or top-p, as vLLM's sampler does. It runs eagerly, as written
@@ -27,7 +28,7 @@ from perf.cuda_timing import CudaTimer, cold_copies, l2_cache_bytes, measure, ru
 from perf.report import PerfReport, Target
 
 DEVICE = "cuda"  # a module constant so the builders can be exercised on CPU tensors
-BATCHES = (1, 64, 256)
+BATCHES = (1, 8, 64, 256)
 VOCABS = (49152, 151936)
 MIXES = {  # name -> (top_k, top_p, min_p), the same for every row
     "top_k=50": (50, 1.0, 0.0),

@@ -145,6 +145,8 @@ def _digit_histogram(
     rows_ok,
     cols,
     vocab_size,
+    v_lo,
+    v_hi,
     temp,
     z_max,
     sum_z,
@@ -156,8 +158,9 @@ def _digit_histogram(
     BLOCK_B: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """One radix pass over the row: ``(count, mass)``, both ``[B, 16]``, of digit ``r`` (key
-    bits ``31 - 4r`` down to ``28 - 4r``) among the keys whose higher digits equal ``prefix``'s.
+    """One radix pass over columns ``v_lo .. v_hi`` of the row (all of it, or a split-row
+    program's slice): ``(count, mass)``, both ``[B, 16]``, of digit ``r`` (key bits ``31 - 4r``
+    down to ``28 - 4r``) among the keys whose higher digits equal ``prefix``'s.
 
     Without ``OF_P`` the keys are those of ``z`` over the whole row and ``mass`` stays 0. With
     ``OF_P`` they are those of ``p``, over the top-k set only (``key(z) >= k_key``), and
@@ -166,7 +169,7 @@ def _digit_histogram(
     digits = tl.arange(0, 16)
     count = tl.zeros([BLOCK_B, 16], dtype=tl.int32)
     mass = tl.zeros([BLOCK_B, 16], dtype=tl.float32)
-    for v0 in range(0, vocab_size, BLOCK_V):
+    for v0 in range(v_lo, v_hi, BLOCK_V):
         x, mask = _load_chunk(row_ptr, mask_row_ptr, rows_ok, v0, cols, vocab_size, HAS_MASK)
         if OF_P:
             z = _div(x, temp[:, None])
@@ -282,8 +285,8 @@ def _sample_kernel(
         k_rem = tl.where(k_on, top_k, 1)  # rank still to find among keys matching the prefix
         for r in tl.static_range(8):
             hist, _ = _digit_histogram(
-                row_ptr, mask_row_ptr, row_mask, cols, vocab_size, temp, z_max, sum_z, k_key,
-                prefix, r, False, HAS_MASK, BLOCK_B, BLOCK_V,
+                row_ptr, mask_row_ptr, row_mask, cols, vocab_size, 0, vocab_size, temp, z_max,
+                sum_z, k_key, prefix, r, False, HAS_MASK, BLOCK_B, BLOCK_V,
             )  # fmt: skip
             prefix, k_rem = _top_k_step(hist, k_rem, prefix, r)
         k_key = tl.where(k_on, prefix, k_key)
@@ -297,8 +300,8 @@ def _sample_kernel(
         target = tl.zeros([BLOCK_B], dtype=tl.float32)
         for r in tl.static_range(8):
             count, mass = _digit_histogram(
-                row_ptr, mask_row_ptr, row_mask, cols, vocab_size, temp, z_max, sum_z, k_key,
-                prefix, r, True, HAS_MASK, BLOCK_B, BLOCK_V,
+                row_ptr, mask_row_ptr, row_mask, cols, vocab_size, 0, vocab_size, temp, z_max,
+                sum_z, k_key, prefix, r, True, HAS_MASK, BLOCK_B, BLOCK_V,
             )  # fmt: skip
             if r == 0:
                 target = top_p * tl.sum(mass, 1)
@@ -370,8 +373,14 @@ def sample(
     seeds: torch.Tensor,
     steps: torch.Tensor,
     token_mask: torch.Tensor | None = None,
+    slice_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; returns ``(token_ids [B] int64, logprobs [B] fp32)``.
+
+    Vocabularies larger than ``slice_len`` columns (a power of two; default
+    ``sampling_split.SLICE`` on CUDA, no split under the interpreter, whose per-program cost
+    would dominate) are split over many programs per row (``kernels/triton/sampling_split.py``),
+    smaller ones take one program per row: a function of the vocabulary, not of the batch.
 
     Rows holding a NaN or +inf, or no finite value, get token -1 and logprob NaN.
     token_mask: optional ``[B, ceil(V / 32)]`` int32 packed bitmask of the allowed tokens
@@ -412,6 +421,19 @@ def sample(
     tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
     logprobs = torch.empty(num_rows, dtype=torch.float32, device=device)
     if num_rows == 0:
+        return tokens, logprobs
+    from kernels.triton import sampling_split  # it builds on this module's helpers
+
+    if slice_len is None and not interpreting():
+        slice_len = sampling_split.SLICE
+    if slice_len is not None and vocab_size > slice_len:
+        if slice_len < 16 or slice_len & (slice_len - 1):
+            raise ValueError(f"slice_len must be a power of two >= 16, got {slice_len}")
+        sampling_split.sample_split(
+            logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            seeds=seeds, steps=steps, token_mask=token_mask, tokens=tokens, logprobs=logprobs,
+            slice_len=slice_len,
+        )  # fmt: skip
         return tokens, logprobs
     block_b, block_v = _tile_shape(vocab_size)
     _sample_kernel[(triton.cdiv(num_rows, block_b),)](

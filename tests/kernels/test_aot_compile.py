@@ -64,12 +64,18 @@ def test_fp32_attention_and_sampling_build_without_spills():
     assert all(r["registers"] <= 255 and r["spill_stores"] == 0 for r in rows)
 
 
-def test_bf16_gated_deltanet_kernels_build_without_spills():
+def test_bf16_gated_deltanet_and_split_sampling_kernels_build_without_spills():
     """The chunked delta rule's tensor-core tiles (16 tokens x 32 value lanes, 8 warps) at
-    Qwen3-Next's 128-lane heads, beside the recurrent kernel and the convolution."""
+    Qwen3-Next's 128-lane heads, beside the recurrent kernel and the convolution; every phase
+    of the split-row sampler at V = 151936."""
     rc, rows = aot_compile(
-        "--dtypes", "bf16", "--head-dims", "128", "--groups", "1", "--vocabs", ""
+        "--dtypes", "bf16", "--head-dims", "128", "--groups", "1", "--vocabs", "151936"
     )  # fmt: skip
+    split = [r["config"] for r in rows if r["config"].startswith("sampling split")]
+    assert split == [
+        f"sampling split V=151936 {phase}"
+        for phase in ("max", "sums", "top-k", "top-p", "race", "final")
+    ]
     linear = [r for r in rows if r["config"].startswith(("delta rule", "causal conv"))]
     assert [r["config"] for r in linear] == [
         "delta rule bf16 D=128 recurrent",
