@@ -324,20 +324,21 @@ def sample_split(
     num_slices = split_slices(vocab_size, slice_len)
     device = logits.device
 
-    def buffer(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(*shape, dtype=dtype, device=device)
-
-    f32, i32 = torch.float32, torch.int32
-    parts = [buffer(num_rows, num_slices, dtype=d) for d in (f32, i32, i32, f32, f32)]
-    k_count = buffer(LEVELS, num_rows, num_slices, 16, dtype=i32)
-    p_count = buffer(LEVELS, num_rows, num_slices, 16, dtype=i32)
-    p_mass = buffer(LEVELS, num_rows, num_slices, 16, dtype=f32)
-    k_state = buffer(LEVELS, 2, num_rows, dtype=i32)
-    p_state = buffer(LEVELS, 2, num_rows, dtype=i32)
-    p_mass_above = buffer(LEVELS, num_rows, dtype=f32)
-    target = buffer(num_rows, dtype=f32)
-    race = buffer(num_rows, num_slices, dtype=f32)
-    race_idx = buffer(num_rows, num_slices, dtype=i32)
+    # Two allocations, carved into the partials and the walks' state, never cleared: every
+    # entry a row's result depends on is written before it is read (histograms of a row that
+    # does not filter are not, and what they feed is discarded for that row).
+    b, n = num_rows, num_slices
+    f32 = torch.empty(
+        b * n * (4 + LEVELS * 16) + LEVELS * b + b, dtype=torch.float32, device=device
+    )
+    i32 = torch.empty(
+        b * n * (3 + 2 * LEVELS * 16) + 4 * LEVELS * b, dtype=torch.int32, device=device
+    )
+    f32_views = iter(f32.split([b * n] * 4 + [LEVELS * b * n * 16, LEVELS * b, b]))
+    i32_views = iter(i32.split([b * n] * 3 + [LEVELS * b * n * 16] * 2 + [2 * LEVELS * b] * 2))
+    part_max, part_sum_x, part_sum_z, race, p_mass, p_mass_above, target = f32_views
+    part_arg, part_bad, race_idx, k_count, p_count, k_state, p_state = i32_views
+    parts = [part_max, part_arg, part_bad, part_sum_x, part_sum_z]
     args = (
         logits, temperature, top_k, top_p, min_p, seeds, steps, tokens, logprobs,
         token_mask if token_mask is not None else tokens,
