@@ -93,6 +93,20 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_draws_follow_the_renormalised_target(case: str, device):
+    _check_draws(case, device)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", [c for c in CASES if CASES[c][0].numel() > 256])
+def test_split_row_draws_follow_the_renormalised_target(case: str, device):
+    """The same draws through the split-row kernel, rows cut into 256-column slices (257
+    columns: a last slice of one); on CUDA only (4096 rows x 20 launches would take the
+    interpreter minutes; tests/kernels/test_sampling_split.py holds it to the one-program
+    kernel token for token there)."""
+    _check_draws(case, device, slice_len=256)
+
+
+def _check_draws(case: str, device, **split: int) -> None:
     logits, temperature, top_k, top_p, min_p = CASES[case]
     vocab = logits.numel()
     keep, q = target(logits, temperature, top_k, top_p, min_p)
@@ -104,6 +118,7 @@ def test_draws_follow_the_renormalised_target(case: str, device):
         min_p=torch.full((DRAWS,), min_p, device=device),
         seeds=torch.full((DRAWS,), 7, dtype=torch.int64, device=device),
         steps=torch.arange(DRAWS, dtype=torch.int64, device=device),
+        **split,
     )
     counts = torch.bincount(tokens.cpu(), minlength=vocab).double()
     assert counts[~keep].sum() == 0, "a token outside the kept set was drawn"
