@@ -39,6 +39,8 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
     Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
@@ -169,6 +171,11 @@ ARCHITECTURES: dict[str, tuple[type, type, dict]] = {
         {"num_experts": 4, "shared_expert_intermediate_size": 64, **MOE, **HYBRID},
     ),
     "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM, HYBRID),  # separate input projections
+    "qwen3_5_moe": (  # the same hybrid with routed and shared experts
+        Qwen3_5MoeTextConfig,
+        Qwen3_5MoeForCausalLM,
+        {"num_experts": 4, "shared_expert_intermediate_size": 64, **MOE, **HYBRID},
+    ),
     "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 4, **MOE}),
     "olmoe": (OlmoeConfig, OlmoeForCausalLM, {"num_experts": 4, **MOE}),
     "gpt_oss": (
@@ -295,7 +302,7 @@ def test_logprobs_and_prompt_logprobs_follow_the_models_head(expected) -> None:
     "name",
     [
         "gemma2", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "gpt_oss",
-        "deepseek_v3", "qwen3_next", "qwen3_5",
+        "deepseek_v3", "qwen3_next", "qwen3_5", "qwen3_5_moe",
     ],
 )  # fmt: skip
 def test_tensor_parallel_equals_hf(name: str) -> None:
