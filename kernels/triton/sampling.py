@@ -221,6 +221,22 @@ def _top_p_step(count, mass, mass_above, target, empty, prefix, r: tl.constexpr)
 
 
 @triton.jit
+def _race_values(
+    x, in_vocab, idx, temp, z_max, sum_z, k_key, p_key, min_p_rel, p_empty, seed, counter_hi
+):  # fmt: skip
+    """The exponential race of a chunk ``x [B, BLOCK_V]`` at columns ``idx``: ``p / E`` where
+    the token is kept (top-k, top-p, min-p), -1 where it is not, -inf outside the vocabulary;
+    ``E = -log(u)`` with ``u`` the row's Philox uniform for (seed, step, token)."""
+    z = _div(x, temp[:, None])
+    p = _div(tl.exp(z - z_max[:, None]), sum_z[:, None])
+    keep = (_ordered_key(z) >= k_key[:, None]) & (_ordered_key(p) >= p_key[:, None])
+    keep = keep & (p >= min_p_rel[:, None]) & ~p_empty[:, None]
+    u = tl.rand(seed[:, None], counter_hi[:, None] + idx[None, :].to(tl.int64))
+    race = p / -tl.log(tl.maximum(u, 1.1754943508222875e-38))
+    return tl.where(in_vocab, tl.where(keep, race, -1.0), float("-inf"))
+
+
+@triton.jit
 def _sample_kernel(
     logits_ptr,
     temperature_ptr,
@@ -319,14 +335,10 @@ def _sample_kernel(
     drawn = tl.zeros([BLOCK_B], dtype=tl.int32)
     for v0 in range(0, vocab_size, BLOCK_V):
         x, mask = _load_chunk(row_ptr, mask_row_ptr, row_mask, v0, cols, vocab_size, HAS_MASK)
-        z = _div(x, temp[:, None])
-        p = _div(tl.exp(z - z_max[:, None]), sum_z[:, None])
-        keep = (_ordered_key(z) >= k_key[:, None]) & (_ordered_key(p) >= p_key[:, None])
-        keep = keep & (p >= min_p_rel[:, None]) & ~p_empty[:, None]
-        idx = v0 + cols
-        u = tl.rand(seed[:, None], counter_hi[:, None] + idx[None, :].to(tl.int64))
-        race = p / -tl.log(tl.maximum(u, 1.1754943508222875e-38))
-        race = tl.where(mask, tl.where(keep, race, -1.0), float("-inf"))
+        race = _race_values(
+            x, mask, v0 + cols, temp, z_max, sum_z, k_key, p_key, min_p_rel, p_empty, seed,
+            counter_hi,
+        )  # fmt: skip
         best, drawn = _running_argmax(best, drawn, race, v0)
 
     token = tl.where(invalid, -1, tl.where(temperature > 0.0, drawn, greedy))

@@ -44,7 +44,7 @@ from kernels.triton.sampling import (
     _digit_histogram,
     _div,
     _load_chunk,
-    _ordered_key,
+    _race_values,
     _running_argmax,
     _top_k_step,
     _top_p_step,
@@ -274,14 +274,10 @@ def _sample_split_kernel(
         drawn = tl.zeros([1], dtype=tl.int32)
         for v0 in range(v_lo, v_hi, BLOCK_V):
             x, mask = _load_chunk(row_ptr, mask_row_ptr, row_mask, v0, cols, vocab_size, HAS_MASK)
-            z = _div(x, temp[:, None])
-            p = _div(tl.exp(z - z_max[:, None]), sum_z[:, None])
-            keep = (_ordered_key(z) >= k_key[:, None]) & (_ordered_key(p) >= p_key[:, None])
-            keep = keep & (p >= min_p_rel[:, None]) & ~p_empty[:, None]
-            idx = v0 + cols
-            u = tl.rand(seed[:, None], counter_hi[:, None] + idx[None, :].to(tl.int64))
-            race = p / -tl.log(tl.maximum(u, 1.1754943508222875e-38))
-            race = tl.where(mask, tl.where(keep, race, -1.0), float("-inf"))
+            race = _race_values(
+                x, mask, v0 + cols, temp, z_max, sum_z, k_key, p_key, min_p_rel, p_empty, seed,
+                counter_hi,
+            )  # fmt: skip
             best, drawn = _running_argmax(best, drawn, race, v0)
         tl.store(race_ptr + mine, best)
         tl.store(race_idx_ptr + mine, drawn)
