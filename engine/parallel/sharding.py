@@ -292,29 +292,24 @@ def _plain(linear: nn.Module) -> nn.Linear:
 
 def _rows(linear: nn.Linear, rank: int, world_size: int) -> nn.Linear:
     """Column-parallel: the ``rank``-th block of output rows, as a plain ``nn.Linear``."""
-    linear = _plain(linear)
-    n = linear.out_features // world_size
-    rows = slice(rank * n, (rank + 1) * n)
-    weight = linear.weight.detach()[rows].clone()  # its own copy: the full weight is freed
-    bias = None if linear.bias is None else linear.bias.detach()[rows].clone()
-    out = linear_from(weight, bias)
-    span = ((rows.start, rows.stop),)
-    _note(out.weight, ShardSource(linear.weight, 0, span))
-    if linear.bias is not None:
-        _note(out.bias, ShardSource(linear.bias, 0, span))
-    return out
+    n = _plain(linear).out_features // world_size
+    return _row_ranges(linear, ((rank * n, (rank + 1) * n),))
 
 
 def _row_ranges(linear: nn.Linear, ranges: tuple[tuple[int, int], ...]) -> nn.Linear:
-    """Column-parallel over several blocks: output rows ``ranges``, concatenated."""
+    """Column-parallel over one or several blocks: output rows ``ranges``, concatenated."""
     linear = _plain(linear)
-    keep = torch.cat([torch.arange(a, b) for a, b in ranges])
-    bias = None if linear.bias is None else linear.bias.detach()[keep].clone()
-    out = linear_from(linear.weight.detach()[keep].clone(), bias)
+    bias = None if linear.bias is None else _take_rows(linear.bias, ranges)
+    out = linear_from(_take_rows(linear.weight, ranges), bias)
     _note(out.weight, ShardSource(linear.weight, 0, ranges))
     if linear.bias is not None:
         _note(out.bias, ShardSource(linear.bias, 0, ranges))
     return out
+
+
+def _take_rows(t: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """Rows ``ranges`` of ``t`` concatenated, in a tensor of their own (the full one is freed)."""
+    return torch.cat([t.detach()[a:b] for a, b in ranges])
 
 
 def _columns(linear: nn.Linear, rank: int, world_size: int, group: object | None) -> nn.Module:
@@ -392,26 +387,24 @@ def _shard_delta_net(mixer: nn.Module, rank: int, world_size: int, group: object
         mixer.in_proj_qkv = _row_ranges(mixer.in_proj_qkv, channels)
         for name in ("in_proj_z", "in_proj_b", "in_proj_a"):
             setattr(mixer, name, _rows(getattr(mixer, name), rank, world_size))
-    conv = mixer.conv1d
-    keep = torch.cat([torch.arange(a, b) for a, b in channels])
-    full = conv.weight
-    conv.weight = nn.Parameter(full.data[keep].contiguous(), requires_grad=False)
-    _note(conv.weight, ShardSource(full, 0, channels))
-    if conv.bias is not None:
-        full_bias = conv.bias
-        conv.bias = nn.Parameter(full_bias.data[keep].contiguous(), requires_grad=False)
-        _note(conv.bias, ShardSource(full_bias, 0, channels))
-    conv.in_channels = conv.out_channels = conv.groups = len(keep)
     heads = ((rank * hv, (rank + 1) * hv),)
-    for name in ("A_log", "dt_bias"):
-        full = getattr(mixer, name)
-        mine = full.data[rank * hv : (rank + 1) * hv].clone()
-        setattr(mixer, name, nn.Parameter(mine, requires_grad=False))
-        _note(getattr(mixer, name), ShardSource(full, 0, heads))
+    conv = mixer.conv1d
+    for module, name, ranges in (
+        (conv, "weight", channels),
+        (conv, "bias", channels),
+        (mixer, "A_log", heads),
+        (mixer, "dt_bias", heads),
+    ):
+        full = getattr(module, name)
+        if full is None:
+            continue
+        setattr(module, name, nn.Parameter(_take_rows(full, ranges), requires_grad=False))
+        _note(getattr(module, name), ShardSource(full, 0, ranges))
+    conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
     mixer.out_proj = _columns(mixer.out_proj, rank, world_size, group)
     mixer.num_k_heads, mixer.num_v_heads = hk, hv
     mixer.key_dim, mixer.value_dim = hk * dk, hv * dv
-    mixer.conv_dim = len(keep)
+    mixer.conv_dim = conv.weight.shape[0]
 
 
 def _shard_dense_mlp(mlp: nn.Module, rank: int, world_size: int, group: object | None) -> None:
