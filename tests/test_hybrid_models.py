@@ -115,6 +115,30 @@ def test_tensor_parallel_forks_and_chunks_equal_one_rank(hybrid) -> None:
         tp2.shutdown()
 
 
+def test_a_qwen3_5_vision_language_checkpoint_serves_its_text_model(tmp_path) -> None:
+    """Qwen3.5's released checkpoints are ``Qwen3_5ForConditionalGeneration`` folders:
+    transformers loads their text model for a causal LM, which the engine serves with the
+    tokens the whole model's ``generate`` gives for text."""
+    import transformers
+
+    from tests.test_model_coverage import COMMON, HYBRID
+
+    config = transformers.Qwen3_5Config(
+        text_config={**COMMON, **HYBRID},
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                           out_hidden_size=COMMON["hidden_size"]),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Qwen3_5ForConditionalGeneration(config).eval().save_pretrained(tmp_path)
+    whole = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path).eval()
+    whole.config.text_config._attn_implementation = "eager"
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=8)
+    assert type(llm.engine.runner.model).__name__ == "Qwen3_5ForCausalLM"
+    got = [r.token_ids for r in llm.generate(PROMPTS[:3], GREEDY)]
+    assert got == [hf_greedy(whole, p, 6) for p in PROMPTS[:3]]
+    assert_pool_clean(llm.engine.block_manager)
+
+
 def test_a_budget_the_states_fill_is_refused_naming_them() -> None:
     model = tiny_architecture("qwen3_5")
     with pytest.raises(ValueError, match="linear-attention state of 128 sequences"):
