@@ -116,9 +116,9 @@ def test_tensor_parallel_forks_and_chunks_equal_one_rank(hybrid) -> None:
 
 
 def test_a_qwen3_5_vision_language_checkpoint_serves_its_text_model(tmp_path) -> None:
-    """Qwen3.5's released checkpoints are ``Qwen3_5ForConditionalGeneration`` folders:
-    transformers loads their text model for a causal LM, which the engine serves with the
-    tokens the whole model's ``generate`` gives for text."""
+    """A ``Qwen3_5ForConditionalGeneration`` (vision-language) folder: transformers loads its
+    text model for a causal LM, which the engine serves with the tokens the whole model's
+    ``generate`` gives for text."""
     import transformers
 
     from tests.test_model_coverage import COMMON, HYBRID
