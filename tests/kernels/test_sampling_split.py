@@ -6,8 +6,9 @@ multiple of the slice, so the last slice is partial) over 4 programs per row. Ro
 top-k, top-p, min-p and all three; rows holding NaN, +inf or nothing finite; a row with four
 tokens tied at the nucleus boundary; grammar masks. Tokens must equal the one-program kernel's
 (the same Philox uniforms and keep rules) and ``sample_ref``'s on the kernel's uniforms on rows
-clear of float boundaries; logprobs to 1e-6; a row alone equals the row in a batch. Both
-reduction orders.
+clear of float boundaries; logprobs to 1e-6; a row alone equals the row in a batch. CI's
+kernel stage reruns the file in the GPU's tree reduction order (20 launches a call make the
+interpreter slow, so the tests do not also loop over both orders themselves).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def test_it_splits_the_row_as_configured():
     assert split_slices(VOCAB, SLICE) == 4 and split_slices(151936) == 38
 
 
-def test_tokens_equal_the_one_program_kernel_and_the_reference(device, interpreter_order):
+def test_tokens_equal_the_one_program_kernel_and_the_reference(device):
     logits, params = _batch(device)
     whole = sample(logits, **params)
     split = sample(logits, **params, slice_len=SLICE)
