@@ -47,6 +47,37 @@ def _load_normalised(ptrs, mask):
 
 
 @triton.jit
+def _program(
+    cu_seqlens_ptr, state_slots_ptr, has_state_ptr, state_ptr, group, stride_ss, stride_sh,
+    stride_sk, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """What a ``(sequence, value head, value block)`` program of either kernel works on: its
+    heads, lanes and masks, its tokens ``start .. end``, and its ``[Dk, BLOCK_V]`` state slice
+    (pointers, mask, fp32 values; zeros for a fresh sequence)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    key_head = head // group
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_mask, v_mask = offs_k < DK, offs_v < DV
+    start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+    end = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
+    slot = tl.load(state_slots_ptr + seq).to(tl.int64)
+    # A fresh sequence reads no state: no key row is in range.
+    rows_in = tl.where(tl.load(has_state_ptr + seq) != 0, DK, 0)
+    s_ptrs = (
+        state_ptr
+        + slot * stride_ss
+        + head * stride_sh
+        + offs_k[:, None] * stride_sk
+        + offs_v[None, :]
+    )
+    s_mask = k_mask[:, None] & v_mask[None, :]
+    S = tl.load(s_ptrs, mask=(offs_k < rows_in)[:, None] & v_mask[None, :], other=0.0)
+    return head, key_head, offs_k, k_mask, offs_v, v_mask, start, end, s_ptrs, s_mask, S
+
+
+@triton.jit
 def _delta_rule_recurrent_kernel(
     q_ptr,
     k_ptr,
@@ -77,26 +108,10 @@ def _delta_rule_recurrent_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    key_head = head // group
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    k_mask, v_mask = offs_k < DK, offs_v < DV
-    start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
-    end = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
-    slot = tl.load(state_slots_ptr + seq).to(tl.int64)
-    # A fresh sequence reads no state: no key row is in range.
-    rows_in = tl.where(tl.load(has_state_ptr + seq) != 0, DK, 0)
-    s_ptrs = (
-        state_ptr
-        + slot * stride_ss
-        + head * stride_sh
-        + offs_k[:, None] * stride_sk
-        + offs_v[None, :]
-    )
-    s_mask = k_mask[:, None] & v_mask[None, :]
-    S = tl.load(s_ptrs, mask=(offs_k < rows_in)[:, None] & v_mask[None, :], other=0.0)
+    head, key_head, offs_k, k_mask, offs_v, v_mask, start, end, s_ptrs, s_mask, S = _program(
+        cu_seqlens_ptr, state_slots_ptr, has_state_ptr, state_ptr, group, stride_ss, stride_sh,
+        stride_sk, DK, DV, BLOCK_K, BLOCK_V,
+    )  # fmt: skip
     for t in range(start, end):
         q = _load_normalised(q_ptr + t * stride_qt + key_head * stride_qh + offs_k, k_mask)
         k = _load_normalised(k_ptr + t * stride_kt + key_head * stride_kh + offs_k, k_mask)
@@ -149,27 +164,11 @@ def _delta_rule_chunked_kernel(
     DOUBLINGS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    key_head = head // group
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    head, key_head, offs_k, k_mask, offs_v, v_mask, start, end, s_ptrs, s_mask, S = _program(
+        cu_seqlens_ptr, state_slots_ptr, has_state_ptr, state_ptr, group, stride_ss, stride_sh,
+        stride_sk, DK, DV, BLOCK_K, BLOCK_V,
+    )  # fmt: skip
     rows = tl.arange(0, BLOCK_T)
-    k_mask, v_mask = offs_k < DK, offs_v < DV
-    start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
-    end = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
-    slot = tl.load(state_slots_ptr + seq).to(tl.int64)
-    # A fresh sequence reads no state: no key row is in range.
-    rows_in = tl.where(tl.load(has_state_ptr + seq) != 0, DK, 0)
-    s_ptrs = (
-        state_ptr
-        + slot * stride_ss
-        + head * stride_sh
-        + offs_k[:, None] * stride_sk
-        + offs_v[None, :]
-    )
-    s_mask = k_mask[:, None] & v_mask[None, :]
-    S = tl.load(s_ptrs, mask=(offs_k < rows_in)[:, None] & v_mask[None, :], other=0.0)
     lower = rows[:, None] > rows[None, :]
     causal = rows[:, None] >= rows[None, :]
     eye = (rows[:, None] == rows[None, :]).to(tl.float32)
