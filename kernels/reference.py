@@ -437,25 +437,39 @@ def causal_conv1d_ref(
     window (``K - 1`` rows, zeros for a fresh sequence) followed by the sequence's rows. The
     window becomes ``ext``'s last ``K - 1`` rows (in place). Computed in fp32 (in float64 for
     float64 inputs); ``[T, C]`` in ``x``'s dtype."""
-    width = weight.shape[1]
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     out = torch.empty_like(x)
     w = weight.to(compute)
+    b_c = None if bias is None else bias.to(compute)
     for s, (a, b) in enumerate(zip(cu_seqlens.tolist(), cu_seqlens[1:].tolist())):
         slot = int(state_slots[s])
         prev = conv_state[slot].to(compute)
         if not int(has_state[s]):
             prev = torch.zeros_like(prev)
-        ext = torch.cat([prev, x[a:b].to(compute)])  # [K - 1 + L, C]
-        n = b - a
-        y = sum(ext[j : j + n] * w[:, j] for j in range(width))
-        if bias is not None:
-            y = y + bias.to(compute)
-        if silu:
-            y = torch.nn.functional.silu(y)
+        y, window = causal_conv_rows(prev, x[a:b].to(compute), w, b_c, silu)
         out[a:b] = y.to(x.dtype)
-        conv_state[slot] = ext[n:].to(conv_state.dtype)
+        conv_state[slot] = window.to(conv_state.dtype)
     return out
+
+
+def causal_conv_rows(
+    window: torch.Tensor,
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's convolution: ``window [K - 1, C]`` then ``rows [n, C]`` with ``weight
+    [C, K]`` and ``bias [C]`` (all in the compute dtype); ``(outputs [n, C], the new window
+    [K - 1, C])``, the window being the last ``K - 1`` of window and rows."""
+    n = rows.shape[0]
+    ext = torch.cat([window, rows])  # [K - 1 + n, C]
+    y = sum(ext[j : j + n] * weight[:, j] for j in range(weight.shape[1]))
+    if bias is not None:
+        y = y + bias
+    if silu:
+        y = torch.nn.functional.silu(y)
+    return y, ext[n:]
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import l2_normalize
+from kernels.reference import causal_conv_rows, l2_normalize
 
 CHUNK = 64  # tokens per block of the chunked delta rule
 
@@ -43,6 +43,7 @@ def causal_conv1d_cpu(
     width = weight.shape[1]
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     w = weight.to(compute).t()  # [K, C]
+    b_c = None if bias is None else bias.to(compute)
     out = torch.empty_like(x)
     single = [s for s, (a, b) in enumerate(zip(starts, ends)) if b - a == 1]
     if single:
@@ -52,8 +53,8 @@ def causal_conv1d_cpu(
         window *= torch.tensor([float(has[s] != 0) for s in single], dtype=compute)[:, None, None]
         ext = torch.cat([window, x.index_select(0, rows).to(compute)[:, None]], dim=1)
         y = (ext * w).sum(1)
-        if bias is not None:
-            y += bias.to(compute)
+        if b_c is not None:
+            y += b_c
         out[rows] = (torch.nn.functional.silu(y) if silu else y).to(x.dtype)
         conv_state[at] = ext[:, 1:].to(conv_state.dtype)
     for s, (a, b) in enumerate(zip(starts, ends)):
@@ -64,15 +65,9 @@ def causal_conv1d_cpu(
             if has[s]
             else x.new_zeros(width - 1, x.shape[1], dtype=compute)
         )
-        ext = torch.cat([window, x[a:b].to(compute)])
-        n = b - a
-        y = ext[:n] * w[0]
-        for j in range(1, width):
-            y += ext[j : j + n] * w[j]
-        if bias is not None:
-            y += bias.to(compute)
-        out[a:b] = (torch.nn.functional.silu(y) if silu else y).to(x.dtype)
-        conv_state[slots[s]] = ext[n:].to(conv_state.dtype)
+        y, window = causal_conv_rows(window, x[a:b].to(compute), w.t(), b_c, silu)
+        out[a:b] = y.to(x.dtype)
+        conv_state[slots[s]] = window.to(conv_state.dtype)
     return out
 
 
