@@ -43,10 +43,12 @@ included) is batch-independent.
 Cost: 3 + (8 if any top-k) + (8 if any top-p) streaming passes over the row, no sort.
 
 The kernel is built from ``@triton.jit`` helpers, which Triton inlines (the PTX is that of one
-long body): every pass loads through ``_load_chunk``; both radix walks histogram with
-``_digit_histogram`` (one pass: per-bin counts, and per-bin mass for top-p) and descend one
-digit per level with ``_top_k_step`` / ``_top_p_step``; the greedy pass and the race fold
-chunks into a running argmax with ``_running_argmax``.
+long body): every pass loads through ``_load_chunk``; passes 1 and 2 are ``_max_pass`` and
+``_sums_pass``; both radix walks histogram with ``_digit_histogram`` (one pass: per-bin counts,
+and per-bin mass for top-p) and descend one digit per level with ``_top_k_step`` /
+``_top_p_step``; the race values of a chunk are ``_race_values``; the greedy pass and the race
+fold chunks into a running argmax with ``_running_argmax``. Each pass helper takes a column
+range, so the split-row kernel (``sampling_split.py``) runs the same passes over its slice.
 
 Grammar masks: with a ``token_mask`` (``int32 [B, ceil(V / 32)]``, bit ``t % 32`` of word
 ``t // 32`` set when token ``t`` is allowed), every pass reads disallowed tokens as -inf
@@ -221,6 +223,42 @@ def _top_p_step(count, mass, mass_above, target, empty, prefix, r: tl.constexpr)
 
 
 @triton.jit
+def _max_pass(
+    row_ptr, mask_row_ptr, rows_ok, cols, vocab_size, v_lo, v_hi, HAS_MASK: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """Over columns ``v_lo .. v_hi``: the max and first argmax of the raw logits, and the
+    count of NaN and +inf entries (``[B]`` each)."""
+    x_max = tl.full([BLOCK_B], float("-inf"), dtype=tl.float32)
+    greedy = tl.zeros([BLOCK_B], dtype=tl.int32)
+    num_bad = tl.zeros([BLOCK_B], dtype=tl.int32)
+    for v0 in range(v_lo, v_hi, BLOCK_V):
+        x, _ = _load_chunk(row_ptr, mask_row_ptr, rows_ok, v0, cols, vocab_size, HAS_MASK)
+        num_bad += tl.sum(((x != x) | (x == float("inf"))).to(tl.int32), 1)
+        # NaN never reaches the reductions: a GPU's tl.max skips it while tl.argmax keeps it
+        # or not depending on the reduction tree (the row's token is -1 anyway).
+        x = tl.where(x != x, float("-inf"), x)
+        x_max, greedy = _running_argmax(x_max, greedy, x, v0)
+    return x_max, greedy, num_bad
+
+
+@triton.jit
+def _sums_pass(
+    row_ptr, mask_row_ptr, rows_ok, cols, vocab_size, v_lo, v_hi, temp, x_ref, z_max,
+    HAS_MASK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """Over columns ``v_lo .. v_hi``: the softmax denominators of the raw logits (about
+    ``x_ref``) and of ``z = logits / temp`` (about ``z_max``), ``[B]`` each."""
+    sum_x = tl.zeros([BLOCK_B], dtype=tl.float32)
+    sum_z = tl.zeros([BLOCK_B], dtype=tl.float32)
+    for v0 in range(v_lo, v_hi, BLOCK_V):
+        x, _ = _load_chunk(row_ptr, mask_row_ptr, rows_ok, v0, cols, vocab_size, HAS_MASK)
+        sum_x += tl.sum(tl.exp(x - x_ref[:, None]), 1)
+        sum_z += tl.sum(tl.exp(_div(x, temp[:, None]) - z_max[:, None]), 1)
+    return sum_x, sum_z
+
+
+@triton.jit
 def _race_values(
     x, in_vocab, idx, temp, z_max, sum_z, k_key, p_key, min_p_rel, p_empty, seed, counter_hi
 ):  # fmt: skip
@@ -271,27 +309,19 @@ def _sample_kernel(
     p_on = row_mask & (top_p < 1.0)
 
     # -- pass 1: max and first argmax of the raw logits; rows holding NaN or +inf
-    x_max = tl.full([BLOCK_B], float("-inf"), dtype=tl.float32)
-    greedy = tl.zeros([BLOCK_B], dtype=tl.int32)
-    num_bad = tl.zeros([BLOCK_B], dtype=tl.int32)
-    for v0 in range(0, vocab_size, BLOCK_V):
-        x, mask = _load_chunk(row_ptr, mask_row_ptr, row_mask, v0, cols, vocab_size, HAS_MASK)
-        num_bad += tl.sum(((x != x) | (x == float("inf"))).to(tl.int32), 1)
-        # NaN never reaches the reductions: a GPU's tl.max skips it while tl.argmax keeps it
-        # or not depending on the reduction tree (the row's token is -1 anyway).
-        x = tl.where(x != x, float("-inf"), x)
-        x_max, greedy = _running_argmax(x_max, greedy, x, v0)
+    x_max, greedy, num_bad = _max_pass(
+        row_ptr, mask_row_ptr, row_mask, cols, vocab_size, 0, vocab_size, HAS_MASK, BLOCK_B,
+        BLOCK_V,
+    )  # fmt: skip
     invalid = (num_bad > 0) | (x_max == float("-inf"))  # NaN, +inf or nothing finite
     x_ref = tl.where(x_max == float("-inf"), 0.0, x_max)
     z_max = _div(x_ref, temp)
 
     # -- pass 2: softmax denominators of the raw logits and of z = logits / temperature
-    sum_x = tl.zeros([BLOCK_B], dtype=tl.float32)
-    sum_z = tl.zeros([BLOCK_B], dtype=tl.float32)
-    for v0 in range(0, vocab_size, BLOCK_V):
-        x, mask = _load_chunk(row_ptr, mask_row_ptr, row_mask, v0, cols, vocab_size, HAS_MASK)
-        sum_x += tl.sum(tl.exp(x - x_ref[:, None]), 1)
-        sum_z += tl.sum(tl.exp(_div(x, temp[:, None]) - z_max[:, None]), 1)
+    sum_x, sum_z = _sums_pass(
+        row_ptr, mask_row_ptr, row_mask, cols, vocab_size, 0, vocab_size, temp, x_ref, z_max,
+        HAS_MASK, BLOCK_B, BLOCK_V,
+    )  # fmt: skip
     sum_z = tl.where(sum_z > 0.0, sum_z, 1.0)
 
     # -- passes 3..10: top-k threshold = exact key of the k-th largest z (radix select)

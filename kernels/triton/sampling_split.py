@@ -44,8 +44,10 @@ from kernels.triton.sampling import (
     _digit_histogram,
     _div,
     _load_chunk,
+    _max_pass,
     _race_values,
     _running_argmax,
+    _sums_pass,
     _top_k_step,
     _top_p_step,
 )
@@ -156,14 +158,9 @@ def _sample_split_kernel(
     p_on = top_p < 1.0
 
     if PHASE == 0:  # MAX
-        x_max = tl.full([1], float("-inf"), dtype=tl.float32)
-        greedy = tl.zeros([1], dtype=tl.int32)
-        num_bad = tl.zeros([1], dtype=tl.int32)
-        for v0 in range(v_lo, v_hi, BLOCK_V):
-            x, _ = _load_chunk(row_ptr, mask_row_ptr, row_mask, v0, cols, vocab_size, HAS_MASK)
-            num_bad += tl.sum(((x != x) | (x == float("inf"))).to(tl.int32), 1)
-            x = tl.where(x != x, float("-inf"), x)
-            x_max, greedy = _running_argmax(x_max, greedy, x, v0)
+        x_max, greedy, num_bad = _max_pass(
+            row_ptr, mask_row_ptr, row_mask, cols, vocab_size, v_lo, v_hi, HAS_MASK, 1, BLOCK_V
+        )
         tl.store(part_max_ptr + mine, x_max)
         tl.store(part_arg_ptr + mine, greedy)
         tl.store(part_bad_ptr + mine, num_bad)
@@ -174,12 +171,10 @@ def _sample_split_kernel(
         s_ok, temp, PHASE > 1,
     )  # fmt: skip
     if PHASE == 1:  # SUMS
-        sx = tl.zeros([1], dtype=tl.float32)
-        sz = tl.zeros([1], dtype=tl.float32)
-        for v0 in range(v_lo, v_hi, BLOCK_V):
-            x, _ = _load_chunk(row_ptr, mask_row_ptr, row_mask, v0, cols, vocab_size, HAS_MASK)
-            sx += tl.sum(tl.exp(x - x_ref[:, None]), 1)
-            sz += tl.sum(tl.exp(_div(x, temp[:, None]) - z_max[:, None]), 1)
+        sx, sz = _sums_pass(
+            row_ptr, mask_row_ptr, row_mask, cols, vocab_size, v_lo, v_hi, temp, x_ref, z_max,
+            HAS_MASK, 1, BLOCK_V,
+        )  # fmt: skip
         tl.store(part_sum_x_ptr + mine, sx)
         tl.store(part_sum_z_ptr + mine, sz)
         return
