@@ -34,6 +34,7 @@ from engine.observe.metrics import EngineStats, SnapshotCollector
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.forks import sample_ids
+from engine.spec.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,24 @@ class EngineSnapshot:
     prefix_hit_tokens: int
     num_steps: int
     num_graph_steps: int
+    # Speculative decoding (engine/spec/speculator.py SpecStats; zeros when it is off)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
+
+
+def spec_counts(speculator: Speculator | None) -> dict:
+    """The snapshot's speculative-decoding fields (none when the engine does not speculate)."""
+    if speculator is None:
+        return {}
+    stats = speculator.stats
+    return {
+        "spec_drafts": stats.num_drafts,
+        "spec_draft_tokens": stats.num_draft_tokens,
+        "spec_accepted_tokens": stats.num_accepted_tokens,
+        "spec_accepted_per_position": tuple(stats.accepted_per_position),
+    }
 
 
 class AsyncEngine:
@@ -261,6 +280,7 @@ class AsyncEngine:
             prefix_hit_tokens=e.scheduler.prefix_hit_tokens,
             num_steps=e.num_steps,
             num_graph_steps=e.num_graph_steps,
+            **spec_counts(e.speculator),
         )
 
     def engine_state(self) -> EngineState | None:

@@ -10,6 +10,7 @@ from engine.config import ATTENTION_BACKENDS, DTYPES, QUANTIZATIONS, EngineConfi
 from engine.llm import LLM
 from engine.parallel.workers import TensorParallelError
 from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
@@ -87,6 +88,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> dict[str, argparse._Argu
     scheduler = groups["SchedulerConfig"]
     scheduler.add_argument("--max-num-seqs", type=int, default=64)
     scheduler.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    spec = parser.add_argument_group("SpeculativeConfig")
+    spec.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default="auto",
+        help='speculative decoding as vLLM\'s JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or '
+        '\'{"method": "draft_model", "model": PATH}\'; \'off\' for none (default: auto, '
+        "prompt lookup on the CPU, none on CUDA); outputs are the same either way",
+    )
+    spec.add_argument(
+        "--no-speculation",
+        dest="speculative_config",
+        action="store_const",
+        const=None,
+        help="never speculate (the same as --speculative-config off)",
+    )
     _add_grammar_args(parser)
     return groups
 
@@ -124,6 +142,16 @@ def _add_grammar_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _speculative_config(text: str) -> SpeculativeConfig | str | None:
+    """``--speculative-config``'s value, checked (argparse reports a ValueError's message)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig keyword arguments from the parsed shared flags."""
     return dict(
@@ -145,6 +173,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         grammar_compile_memory=args.grammar_compile_memory << 20,
         max_pending_grammar_compiles=args.max_pending_grammar_compiles,
         grammar_fill_timeout_s=args.grammar_fill_timeout,
+        speculative_config=args.speculative_config,
     )
 
 

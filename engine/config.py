@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+from engine.spec.config import SpeculativeConfig
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -49,6 +52,8 @@ class EngineConfig:
     beyond is refused with a 503 (identical constraints share one compile).
     grammar_fill_timeout_s: seconds one row's grammar mask may take to fill at a step; a request
     whose mask takes longer fails alone (``engine/sample/token_mask.py``).
+    speculative_config: speculative decoding (``engine/spec/``): a ``SpeculativeConfig``, None
+    for none, or ``"auto"``: prompt lookup with its defaults on the CPU, none on CUDA.
     """
 
     model: str | None = None
@@ -71,6 +76,7 @@ class EngineConfig:
     grammar_compile_memory: int = 1 << 30
     max_pending_grammar_compiles: int = 16
     grammar_fill_timeout_s: float = 0.1
+    speculative_config: SpeculativeConfig | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:
         for name in ("grammar_compile_timeout_s", "grammar_fill_timeout_s"):
@@ -109,6 +115,14 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size must be >= 1 (processes to shard the model over), "
                 f"got {self.tensor_parallel_size}"
+            )
+        if not (
+            self.speculative_config in ("auto", None)
+            or isinstance(self.speculative_config, SpeculativeConfig)
+        ):
+            raise ValueError(
+                "speculative_config must be a SpeculativeConfig, None or 'auto', got "
+                f"{self.speculative_config!r}"
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

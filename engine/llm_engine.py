@@ -31,6 +31,8 @@ from engine.sched.forks import join_forks, make_samples, sample_ids
 from engine.sched.live_request import LiveRequest
 from engine.sched.scheduler import Scheduler
 from engine.sched.state_slots import StateSlots
+from engine.spec.build import build_speculator
+from engine.spec.verify import accepted_lengths
 from engine.step_outputs import StepOutputs
 
 logger = logging.getLogger(__name__)
@@ -99,10 +101,14 @@ class LLMEngine:
             enable_prefix_caching=prefix_caching,
             state_slots=None if state_cache is None else StateSlots(state_cache.num_slots),
         )
+        self.speculator = build_speculator(
+            config, loaded, self.platform, max_model_len=self.max_model_len, hybrid=state_cache
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            speculator=self.speculator,
         )
         self.stats = EngineStats()
         # Seeds of unseeded requests: from the OS, so a restart does not replay the same
@@ -248,11 +254,23 @@ class LLMEngine:
             # A rank died or raised: the group cannot go on. Name the rank and its cause.
             raise self.tp.failure(exc) from exc
         self.num_steps += 1
+        drafts = {s.request.request_id: s.draft for s in batch.requests if s.draft}
+        accepted = accepted_lengths(drafts, result.request_ids, result.token_ids)
         for sched in batch.requests:
             req = sched.request
-            req.num_computed_tokens = sched.end
-            bm.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            tokens = req.all_token_ids
+            if sched.draft:  # the accepted drafts' KV stays, the rejected ones' is dropped
+                held = accepted[req.request_id]
+                req.num_computed_tokens = sched.end - len(sched.draft) + held
+                bm.trim(req.request_id, req.num_computed_tokens)
+                tokens += sched.draft[:held]  # appended to the request by outputs.process
+            else:
+                req.num_computed_tokens = sched.end
+            bm.commit(req.request_id, tokens, req.num_computed_tokens)
             if req.request_id in result.prompt_logprobs:
                 req.prompt_logprobs += result.prompt_logprobs[req.request_id]
         join_forks(batch, bm, self.scheduler)
-        return self.outputs.process(result)
+        outputs = self.outputs.process(result, accepted)
+        for request_id, count in accepted.items():
+            self.speculator.observe(request_id, len(drafts[request_id]), count)
+        return outputs

@@ -19,6 +19,7 @@ from engine.runner.model_runner import StepResult
 from engine.sample.sampler import INVALID_TOKEN
 from engine.sched.forks import detach, with_pending_forks
 from engine.sched.live_request import LiveRequest, request_metrics
+from engine.sched.request import Request
 from engine.sched.scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger("engine.llm_engine")
@@ -53,64 +54,97 @@ class StepOutputs:
             if r.request_id in self.live
         ]
 
-    def process(self, result: StepResult) -> list[RequestOutput]:
+    def process(
+        self, result: StepResult, accepted: dict[str, int] | None = None
+    ) -> list[RequestOutput]:
         """Each sampled token to its request: an output for every request that produced a
-        token or ended."""
+        token or ended. ``accepted``: per drafted request id, the drafts its rows confirmed;
+        such a request has ``len(draft) + 1`` consecutive rows and emits the first
+        ``accepted + 1`` of them (``engine/spec/verify.py``)."""
+        accepted = accepted or {}
         now = time.monotonic()
         outputs: list[RequestOutput] = []
-        for i, request_id in enumerate(result.request_ids):
+        i = 0
+        while i < len(result.request_ids):
+            request_id = result.request_ids[i]
+            rows = 1
+            while i + rows < len(result.request_ids) and result.request_ids[i + rows] == request_id:
+                rows += 1
             live = self.live[request_id]
             try:
-                outputs.append(self._token(live, result, i, now))
+                emit = range(i, i + accepted.get(request_id, 0) + 1)
+                outputs.append(self._tokens(live, result, emit, now))
             except Exception as exc:  # one request's fault must not stop the others
                 logger.exception("request %s failed while processing its output", request_id)
                 live.forget_text()  # never touch a detokenizer that raised again
                 error = f"internal error: {type(exc).__name__}"
                 outputs.append(self.finish(live, "error", now=now, error=error))
+            i += rows
         return outputs
 
-    def _token(self, live: LiveRequest, result: StepResult, i: int, now: float) -> RequestOutput:
-        """Append the sampled token, detokenize, and decide whether the request is done."""
+    def _tokens(
+        self, live: LiveRequest, result: StepResult, rows: range, now: float
+    ) -> RequestOutput:
+        """Append the tokens of ``rows`` in order, detokenize, and decide whether the request
+        is done (at the first token that ends it: the rest are dropped)."""
         req = live.request
-        token = result.token_ids[i]
         if req.params.max_tokens == 0:  # scoring only: the prompt is done, nothing to generate
             return self.finish(live, "length", now=now)
         failure = result.failed.get(req.request_id)
         if failure is not None:  # its grammar mask outran the budget (engine/sample/token_mask.py)
             logger.warning("request %s: %s", req.request_id, failure)
             return self.finish(live, "error", now=now, error=failure)
+        tokens: list[int] = []
+        logprobs: list[TokenLogprob] | None = [] if req.params.logprobs is not None else None
+        for i in rows:
+            token = result.token_ids[i]
+            error = self._refusal(req, token)
+            if error is not None:  # the tokens before it stand
+                if tokens:
+                    self._timed(req, tokens, now)
+                return self.finish(
+                    live, "error", now=now, tokens=tokens, logprobs=logprobs, error=error
+                )
+            if req.deferred_matcher is not None and token == req.params.structured_output_after:
+                req.matcher, req.deferred_matcher = req.deferred_matcher, None  # from the next
+            req.output_token_ids.append(token)
+            tokens.append(token)
+            if logprobs is not None:
+                top = result.top_logprobs[i][: req.params.logprobs]
+                logprobs.append(TokenLogprob(token, result.logprobs[i], top))
+            reason, stop_reason = live.stop_reason(
+                token, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len
+            )
+            if reason is not None:
+                self._timed(req, tokens, now)
+                return self.finish(
+                    live, reason, now=now, tokens=tokens, logprobs=logprobs, stop_reason=stop_reason
+                )
+        self._timed(req, tokens, now)
+        return live.output(tokens, logprobs)
+
+    def _refusal(self, req: Request, token: int) -> str | None:
+        """Why ``token`` cannot be appended to ``req`` (its request fails), or None."""
         if token == INVALID_TOKEN:
             # The sampler found no usable logit in the row (NaN, +inf, or nothing finite):
             # fail the request rather than emit an arbitrary token.
             logger.error("request %s: non-finite logits, failing it", req.request_id)
-            error = "the model produced non-finite logits"
-            return self.finish(live, "error", now=now, error=error)
+            return "the model produced non-finite logits"
         if req.matcher is not None and not req.matcher.accept_token(token):
             # The mask allowed only tokens the grammar accepts: this is a matcher fault.
             logger.error("request %s: the grammar refused sampled token %d", req.request_id, token)
-            error = "the output grammar refused the sampled token"
-            return self.finish(live, "error", now=now, error=error)
-        if req.deferred_matcher is not None and token == req.params.structured_output_after:
-            req.matcher, req.deferred_matcher = req.deferred_matcher, None  # from the next token
-        req.output_token_ids.append(token)
-        self.stats.generation_tokens_total += 1
+            return "the output grammar refused the sampled token"
+        return None
+
+    def _timed(self, req: Request, tokens: list[int], now: float) -> None:
+        """Count a step's ``tokens`` and its one inter-token gap (vLLM's: one per step that
+        produced tokens, however many it produced)."""
+        self.stats.generation_tokens_total += len(tokens)
         if req.first_token_time is None:
             req.first_token_time = now
         else:
             self.stats.inter_token_latency.observe(now - req.last_token_time)
         req.last_token_time = now
-        logprob = None
-        if req.params.logprobs is not None:
-            top = result.top_logprobs[i][: req.params.logprobs]
-            logprob = [TokenLogprob(token, result.logprobs[i], top)]
-        reason, stop_reason = live.stop_reason(
-            token, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len
-        )
-        if reason is None:
-            return live.output([token], logprob)
-        return self.finish(
-            live, reason, now=now, tokens=[token], logprobs=logprob, stop_reason=stop_reason
-        )
 
     def finish(
         self,

@@ -46,6 +46,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -296,6 +297,19 @@ def timed_run(
     return summarize(records, wall), records
 
 
+SPEC_COUNTER = re.compile(
+    r"^paged_serve_spec_decode_num_(drafts|draft_tokens|accepted_tokens)_total (\S+)$", re.M
+)
+
+
+def speculation_counts(base_url: str) -> dict[str, int]:
+    """paged-serve's speculative-decoding counters from ``/metrics`` (warm-up included):
+    drafts, draft_tokens, accepted_tokens; empty when it does not speculate."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return {name: int(float(value)) for name, value in SPEC_COUNTER.findall(text)}
+
+
 T = TypeVar("T")
 
 
@@ -368,6 +382,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
         before = load_average()
         with server(system) as srv:
             metrics, _ = timed_run(srv.base_url, w, args.request_rate, args.seed, args.sampling)
+            spec = speculation_counts(srv.base_url) if system.kind == "paged-serve" else None
         row = {
             "system": system.name,
             "workload": w.name,
@@ -376,6 +391,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
             "load_average": {"before": before, "after": load_average()},
             "metrics": metrics,
             "check_summary": checks[w.name].summary() if w.name in checks else "",
+            "speculation": spec,
         }
         report["runs"].append(row)
         print(

@@ -11,17 +11,24 @@ runs to its ``max_tokens``. Fixed seeds make every mix the same on every run.
 * ``shared-prefix``: a chat mix, one long system prompt (about 330 tokens) before 24 different
   user turns of 8-40 words, through the model's chat template; ``max_tokens`` 16-64;
 * ``concurrency-1``, ``concurrency-8``: closed loop, that many streams each sending its next
-  request when the last one ends; prompts of 64-76 random tokens, 32 output tokens each.
+  request when the last one ends; prompts of 64-76 random tokens, 32 output tokens each;
+* ``copy-heavy-1``, ``copy-heavy-4``: closed loop of 1 or 4 streams, prompts that hold most of
+  their answer (rewrite one of this repository's functions with a parameter renamed, quote a
+  paragraph of docs/), 160 output tokens each: where speculative decoding pays;
+* ``decode-heavy-1``, ``decode-heavy-4``: the decode-heavy mix's first requests as a closed
+  loop of 1 or 4 streams.
 
 ``arrival_offsets`` turns a request rate into Poisson arrival times for the open-loop mixes.
 """
 
 from __future__ import annotations
 
+import ast
 import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from perf.e2e_workload import make_workload
@@ -90,8 +97,14 @@ class ServingWorkload:
 
 def decode_heavy(tokenizer: Any, num_requests: int = 24, seed: int = 0) -> ServingWorkload:
     w = make_workload(
-        tokenizer, tokenizer.vocab_size, num_requests=num_requests, min_prompt=10,
-        max_prompt=120, min_tokens=8, max_tokens=96, seed=seed,
+        tokenizer,
+        tokenizer.vocab_size,
+        num_requests=num_requests,
+        min_prompt=10,
+        max_prompt=120,
+        min_tokens=8,
+        max_tokens=96,
+        seed=seed,
     )
     return ServingWorkload("decode-heavy", w.prompts, w.max_tokens)
 
@@ -99,8 +112,14 @@ def decode_heavy(tokenizer: Any, num_requests: int = 24, seed: int = 0) -> Servi
 def long_prompt(tokenizer: Any, num_requests: int = 24, seed: int = 0) -> ServingWorkload:
     """``perf.bench_e2e``'s default mix (the figures in docs/performance.md)."""
     w = make_workload(
-        tokenizer, tokenizer.vocab_size, num_requests=num_requests, min_prompt=10,
-        max_prompt=400, min_tokens=8, max_tokens=96, seed=seed,
+        tokenizer,
+        tokenizer.vocab_size,
+        num_requests=num_requests,
+        min_prompt=10,
+        max_prompt=400,
+        min_tokens=8,
+        max_tokens=96,
+        seed=seed,
     )
     return ServingWorkload("long-prompt", w.prompts, w.max_tokens)
 
@@ -128,11 +147,89 @@ def fixed_concurrency(
     n = num_requests if num_requests is not None else max(8, 4 * streams)
     low, high = CONCURRENCY_PROMPT_TOKENS
     w = make_workload(
-        tokenizer, tokenizer.vocab_size, num_requests=n, min_prompt=low, max_prompt=high,
-        min_tokens=CONCURRENCY_OUTPUT_TOKENS, max_tokens=CONCURRENCY_OUTPUT_TOKENS,
+        tokenizer,
+        tokenizer.vocab_size,
+        num_requests=n,
+        min_prompt=low,
+        max_prompt=high,
+        min_tokens=CONCURRENCY_OUTPUT_TOKENS,
+        max_tokens=CONCURRENCY_OUTPUT_TOKENS,
         seed=seed + streams,  # different prompts per stream count: no prefix-cache carry-over
     )
     return ServingWorkload(f"concurrency-{streams}", w.prompts, w.max_tokens, streams=streams)
+
+
+COPY_OUTPUT_TOKENS = 160
+_COPY_FOLDERS = ("engine", "server")
+
+
+def _functions(root: Path) -> list[tuple[str, str]]:
+    """(source, one parameter name) of every top-level function of 12-40 lines with a
+    parameter, in the shipped Python sources under ``root``, in file order."""
+    found = []
+    for folder in _COPY_FOLDERS:
+        for path in sorted((root / folder).rglob("*.py")):
+            source = path.read_text()
+            for node in ast.parse(source).body:
+                if not isinstance(node, ast.FunctionDef) or not 12 <= len(node.body) <= 40:
+                    continue
+                names = [a.arg for a in node.args.args if len(a.arg) > 3]
+                code = ast.get_source_segment(source, node)
+                if names and code and code.count("\n") < 40:
+                    found.append((code, names[0]))
+    return found
+
+
+def _paragraphs(root: Path) -> list[str]:
+    """The prose paragraphs of docs/ of 300-900 characters, in file order."""
+    found = []
+    for path in sorted((root / "docs").glob("*.md")):
+        for block in path.read_text().split("\n\n"):
+            text = " ".join(block.split())
+            if 300 <= len(text) <= 900 and text[0].isalpha():
+                found.append(text)
+    return found
+
+
+def copy_heavy(
+    tokenizer: Any, streams: int, num_requests: int | None = None, seed: int = 0
+) -> ServingWorkload:
+    """Prompts that hold most of their answer, built from the project's own text through the
+    chat template: "rewrite this function with one parameter renamed" (a function of this
+    repository) and "quote this paragraph, then give it a title" (a paragraph of docs/),
+    alternately; a closed loop of ``streams`` streams, 4 requests each (at least 4)."""
+    root = Path(__file__).resolve().parent.parent
+    rng = random.Random(seed)
+    functions, paragraphs = _functions(root), _paragraphs(root)
+    n = num_requests if num_requests is not None else max(4, 4 * streams)
+    prompts = []
+    for i in range(n):
+        if i % 2 == 0:
+            code, name = rng.choice(functions)
+            task = (
+                f"Rewrite this Python function with the parameter `{name}` renamed to "
+                f"`{name}_value`. Reply with the code only.\n\n```python\n{code}\n```"
+            )
+        else:
+            task = (
+                "Quote the following paragraph word for word, then give it a short title."
+                f"\n\n{rng.choice(paragraphs)}"
+            )
+        messages = [{"role": "user", "content": task}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompts.append(list(tokenizer(text, add_special_tokens=False).input_ids))
+    return ServingWorkload(
+        f"copy-heavy-{streams}", prompts, [COPY_OUTPUT_TOKENS] * n, streams=streams
+    )
+
+
+def decode_heavy_streams(
+    tokenizer: Any, streams: int, num_requests: int | None = None, seed: int = 0
+) -> ServingWorkload:
+    """The decode-heavy mix's first requests (4 per stream unless given) as a closed loop of
+    ``streams`` streams."""
+    w = decode_heavy(tokenizer, num_requests or max(4, 4 * streams), seed)
+    return ServingWorkload(f"decode-heavy-{streams}", w.prompts, w.max_tokens, streams=streams)
 
 
 # name -> builder(tokenizer, num_requests or None, seed)
@@ -142,6 +239,10 @@ WORKLOADS: dict[str, Callable[[Any, int | None, int], ServingWorkload]] = {
     "shared-prefix": lambda t, n, s: shared_prefix(t, n or 24, s),
     "concurrency-1": lambda t, n, s: fixed_concurrency(t, 1, n, s),
     "concurrency-8": lambda t, n, s: fixed_concurrency(t, 8, n, s),
+    "copy-heavy-1": lambda t, n, s: copy_heavy(t, 1, n, s),
+    "copy-heavy-4": lambda t, n, s: copy_heavy(t, 4, n, s),
+    "decode-heavy-1": lambda t, n, s: decode_heavy_streams(t, 1, n, s),
+    "decode-heavy-4": lambda t, n, s: decode_heavy_streams(t, 4, n, s),
 }
 
 

@@ -32,10 +32,6 @@ REFUSALS = (
         ("--kv-cache-dtype",), "the KV cache is stored in the model's dtype", accepted=("auto",)
     ),
     Refusal(
-        ("--speculative-config",),
-        "speculative decoding is not implemented yet",
-    ),
-    Refusal(
         ("--pipeline-parallel-size", "-pp"),
         "only tensor parallelism shards a model (--tensor-parallel-size)",
         accepted=("1",),

@@ -188,7 +188,26 @@ SNAPSHOT_METRICS = (
         "Engine steps that replayed a captured decode CUDA graph.",
         "num_graph_steps",
     ),
+    (
+        "spec_decode_num_drafts",
+        "counter",
+        "Sequence-steps that verified a speculative draft.",
+        "spec_drafts",
+    ),
+    (
+        "spec_decode_num_draft_tokens",
+        "counter",
+        "Tokens drafted for speculative decoding.",
+        "spec_draft_tokens",
+    ),
+    (
+        "spec_decode_num_accepted_tokens",
+        "counter",
+        "Drafted tokens the target model's own draw confirmed.",
+        "spec_accepted_tokens",
+    ),
 )
+ACCEPTED_PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
 
 
 class SnapshotCollector(Collector):
@@ -204,3 +223,11 @@ class SnapshotCollector(Collector):
         for name, kind, help_text, field in SNAPSHOT_METRICS:
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             yield family(PREFIX + name, help_text, value=getattr(snap, field))
+        per_position = CounterMetricFamily(
+            PREFIX + ACCEPTED_PER_POSITION,
+            "Accepted drafted tokens by their position in the draft (0 = the first).",
+            labels=["position"],
+        )
+        for position, count in enumerate(snap.spec_accepted_per_position):
+            per_position.add_metric([str(position)], count)
+        yield per_position

@@ -40,6 +40,10 @@ VLLM_NAMES = {
     "request_queue_time_seconds": "request_queue_time_seconds",
     "request_prompt_tokens": "request_prompt_tokens",
     "request_generation_tokens": "request_generation_tokens",
+    "spec_decode_num_drafts": "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens",
+    "spec_decode_num_accepted_tokens_per_pos": "spec_decode_num_accepted_tokens_per_pos",
 }
 KV_USAGE = VLLM_PREFIX + "kv_cache_usage_perc"
 

@@ -301,7 +301,7 @@ class ModelRunner:
         self._copy_states(batch.state_copies)
         rows = sampling_rows(batch)
         draw = self.sampler.begin(rows, self.vocab_size)  # grammar masks fill during the forward
-        logits, prompt_scores = self.forward(inputs, plan_prompt_scoring(batch, inputs.cu_seqlens))
+        logits, prompt_scores = self.forward(inputs, plan_prompt_scoring(batch))
         sampled = draw.finish(logits)
         if sampled is None:
             return LaunchedStep([], None, None, None, prompt_scores)

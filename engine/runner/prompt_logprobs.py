@@ -36,21 +36,23 @@ class PromptScoring:
     top_k: int  # alternatives per position: the most any request here asked for
 
 
-def plan_prompt_scoring(batch: ScheduledBatch, cu_seqlens: list[int]) -> PromptScoring | None:
+def plan_prompt_scoring(batch: ScheduledBatch) -> PromptScoring | None:
     """The step's scoring rows, or None when no scheduled request needs any."""
     rows: list[int] = []
     targets: list[int] = []
     owners: list[tuple[str, int]] = []
     top_k = 0
-    for sched, offset in zip(batch.requests, cu_seqlens):
+    offset = 0  # the flat index of the request's first token this step
+    for sched in batch.requests:
         req = sched.request
+        offset, start = offset + sched.num_new_tokens, offset
         if not req.needs_prompt_scoring:
             continue
         first = max(sched.start + 1, len(req.prompt_logprobs))
         last = min(sched.end, req.num_prompt_tokens - 1)
         if first > last:
             continue
-        rows += [offset + (j - 1 - sched.start) for j in range(first, last + 1)]
+        rows += [start + (j - 1 - sched.start) for j in range(first, last + 1)]
         targets += req.prompt_token_ids[first : last + 1]
         owners.append((req.request_id, last + 1 - first))
         top_k = max(top_k, req.params.prompt_logprobs or 0)

@@ -19,7 +19,8 @@ class StepInputs:
     input_ids, positions, slots: ``T`` entries (token id, absolute position, cache slot);
     cu_seqlens: ``S + 1`` query offsets; seq_lens: ``S`` context lengths including this step's
     tokens; block_tables: ``S`` ragged lists of block ids; logit_rows: the flat token index each
-    sampled row reads its logits from (a request's last token, repeated for its pending forks).
+    sampled row reads its logits from (a request's last token, repeated for its pending forks;
+    each of a drafted request's last token and drafts).
     A hybrid model's step also has ``S`` linear-attention ``state_slots`` and ``has_state`` flags
     (0: the sequence's first chunk, which starts from a zero state); empty lists otherwise.
     """
@@ -47,21 +48,36 @@ class StepInputs:
 def flatten_step(
     batch: ScheduledBatch, block_tables: list[list[int]], block_size: int
 ) -> StepInputs:
-    """The step's tokens in scheduled order, with their slots in each request's blocks."""
+    """The step's tokens in scheduled order, with their slots in each request's blocks.
+
+    A drafted request (``engine/spec/verify.py``) enters as ``k + 1`` one-token sequences over
+    its one block table, the ``j``-th attending to the context up to its own position: causal
+    attention over the draft, as a prefill chunk would compute it, in the shape of decode rows
+    (the CPU's decode kernel, the decode graphs)."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     cu = [0]
     seq_lens: list[int] = []
+    tables: list[list[int]] = []
     logit_rows: list[int] = []
     for sched, table in zip(batch.requests, block_tables):
         request = sched.request
-        input_ids += request.tokens_between(sched.start, sched.end)
+        input_ids += request.tokens_between(sched.start, sched.end - len(sched.draft))
+        input_ids += sched.draft
         pos = range(sched.start, sched.end)
         positions += pos
         slots += [table[p // block_size] * block_size + p % block_size for p in pos]
+        if sched.draft:  # every position scored, each a decode row of its own
+            for p in pos:
+                cu.append(cu[-1] + 1)
+                seq_lens.append(p + 1)
+                tables.append(table)
+                logit_rows.append(cu[-1] - 1)
+            continue
         cu.append(cu[-1] + sched.num_new_tokens)
         seq_lens.append(sched.end)
+        tables.append(table)
         if sched.samples:
             # Pending forks (n > 1) sample their first token from the same logits row.
             logit_rows += [cu[-1] - 1] * group_size(request)
@@ -72,7 +88,7 @@ def flatten_step(
         slots,
         cu,
         seq_lens,
-        block_tables,
+        tables,
         logit_rows,
         list(batch.state_slots),
         has_state,

@@ -246,6 +246,27 @@ class BlockManager:
         self._num_tokens[request_id] = num_tokens
         return copies
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Shrink the request's table to ``num_tokens`` tokens (a verified step's rejected
+        draft positions): the blocks past them go back to the pool. Only slots beyond the
+        prefix cache's keyed blocks may be trimmed (they were written this step)."""
+        table = self._tables[request_id]
+        if num_tokens > self._num_tokens[request_id]:
+            raise ValueError(f"cannot trim {request_id!r} up to {num_tokens} tokens")
+        if num_tokens < self._hashed[request_id] * self.block_size:
+            raise ValueError(f"cannot trim {request_id!r} into its cached blocks")
+        keep = self.blocks_for(num_tokens)
+        for block_id in reversed(table[keep:]):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                block.num_tokens = 0
+                self._free[block_id] = None
+        del table[keep:]
+        if keep:
+            self._blocks[table[-1]].num_tokens = num_tokens - (keep - 1) * self.block_size
+        self._num_tokens[request_id] = num_tokens
+
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Register the request's full, computed blocks in the prefix cache.
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
 from engine.sched.request import Request
+from engine.spec.verify import verify_rows
 
 if TYPE_CHECKING:  # the scheduler counts seats with group_size: no import cycle at run time
     from engine.sched.block_manager import BlockManager
@@ -78,8 +79,15 @@ def with_pending_forks(requests: Iterable[Request]) -> list[Request]:
 
 def sampling_rows(batch: ScheduledBatch) -> list[Request]:
     """The requests that sample this step, each followed by its pending forks (they sample
-    their first token from their parent's logits row)."""
-    return with_pending_forks(s.request for s in batch.requests if s.samples)
+    their first token from their parent's logits row); a drafted request's rows are its
+    verification rows (``engine/spec/verify.py``)."""
+    rows: list[Request] = []
+    for s in batch.requests:
+        if s.draft:
+            rows += verify_rows(s.request, s.draft)
+        elif s.samples:
+            rows += (s.request, *s.request.pending_forks)
+    return rows
 
 
 def join_forks(batch: ScheduledBatch, block_manager: BlockManager, scheduler: Scheduler) -> None:

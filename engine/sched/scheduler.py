@@ -21,15 +21,20 @@ from dataclasses import dataclass, field
 from engine.sched.block_manager import BlockManager
 from engine.sched.forks import group_size
 from engine.sched.request import Request, RequestStatus
+from engine.spec.speculator import Speculator
 
 
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
-    """One request's share of a step: ``num_new_tokens`` tokens starting at ``start``."""
+    """One request's share of a step: ``num_new_tokens`` tokens starting at ``start``.
+
+    A decoding request that speculates also runs its ``draft`` (``engine/spec/``): its last
+    token and the drafted ones are the ``num_new_tokens``, and every one of them is scored."""
 
     request: Request
     start: int
     num_new_tokens: int
+    draft: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -38,7 +43,7 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the request's last token, so a token is sampled."""
-        return self.end == self.request.num_tokens
+        return self.end - len(self.draft) == self.request.num_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +72,15 @@ class Scheduler:
     """Holds the waiting and running queues and builds each step's batch."""
 
     def __init__(
-        self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        speculator: Speculator | None = None,
     ):
         self.block_manager = block_manager
+        self.speculator = speculator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -97,12 +108,21 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         copies: list[tuple[int, int]] = []
         preempted: list[Request] = []
+        drafts = self._drafts()
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             start = request.num_computed_tokens
             num_new = min(request.num_tokens - start, budget)
+            # Drafts ride on a decode within the budget, never at the cost of a preemption.
+            draft = tuple(drafts.get(request.request_id, ())[: budget - num_new])
+            if draft and bm.can_append(request.request_id, start + num_new + len(draft)):
+                copies += bm.append_slots(request.request_id, start + num_new + len(draft))
+                scheduled.append(ScheduledRequest(request, start, num_new + len(draft), draft))
+                budget -= num_new + len(draft)
+                i += 1
+                continue
             while not bm.can_append(request.request_id, start + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -148,6 +168,17 @@ class Scheduler:
         held = [slots.slot(s.request.request_id) for s in scheduled]
         return ScheduledBatch(scheduled, copies, preempted, held, slots.take_copies())
 
+    def _drafts(self) -> dict[str, list[int]]:
+        """This step's drafts by request id, for the running requests that decode."""
+        if self.speculator is None:
+            return {}
+        decoding = [
+            r
+            for r in self.running
+            if r.num_computed_tokens == r.num_tokens - 1 and not r.pending_forks
+        ]
+        return self.speculator.drafts(decoding, len(self.running)) if decoding else {}
+
     def finish(self, request: Request, reason: str) -> None:
         """Mark ``request`` finished and free its blocks now, wherever it is queued."""
         if request.status is RequestStatus.RUNNING:
@@ -160,6 +191,8 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.block_manager.free(request.request_id)
+        if self.speculator is not None:
+            self.speculator.release(request.request_id)
 
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks and queue it for recomputation, ahead of new arrivals."""

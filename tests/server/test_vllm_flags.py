@@ -200,3 +200,23 @@ def test_auto_reads_the_generation_config_a_model_folder_ships(tmp_path: Path):
     finally:
         engine.shutdown()
     assert defaults == SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, max_tokens=64)
+
+
+def test_speculative_config_parses_as_vllm_writes_it(capsys):
+    from engine.cli import engine_kwargs
+    from engine.spec.config import SpeculativeConfig
+
+    spec = (
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, '
+        '"prompt_lookup_min": 2}'
+    )
+    args = build_parser().parse_args(["--speculative-config", spec])
+    assert engine_kwargs(args)["speculative_config"] == SpeculativeConfig(
+        num_speculative_tokens=3, prompt_lookup_max=5
+    )
+    assert build_parser().parse_args([]).speculative_config == "auto"
+    for off in (["--speculative-config", "off"], ["--no-speculation"]):
+        assert build_parser().parse_args(off).speculative_config is None
+    message = _refused(["--speculative-config", '{"method": "eagle3", "model": "x"}'], capsys)
+    assert "--speculative-config" in message and "eagle3" in message
+    EngineConfig(speculative_config=SpeculativeConfig())  # a valid engine setting

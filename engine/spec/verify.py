@@ -1,0 +1,97 @@
+"""Verification: the target scores a drafted sequence's ``k + 1`` positions in one forward and
+its own draw decides every token.
+
+A sequence whose last token is ``t`` (position ``p``) and whose draft is ``d1 .. dk`` runs
+``t d1 .. dk`` at positions ``p .. p + k`` as one ragged query over its paged KV (the path a
+prefill chunk takes), and its LM head runs at all ``k + 1`` of them. Row ``j`` is sampled as
+the sequence's ordinary next row would be after ``d1 .. dj``: its step (the seed's position),
+its penalties and ``min_tokens`` see ``d1 .. dj`` as output, its grammar mask is the matcher's
+after them. Row ``j``'s draw ``x_j`` is then exactly the token plain decoding would draw there
+whenever ``d1 .. dj`` are the tokens plain decoding drew, so:
+
+    emit x_0 .. x_a, where a = the first j with x_j != d_(j+1) (or k when every draft held)
+
+and the output is token for token the output without speculation, greedy or sampled with the
+same seed, which is a stronger promise than rejection sampling's (the same distribution):
+each token is a function of the target's logits and ``(seed, position)`` alone, so batching,
+pacing and the drafter change the speed, never the text. For a point-mass draft (prompt
+lookup) the chance a draft holds, ``p(d)``, is also rejection sampling's chance of accepting it.
+
+The KV of ``t d1 .. da`` stays; the rejected positions past it are freed or overwritten by
+the next step (``BlockManager.trim``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from engine.sched.request import Request
+
+
+class _DraftedMatcher:
+    """A row's view of its sequence's grammar matcher ``drafted`` tokens ahead: the fill
+    accepts them, fills, and rolls back, under the sequence's lock (its rows may fill on
+    different threads, and every one walks the same matcher)."""
+
+    __slots__ = ("matcher", "drafted", "lock")
+
+    def __init__(self, matcher: object, drafted: Sequence[int], lock: threading.Lock):
+        self.matcher = matcher
+        self.drafted = drafted
+        self.lock = lock
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
+        with self.lock:
+            for token in self.drafted:
+                if not self.matcher.accept_token(token):
+                    raise RuntimeError("the grammar refused a draft it had accepted")
+            try:
+                self.matcher.fill_next_token_bitmask(bitmask, index)
+            finally:
+                if self.drafted:
+                    self.matcher.rollback(len(self.drafted))
+
+
+def verify_rows(request: Request, draft: Sequence[int]) -> list[Request]:
+    """The ``len(draft) + 1`` sampling rows of a drafted sequence: row ``j`` is the request as
+    it would be with ``draft[:j]`` appended (same id, seed and parameters)."""
+    lock = threading.Lock() if request.matcher is not None else None
+    rows = []
+    for j in range(len(draft) + 1):
+        matcher = None if lock is None else _DraftedMatcher(request.matcher, draft[:j], lock)
+        rows.append(
+            dataclasses.replace(
+                request,
+                output_token_ids=request.output_token_ids + list(draft[:j]),
+                matcher=matcher,
+                pending_forks=[],
+            )
+        )
+    return rows
+
+
+def accepted_lengths(
+    drafts: dict[str, Sequence[int]], row_ids: Sequence[str], tokens: Sequence[int]
+) -> dict[str, int]:
+    """Per drafted request id, how many of its drafts its rows' draws confirmed.
+
+    ``row_ids``/``tokens``: the step's sampled rows in order (a drafted request's ``k + 1``
+    rows are consecutive) and the token each drew.
+    """
+    accepted: dict[str, int] = {}
+    i = 0
+    while i < len(row_ids):
+        draft = drafts.get(row_ids[i])
+        if draft is None:
+            i += 1
+            continue
+        a = 0
+        while a < len(draft) and tokens[i + a] == draft[a]:
+            a += 1
+        accepted[row_ids[i]] = a
+        i += len(draft) + 1
+    return accepted
