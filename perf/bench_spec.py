@@ -6,9 +6,9 @@ llama.cpp's server with its own n-gram drafting, on the same weights and prompts
 
 Workloads (``perf.serving_workloads``): ``copy-heavy-1``/``-4`` (prompts that hold most of
 their answer, 1 or 4 streams) and ``decode-heavy-1``/``-4`` (the decode-heavy mix, 1 or 4
-streams). Systems, per dtype: paged-serve with ``--no-speculation`` and with prompt lookup
-(``SPEC_CONFIG``), and in float32 ``llama-cpp-f32`` with and without its n-gram drafting
-(``LLAMA_NGRAM_ARGS``; ``python -m perf.llama_cpp build`` first, or ``--no-llama-cpp``).
+streams). Systems, per dtype: paged-serve with ``--no-speculation`` and as it starts by default
+(prompt lookup on the CPU), and in float32 ``llama-cpp-f32`` with and without its n-gram
+drafting (``LLAMA_NGRAM_ARGS``; ``python -m perf.llama_cpp build`` first, or ``--no-llama-cpp``).
 
 It is ``perf.bench_serving`` underneath: each system's greedy tokens checked first (paged-serve
 in float32 must equal Hugging Face fp32 with speculation on, as without), then the timed runs
@@ -31,23 +31,17 @@ from typing import Any
 from perf import bench_serving
 
 WORKLOADS = ("copy-heavy-1", "copy-heavy-4", "decode-heavy-1", "decode-heavy-4")
-SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-               "prompt_lookup_min": 2}  # fmt: skip
-# llama-server's draft-free n-gram speculation: a map of the context's n-grams, up to 4 drafted
-# tokens a step (its --spec-type, --draft-max; see `llama-server --help`).
-LLAMA_NGRAM_ARGS = ("--spec-type", "ngram-simple", "--draft-max", "4", "--draft-min", "1")
+# llama-server's draft-free n-gram speculation with its own defaults (`llama-server --help`:
+# a 12-token lookup n-gram, drafts of up to 48 tokens).
+LLAMA_NGRAM_ARGS = ("--spec-type", "ngram-simple")
 
 
 def systems(dtypes: Sequence[str], llama_cpp: bool) -> list[str]:
-    """The ``--system`` values of the run (bench_serving splits a system's flags on spaces,
-    so the JSON is written without any)."""
-    spec = json.dumps(SPEC_CONFIG, separators=(",", ":"))
+    """The ``--system`` values of the run: per dtype paged-serve without speculation and with
+    its default (``"auto"``: prompt lookup on the CPU, ``SpeculativeConfig()``'s settings)."""
     out = []
     for dtype in dtypes:
-        out += [
-            f"paged-serve:{dtype} --no-speculation",
-            f"paged-serve:{dtype} --speculative-config={spec}",
-        ]
+        out += [f"paged-serve:{dtype} --no-speculation", f"paged-serve:{dtype}"]
     if llama_cpp:
         out += ["llama-cpp-f32", " ".join(["llama-cpp-f32", *LLAMA_NGRAM_ARGS])]
     return out
@@ -87,9 +81,7 @@ def ratios(runs: Sequence[dict[str, Any]], dtypes: Sequence[str]) -> list[str]:
     for workload in dict.fromkeys(r["workload"] for r in runs):
         for dtype in dtypes:
             none = next((n for n in names if n == f"paged-serve-{dtype} --no-speculation"), None)
-            spec = next(
-                (n for n in names if n.startswith(f"paged-serve-{dtype} --speculative")), None
-            )
+            spec = f"paged-serve-{dtype}"
             a, b = median(spec, workload), median(none, workload)
             c = median(llama_ngram, workload) if llama_ngram and dtype == "float32" else None
             d = median(llama_plain, workload) if dtype == "float32" else None

@@ -112,6 +112,32 @@ def test_seeded_n3_equals_tp1(family):
     assert_pool_clean(tp2.engine.block_manager)
 
 
+def test_verified_drafts_equal_hf(family):
+    """Speculation on the driver, verification rows on both ranks: partly wrong drafts change
+    no token (the TP=2 engine's own prompt lookup rarely fires on random weights)."""
+    from tests.test_speculative import ScriptedDrafter
+
+    _, model, prompts, want, _, tp2 = family
+    speculator = tp2.engine.speculator
+    drafter, speculator.drafter = speculator.drafter, ScriptedDrafter(
+        {}, int(model.config.vocab_size)
+    )
+    try:
+        accepted = speculator.stats.num_accepted_tokens
+        for i, (prompt, tokens) in enumerate(zip(prompts[:4], want)):
+            speculator.drafter.answers = {f"d{i}": tokens}
+            tp2.engine.add_request(prompt, GREEDY, request_id=f"d{i}")
+            got = []
+            while tp2.engine.has_unfinished:
+                for out in tp2.engine.step():
+                    got += out.new_token_ids
+            assert got == tokens
+        assert speculator.stats.num_accepted_tokens > accepted
+    finally:
+        speculator.drafter = drafter
+    assert_pool_clean(tp2.engine.block_manager)
+
+
 # ------------------------------------------------------------------ configurations refused
 def test_size_zero_is_refused():
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1.*got 0"):

@@ -4,7 +4,8 @@ Two kinds of figures, kept the way each is cheapest to keep:
 
 * **Observations** (latency and size histograms, finished requests by reason) are
   prometheus_client metric objects, observed by the engine thread once per finished request,
-  and for the inter-token latency once per output token after a request's first (an observe is
+  and for the inter-token latency once per step that gave a request tokens after its first
+  (vLLM's: a speculative step's several tokens are one gap; an observe is
   a lock and a bucket search: 2.6 us timed with ``timeit`` on the 2-core CI box, against decode
   steps of tens of milliseconds there).
 * **Running totals** the engine thread bumps per token or per step (prompt and generated
@@ -18,11 +19,13 @@ session, above all) builds many engines, and each must report its own figures. T
 
 Names (all under ``paged_serve_``; the contract list is in DESIGN.md): the TTFT and TPOT
 histograms, and, with vLLM's meaning, ``inter_token_latency_seconds`` (each gap between two
-output tokens of a request), ``e2e_request_latency_seconds``, ``request_queue_time_seconds``
+steps that gave a request tokens), ``e2e_request_latency_seconds``, ``request_queue_time_seconds``
 (arrival to first admission into the running batch), ``request_prompt_tokens`` and
 ``request_generation_tokens`` (per finished request) and
-``request_success_total{finished_reason}``. ``engine.observe.vllm_names`` repeats them under
-vLLM's own names for the server's ``/metrics``.
+``request_success_total{finished_reason}``, and speculative decoding's
+``spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens`` and
+``_num_accepted_tokens_per_pos{position}`` counters. ``engine.observe.vllm_names`` repeats them
+under vLLM's own names for the server's ``/metrics``.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ class SpeculativeConfig:
     """
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 8
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None
