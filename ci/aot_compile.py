@@ -147,7 +147,7 @@ def _attention_source(cfg: Config):
     # the scalar sizes are left unspecialised.
     aligned = {"stride_qt", "stride_qh", "stride_ot", "stride_oh"}
     aligned |= {"stride_cache_block", "stride_cache_slot", "stride_cache_head"}
-    int_ptrs = {"block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr"}
+    int_ptrs = {"block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr", "tickets_ptr"}
     signature, attrs = {}, {}
     for i, arg in enumerate(_paged_attention_kernel.arg_names):
         if arg in constants:
@@ -184,7 +184,7 @@ def _mla_source(cfg: Config):
     constants = launch.constexprs()
     aligned = {"stride_qt", "stride_qh", "stride_ot", "stride_oh"}
     aligned |= {"stride_cache_block", "stride_cache_slot"}
-    int_ptrs = {"block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr"}
+    int_ptrs = {"block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr", "tickets_ptr"}
     signature, attrs = {}, {}
     for i, arg in enumerate(_mla_attention_kernel.arg_names):
         if arg in constants:

@@ -14,6 +14,10 @@ bandwidth, and the speed-up over
   contiguously (``[B, Hkv, ctx, D]``, ``enable_gqa=True``; CUDA graph), what a user without a
   paged kernel would run.
 
+With split-KV the step is also timed with the merge as a second launch (``fuse_merge=False``,
+the reduce kernel): ``two_launch_us`` and ``fused_merge_x``, what folding the merge into the
+attention kernel saves.
+
 Prefill (``test_prefill``): 4 sequences, each bringing a chunk of 512 or 2048 new tokens after
 2048 or 8192 cached ones (causal inside the chunk, full over the prefix). Reported: TFLOP/s
 (``4 * D * Hq`` per (query, attended key) pair, causal pairs only) and the speed-up over SDPA on
@@ -332,6 +336,17 @@ def test_decode(
     kernel = run_with_benchmark(benchmark, timer)
     timer.release()
     sdpa = measure(sdpa_calls, graph=True)
+    # With split-KV, the same step with the reduce kernel as a second launch (fuse_merge=False):
+    # what folding the merge into the attention kernel saves.
+    two_launch: Timing | None = None
+    if splits > 1:
+        two_launch = measure(
+            [
+                _paged_call(inputs, i, num_kv_splits=splits, workspace=workspace, fuse_merge=False)
+                for i in range(copies)
+            ],
+            graph=True,
+        )
     del k_dense, v_dense, sdpa_calls
 
     ref: Timing | None = None
@@ -357,6 +372,8 @@ def test_decode(
         "sdpa_us": sdpa.median_us,
         "vs_sdpa_x": sdpa.median_us / t,
         "splits": float(splits),
+        "two_launch_us": two_launch.median_us if two_launch else None,
+        "fused_merge_x": two_launch.median_us / t if two_launch else None,
     }
     targets = []
     if (batch, context, heads) == DECODE_TARGET:

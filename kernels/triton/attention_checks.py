@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.triton.runtime import check_device
+from kernels.triton.runtime import check_device, zeroed_tickets
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -150,6 +150,27 @@ def check_workspace(
             f"{workspace.dtype} on {workspace.device} with {workspace.numel()}"
         )
     return workspace
+
+
+def check_tickets(
+    tickets: torch.Tensor | None, *, count: int, device: torch.device
+) -> torch.Tensor:
+    """A fused split-KV merge's counters: ``tickets`` if it is contiguous int32 on ``device``
+    with >= ``count`` elements (the caller keeps them zero between launches, as the kernels
+    leave them), else, when None, ``count`` counters of the device's pool."""
+    if tickets is None:
+        return zeroed_tickets(device, count)
+    if (
+        tickets.dtype != torch.int32
+        or tickets.device != device
+        or not tickets.is_contiguous()
+        or tickets.numel() < count
+    ):
+        raise ValueError(
+            f"tickets must be contiguous int32 on {device} with >= {count} elements, got "
+            f"{tickets.dtype} on {tickets.device} with {tickets.numel()}"
+        )
+    return tickets
 
 
 def _check_q_and_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

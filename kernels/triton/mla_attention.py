@@ -13,7 +13,8 @@ Algorithm: FlashAttention-2's online softmax (fp32 running max, sum and accumula
 log2 units), as in ``kernels/triton/paged_attention.py``, whose helpers it shares: the same
 query-tile search over ``cu_seqlens_q`` (``_locate_q_tile``), the same causal key range and
 split runs (``_key_tiles``), online-softmax step (``_online_softmax_step``), row store
-(``_store_rows``) and split-KV merge (``merge_splits``).
+(``_store_rows``) and split-KV merge (``_merge_partials``, folded into the kernel by default;
+``merge_splits`` with ``fuse_merge=False``).
 
 * **Rows.** A program owns ``BLOCK_H`` query heads of ``TOKENS_PER_TILE`` tokens: row ``r`` is
   token ``r // BLOCK_H`` of the tile and head ``head_block * BLOCK_H + r % BLOCK_H``. Decode-only
@@ -24,13 +25,15 @@ split runs (``_key_tiles``), online-softmax step (``_online_softmax_step``), row
 * **Paging and masking** as in paged attention: positions ``>= seq_len`` are never loaded, so
   free (NaN) slots cannot reach the result; causal masking inside a chunk.
 * **Split-KV** (flash-decoding): ``num_kv_splits > 1`` cuts each key range into runs, one
-  program each, writing normalised partials and log-sum-exps to an fp32 workspace the reduce
-  kernel merges. ``num_kv_splits=None`` chooses with
+  program each, writing normalised partials and log-sum-exps to an fp32 workspace; in a
+  decode-only launch the last split program of each (sequence, head block) merges them (one
+  ticket each); with prefill chunks, or ``fuse_merge=False``, the reduce kernel does.
+  ``num_kv_splits=None`` chooses with
   :func:`kernels.triton.paged_attention.choose_num_kv_splits`, counting ``(sequence, head
   block)`` programs.
 
 Grids: main ``(num_q_tiles, cdiv(H, BLOCK_H), num_kv_splits)`` (``num_q_tiles`` as in paged
-attention); reduce ``(T, cdiv(H, 16))``.
+attention); reduce (prefill chunks or ``fuse_merge=False``) ``(T, cdiv(H, 16))``.
 
 Under ``TRITON_INTERPRET=1`` bf16 operands are cast to fp32 before the dots (the interpreter's
 bf16 ``tl.dot`` is wrong); fp32 dots use ``input_precision="ieee"`` on CUDA.
@@ -48,6 +51,7 @@ from kernels.triton.attention_checks import (
     SUPPORTED_DTYPES,
     check_step_bounds,
     check_step_metadata,
+    check_tickets,
     check_workspace,
 )
 from kernels.triton.paged_attention import (
@@ -72,6 +76,7 @@ def _mla_attention_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    tickets_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     cu_seqlens_q_ptr,
@@ -97,6 +102,7 @@ def _mla_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     DECODE_ONLY: tl.constexpr,
     SPLIT: tl.constexpr,
+    MERGE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -167,7 +173,8 @@ def _mla_attention_kernel(
 
     _store_rows(
         acc, m_i, l_i, row_valid, c_mask, offs_c, token, head, split, num_heads, num_kv_splits,
-        out_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh, LATENT, SPLIT,
+        out_ptr, part_out_ptr, part_lse_ptr, tickets_ptr, part_lse_ptr, stride_ot, stride_oh,
+        LATENT, SPLIT, MERGE, False,
     )  # fmt: skip
 
 
@@ -204,10 +211,21 @@ class MlaLaunch:
     num_warps: int
     dot_fp32: bool
     dot_precision: str
+    fuse_merge: bool = True
 
     @property
     def split(self) -> bool:
         return self.num_kv_splits > 1
+
+    @property
+    def merge_in_kernel(self) -> bool:
+        """Whether the kernel merges its own splits (as paged attention's ``fuse_merge``)."""
+        return self.split and self.fuse_merge and self.decode_only
+
+    @property
+    def num_tickets(self) -> int:
+        """int32 counters a fused merge takes: one per (query tile, head block) program."""
+        return self.grid[0] * self.head_blocks
 
     @property
     def head_blocks(self) -> int:
@@ -236,6 +254,7 @@ class MlaLaunch:
             BLOCK_SIZE=shapes.block_size,
             DECODE_ONLY=self.decode_only,
             SPLIT=self.split,
+            MERGE=self.merge_in_kernel,
             DOT_FP32=self.dot_fp32,
             DOT_PRECISION=self.dot_precision,
         )
@@ -249,9 +268,11 @@ def mla_launch(
     max_seqlen_k: int,
     num_kv_splits: int | None,
     num_sms: int,
+    fuse_merge: bool = True,
 ) -> MlaLaunch:
     """The launch settings of one call (``num_kv_splits=None``: chosen as paged attention
-    chooses, one program per (sequence, head block))."""
+    chooses, one program per (sequence, head block); ``fuse_merge``: the kernel merges its
+    splits, as paged attention's)."""
     decode_only = max_seqlen_q == 1
     wide = shapes.kv_lora_rank > 256
     block_h = min(16, triton.next_power_of_2(shapes.num_heads))
@@ -280,6 +301,7 @@ def mla_launch(
         num_warps=8 if wide else 4,
         dot_fp32=dot_fp32,
         dot_precision="ieee" if dtype == torch.float32 or dot_fp32 else "tf32",
+        fuse_merge=fuse_merge,
     )
 
 
@@ -356,6 +378,8 @@ def mla_attention(
     max_seqlen_k: int,
     num_kv_splits: int | None = None,
     workspace: torch.Tensor | None = None,
+    fuse_merge: bool = True,
+    tickets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed-query attention over the paged latent cache; see ``mla_attention_ref``.
 
@@ -364,6 +388,8 @@ def mla_attention(
     in ``paged_attention``. ``scale``: the model's softmax scale. Returns ``[T, H, R]`` latent
     outputs in q's dtype (the caller applies ``W_UV``). ``workspace``: optional contiguous
     fp32 scratch of at least :func:`mla_workspace_numel` elements for split-KV.
+    ``fuse_merge`` / ``tickets``: as in ``paged_attention`` (one counter per (query tile, head
+    block): ``MlaLaunch.num_tickets``).
     """
     shapes = check_mla_inputs(
         q,
@@ -388,6 +414,7 @@ def mla_attention(
         max_seqlen_k=max_seqlen_k,
         num_kv_splits=num_kv_splits,
         num_sms=multiprocessor_count(q.device),
+        fuse_merge=fuse_merge,
     )
     if launch.split:
         numel = mla_workspace_numel(
@@ -401,12 +428,18 @@ def mla_attention(
         part_out, part_lse = workspace[: numel - num_lse], workspace[numel - num_lse : numel]
     else:
         part_out = part_lse = out  # unused (SPLIT=False)
+    tickets = (
+        check_tickets(tickets, count=launch.num_tickets, device=q.device)
+        if launch.merge_in_kernel
+        else seq_lens  # unused (MERGE=False)
+    )
     _mla_attention_kernel[launch.grid](
         q,
         latent_cache,
         out,
         part_out,
         part_lse,
+        tickets,
         block_tables,
         seq_lens,
         cu_seqlens_q,
@@ -424,6 +457,6 @@ def mla_attention(
         **launch.constexprs(),
         num_warps=launch.num_warps,
     )
-    if launch.split:
+    if launch.split and not launch.merge_in_kernel:
         merge_splits(part_out, part_lse, out, num_kv_splits=launch.num_kv_splits)
     return out

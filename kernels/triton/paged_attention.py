@@ -27,12 +27,18 @@ Split-KV (flash-decoding)
 -------------------------
 With ``num_kv_splits > 1`` the key range of each tile is cut into ``num_kv_splits`` contiguous
 runs of key tiles, one program each. Each writes its normalised partial output and its
-log-sum-exp (log2 units) to an fp32 workspace, and ``_paged_attention_reduce_kernel`` merges the
-partials: ``out = sum_j 2^(lse_j - max lse) * out_j / sum_j 2^(lse_j - max lse)``. Empty runs
-write ``lse = -inf`` and drop out of the merge. ``num_kv_splits=None`` picks a value with
-:func:`choose_num_kv_splits`, a fixed function of the shapes and the multiprocessor count (no
-autotuning): only decode-only batches (``max_seqlen_q == 1``) with too few (sequence, KV head)
-programs to fill the GPU split, as many times as FlashAttention's wave-efficiency rule says.
+log-sum-exp (log2 units) to an fp32 workspace, and the partials are merged (``_merge_partials``):
+``out = sum_j 2^(lse_j - max lse) * out_j / sum_j 2^(lse_j - max lse)``. Empty runs write
+``lse = -inf`` and drop out of the merge. With ``fuse_merge`` (the default) a decode-only
+launch folds the merge into itself: each split program counts itself on its (sequence, KV
+head)'s int32 ticket (``acq_rel`` atomic after a barrier), and the last one merges in split
+order -- bit for bit ``_paged_attention_reduce_kernel``'s result, whichever program is last --
+and zeroes the ticket again, so CUDA graphs replay with the same counters.
+
+``num_kv_splits=None`` picks a value with :func:`choose_num_kv_splits`, a fixed function of
+the shapes and the multiprocessor count (no autotuning): only decode-only batches
+(``max_seqlen_q == 1``) with too few (sequence, KV head) programs to fill the GPU split, as
+many times as FlashAttention's wave-efficiency rule says.
 
 Grids
 -----
@@ -41,7 +47,8 @@ Grids
   ``cu_seqlens_q[s] // TOKENS_PER_TILE + s`` (enough for ``ceil(q_len / TOKENS_PER_TILE)``
   tiles), ``num_q_tiles = num_tokens // TOKENS_PER_TILE + num_seqs``, and a program finds its
   sequence by binary search over ``cu_seqlens_q`` -- no host sync, surplus programs exit.
-* reduce (split-KV only): ``(num_tokens, cdiv(num_q_heads, BLOCK_H))``, ``BLOCK_H`` <= 16 heads.
+* reduce (split-KV with prefill chunks or ``fuse_merge=False``): ``(num_tokens, cdiv(num_q_heads,
+  BLOCK_H))``, ``BLOCK_H`` <= 16 heads.
 
 Tiles: ``BLOCK_M`` = 16 rows for decode-only batches, else 64 (32 for head dims > 128), raised
 to the group size if larger; ``TILE_N`` = 64 keys (32 for head dims > 128).
@@ -56,7 +63,8 @@ The kernel is built from ``@triton.jit`` helpers, which Triton inlines (the same
 long body): ``_locate_q_tile`` (the binary search), ``_key_tiles`` (the split's run of key
 tiles), ``_load_kv_tile`` (one gathered K/V tile), ``_attend_key_tile`` (the masked scores of
 a tile, then ``_online_softmax_step``) and ``_store_rows`` (the normalised rows, or a split's
-partials); ``merge_splits`` launches the reduce. The launcher checks its inputs with
+partials and, with the fused merge, the last split's ``_merge_partials``); ``merge_splits``
+launches the reduce. The launcher checks its inputs with
 ``kernels/triton/attention_checks.py``, which returns the sizes as an ``AttentionShapes``
 record, and takes every launch setting -- grids, compile-time arguments, warps -- from the
 frozen ``AttentionLaunch`` that :func:`attention_launch` builds (``ci/aot_compile.py`` compiles
@@ -77,6 +85,7 @@ from kernels.triton.attention_checks import (
     check_attention_inputs,
     check_out,
     check_sinks,
+    check_tickets,
     check_workspace,
 )
 from kernels.triton.runtime import REFERENCE_SMS, interpreting, multiprocessor_count
@@ -250,27 +259,88 @@ def _store_rows(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    tickets_ptr,
+    sinks_ptr,
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
     SPLIT: tl.constexpr,
+    MERGE: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     """Normalise the rows and store them: to ``out`` ``[T, H, HEAD_DIM]``, or with split-KV the
-    partial output and its log-sum-exp to the workspace."""
+    partial output and its log-sum-exp to the workspace. With ``MERGE`` the split programs of
+    one (query tile, head block) count themselves on its ticket, and the last to finish merges
+    every partial into ``out`` (``_merge_partials``, splits in index order whichever program it
+    is) and sets the ticket back to 0: no reduce launch."""
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     out_mask = row_valid[:, None] & d_mask[None, :]
+    out_rows = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     if SPLIT:
-        part_row = (token * num_heads + head) * num_kv_splits + split
+        part_base = (token * num_heads + head) * num_kv_splits
+        part_row = part_base + split
         tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=out_mask)
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
+        if MERGE:
+            ticket = tickets_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            tl.debug_barrier()  # every thread's partial stores precede the release below
+            done = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
+            if done == num_kv_splits - 1:  # the other splits' partials are visible (acquire)
+                sink = tl.zeros(row_valid.shape, dtype=tl.float32)
+                if USE_SINKS:
+                    sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634
+                merged = _merge_partials(
+                    part_out_ptr, part_lse_ptr, part_base, row_valid, sink, offs_d, d_mask,
+                    num_kv_splits, HEAD_DIM, USE_SINKS,
+                )  # fmt: skip
+                tl.store(out_rows, merged.to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")  # zero for the next launch
     else:
-        tl.store(
-            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=out_mask,
+        tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _merge_partials(
+    part_out_ptr,
+    part_lse_ptr,
+    part_base,
+    row_mask,
+    sink,
+    offs_d,
+    d_mask,
+    num_kv_splits,
+    HEAD_DIM: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+):
+    """The merged output ``[rows, HEAD_DIM_PAD]`` (fp32) of rows whose splits' partials start
+    at ``part_base`` (``[rows]``, in units of one partial): each normalised partial weighted by
+    ``2^(lse_j - max_j lse)``, summed over ``j = 0 .. num_kv_splits - 1`` in that order, over
+    the sum of the weights; with ``USE_SINKS`` the row's sink logit ``sink`` (log2 units) is
+    one more denominator term with no output. Empty splits (``lse = -inf``) weigh 0."""
+    lse_max = tl.full(row_mask.shape, float("-inf"), dtype=tl.float32)
+    for j in range(num_kv_splits):
+        lse = tl.load(part_lse_ptr + part_base + j, mask=row_mask, other=float("-inf"))
+        lse_max = tl.maximum(lse_max, lse)
+    if USE_SINKS:
+        lse_max = tl.maximum(lse_max, sink)
+    lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w_sum = tl.zeros(row_mask.shape, dtype=tl.float32)
+    if USE_SINKS:
+        w_sum += tl.exp2(sink - lse_ref)
+    acc = tl.zeros([row_mask.shape[0], offs_d.shape[0]], dtype=tl.float32)
+    for j in range(num_kv_splits):
+        lse = tl.load(part_lse_ptr + part_base + j, mask=row_mask, other=float("-inf"))
+        w = tl.exp2(lse - lse_ref)
+        part = tl.load(
+            part_out_ptr + (part_base + j)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=row_mask[:, None] & d_mask[None, :],
+            other=0.0,
         )
+        w_sum += w
+        acc += w[:, None] * part
+    return acc / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
 
 
 @triton.jit
@@ -281,6 +351,7 @@ def _paged_attention_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    tickets_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     cu_seqlens_q_ptr,
@@ -312,6 +383,7 @@ def _paged_attention_kernel(
     USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
     SPLIT: tl.constexpr,
+    MERGE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -365,7 +437,7 @@ def _paged_attention_kernel(
             q, k, v, offs_n, n_valid, q_pos, sliding_window, scale_log2, softcap_in, softcap_out,
             m_i, l_i, acc, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION,
         )  # fmt: skip
-    if USE_SINKS and not SPLIT:  # (split-KV: the reduce adds the sink once)
+    if USE_SINKS and not SPLIT:  # (split-KV: the merge adds the sink once)
         # the head's sink logit joins the denominator like a key whose value is zero
         sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634
         m_new = tl.maximum(m_i, sink)
@@ -377,7 +449,8 @@ def _paged_attention_kernel(
     # -- normalise; with split-KV, the partial output and its log-sum-exp go to the workspace
     _store_rows(
         acc, m_i, l_i, row_valid, d_mask, offs_d, token, head, split, num_q_heads,
-        num_kv_splits, out_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh, HEAD_DIM, SPLIT,
+        num_kv_splits, out_ptr, part_out_ptr, part_lse_ptr, tickets_ptr, sinks_ptr, stride_ot,
+        stride_oh, HEAD_DIM, SPLIT, MERGE, USE_SINKS,
     )  # fmt: skip
 
 
@@ -394,43 +467,20 @@ def _paged_attention_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
     USE_SINKS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     h_mask = offs_h < num_q_heads
     d_mask = offs_d < HEAD_DIM
-    part_base = (token * num_q_heads + offs_h) * num_kv_splits  # [BLOCK_H]
-
-    # Merge by log-sum-exp: weight each split's normalised output by 2^(lse_j - max_j lse).
-    lse_all = tl.load(
-        part_lse_ptr + part_base[:, None] + offs_s[None, :],
-        mask=h_mask[:, None] & (offs_s < num_kv_splits)[None, :],
-        other=float("-inf"),
-    )
-    lse_max = tl.max(lse_all, 1)
-    if USE_SINKS:  # the sink: one more term of the denominator, with no output
-        sink = tl.load(sinks_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
-        lse_max = tl.maximum(lse_max, sink)
-    lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    sink = tl.zeros([BLOCK_H], dtype=tl.float32)
     if USE_SINKS:
-        w_sum += tl.exp2(sink - lse_ref)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM_PAD], dtype=tl.float32)
-    for j in range(num_kv_splits):
-        lse = tl.load(part_lse_ptr + part_base + j, mask=h_mask, other=float("-inf"))
-        w = tl.exp2(lse - lse_ref)  # an empty split has lse = -inf: weight 0
-        part = tl.load(
-            part_out_ptr + (part_base + j)[:, None] * HEAD_DIM + offs_d[None, :],
-            mask=h_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )
-        w_sum += w
-        acc += w[:, None] * part
-    o = acc / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
+        sink = tl.load(sinks_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
+    o = _merge_partials(
+        part_out_ptr, part_lse_ptr, (token * num_q_heads + offs_h) * num_kv_splits, h_mask,
+        sink, offs_d, d_mask, num_kv_splits, HEAD_DIM, USE_SINKS,
+    )  # fmt: skip
     tl.store(
         out_ptr + token * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
         o.to(out_ptr.dtype.element_ty),
@@ -490,7 +540,11 @@ class AttentionLaunch:
 
     ``dot_fp32``: cast bf16 operands to fp32 before the dots (only under the interpreter, whose
     bf16 ``tl.dot`` is wrong); ``dot_precision``: ``ieee`` whenever the dots see fp32 operands
-    (TF32 would cost ~1e-3), else ``tf32``, which fp16/bf16 dots ignore.
+    (TF32 would cost ~1e-3), else ``tf32``, which fp16/bf16 dots ignore. ``fuse_merge``: with
+    split-KV in a decode-only launch, the last split program of each (sequence, KV head) merges
+    the partials (one launch, ``num_tickets`` counters) instead of the reduce kernel. Launches
+    with prefill chunks, where splits are never chosen automatically, keep the reduce: folded
+    in, the merge made the head-dim-256 prefill builds spill on sm_90 (``ci/aot_compile.py``).
     """
 
     shapes: AttentionShapes
@@ -502,10 +556,22 @@ class AttentionLaunch:
     dot_precision: str
     use_softcap: bool = False
     use_sinks: bool = False
+    fuse_merge: bool = True
 
     @property
     def split(self) -> bool:
         return self.num_kv_splits > 1
+
+    @property
+    def merge_in_kernel(self) -> bool:
+        """Whether the attention kernel merges its own splits (no reduce launch)."""
+        return self.split and self.fuse_merge and self.decode_only
+
+    @property
+    def num_tickets(self) -> int:
+        """int32 counters a fused merge takes: one per (query tile, KV head) program."""
+        num_q_tiles, num_kv_heads, _ = self.grid
+        return num_q_tiles * num_kv_heads
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -532,6 +598,7 @@ class AttentionLaunch:
             USE_SOFTCAP=self.use_softcap,
             USE_SINKS=self.use_sinks,
             SPLIT=self.split,
+            MERGE=self.merge_in_kernel,
             DOT_FP32=self.dot_fp32,
             DOT_PRECISION=self.dot_precision,
         )
@@ -553,9 +620,10 @@ def attention_launch(
     softcap: float | None = None,
     sinks: bool = False,
     num_sms: int = REFERENCE_SMS,
+    fuse_merge: bool = True,
 ) -> AttentionLaunch:
     """The launch settings of one call (``num_kv_splits=None``: :func:`choose_num_kv_splits`
-    for a GPU of ``num_sms`` multiprocessors).
+    for a GPU of ``num_sms`` multiprocessors; ``fuse_merge``: as ``AttentionLaunch``).
 
     A fixed function of the shapes, dtype and arguments, never of tensor contents.
     """
@@ -583,6 +651,7 @@ def attention_launch(
         dot_precision="ieee" if dtype == torch.float32 or dot_fp32 else "tf32",
         use_softcap=softcap is not None,
         use_sinks=sinks,
+        fuse_merge=fuse_merge,
     )
 
 
@@ -649,6 +718,8 @@ def paged_attention(
     num_kv_splits: int | None = None,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    fuse_merge: bool = True,
+    tickets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ragged query chunks over the paged KV cache; see ``paged_attention_ref``.
 
@@ -661,6 +732,12 @@ def paged_attention(
     ``num_kv_splits``: split-KV factor, None = :func:`choose_num_kv_splits`. ``out``: optional
     ``[T, Hq, D]`` output in q's dtype. ``workspace``: optional contiguous fp32 scratch of at
     least :func:`workspace_numel` elements for split-KV (allocated here when omitted).
+    ``fuse_merge``: in a decode-only step, split-KV partials merged by the attention kernel's
+    last split program per (sequence, KV head) (one launch; the result is bit for bit the
+    reduce kernel's); steps with prefill chunks always use the reduce kernel.
+    ``tickets``: its counters, contiguous int32 zeros on q's device, at least
+    ``AttentionLaunch.num_tickets`` (the number of sequences times KV heads for decode); the
+    launch leaves them zero. Omitted: a per-device pool (``runtime.zeroed_tickets``).
     Returns ``[T, Hq, D]`` in ``q.dtype``. Invalid arguments raise ``ValueError``
     (``kernels/triton/attention_checks.py``).
     """
@@ -693,11 +770,17 @@ def paged_attention(
         softcap=softcap,
         sinks=sinks is not None,
         num_sms=multiprocessor_count(q.device),
+        fuse_merge=fuse_merge,
     )
     if launch.split:
         part_out, part_lse = _partials(workspace, shapes, launch.num_kv_splits, q.device)
     else:
         part_out = part_lse = out  # unused (SPLIT=False)
+    tickets = (
+        check_tickets(tickets, count=launch.num_tickets, device=q.device)
+        if launch.merge_in_kernel
+        else seq_lens  # unused (MERGE=False)
+    )
 
     _paged_attention_kernel[launch.grid](
         q,
@@ -706,6 +789,7 @@ def paged_attention(
         out,
         part_out,
         part_lse,
+        tickets,
         block_tables,
         seq_lens,
         cu_seqlens_q,
@@ -728,7 +812,7 @@ def paged_attention(
         **launch.constexprs(),
         **launch.options(),
     )
-    if launch.split:
+    if launch.split and not launch.merge_in_kernel:
         merge_splits(part_out, part_lse, out, num_kv_splits=launch.num_kv_splits, sinks=sinks)
     return out
 
@@ -758,7 +842,6 @@ def merge_splits(
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_H=block_h,
-        SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
         USE_SINKS=sinks is not None,
     )
 

@@ -45,3 +45,27 @@ def multiprocessor_count(device: torch.device) -> int:
     if device.type == "cuda":
         return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
     return REFERENCE_SMS
+
+
+# Fused split-KV merges count finished splits on int32 tickets that each launch leaves at zero.
+# One pool per device, grown by replacement; replaced pools stay referenced, because CUDA
+# graphs captured with them keep their addresses.
+_MIN_TICKETS = 4096
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+_RETIRED_TICKETS: list[torch.Tensor] = []
+
+
+def zeroed_tickets(device: torch.device, count: int) -> torch.Tensor:
+    """``count`` int32 counters on ``device``, all zero: the start of the device's pool.
+
+    The kernels that take them set each one back to zero before they finish, so the pool is
+    zero between launches. Launches on one device share it: they must be ordered (one stream,
+    as the engine runs), never concurrent.
+    """
+    pool = _TICKETS.get(device)
+    if pool is None or pool.numel() < count:
+        if pool is not None:
+            _RETIRED_TICKETS.append(pool)
+        size = max(_MIN_TICKETS, 1 << max(0, count - 1).bit_length())
+        pool = _TICKETS[device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return pool[:count]
