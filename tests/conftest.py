@@ -40,9 +40,22 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model.fused_projections import fuse_projections  # noqa: E402
 from engine.model.loader import LoadedModel  # noqa: E402
+from engine.model.packed_weights import packable  # noqa: E402
 from engine.sched.block_manager import BlockManager  # noqa: E402
 
 TINY_VOCAB = 512
+# The dtypes whose CPU projections ``speed_up_cpu_linears`` swaps: bf16 only where this CPU's
+# oneDNN packs bf16 (not on an AVX2-only CPU, where they stay nn.Linear).
+SWAPPED_DTYPES = [
+    torch.float32,
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(
+            not packable(torch.bfloat16), reason="this CPU's oneDNN has no bf16 path"
+        ),
+    ),
+]
+
 TINY_FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),

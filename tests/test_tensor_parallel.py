@@ -25,7 +25,14 @@ from engine.parallel.step_message import STEP, StepMessage, pack_step, unpack_st
 from engine.parallel.workers import TensorParallelError, TensorParallelWorkers
 from engine.platform.cpu.linears import speed_up_cpu_linears
 from engine.runner.step_inputs import StepInputs
-from tests.conftest import TINY_FAMILIES, assert_pool_clean, hf_greedy, loaded, random_prompts
+from tests.conftest import (
+    SWAPPED_DTYPES,
+    TINY_FAMILIES,
+    assert_pool_clean,
+    hf_greedy,
+    loaded,
+    random_prompts,
+)
 from tests.conftest import tiny_model as build_tiny_model
 
 LENGTHS = [1, 5, 15, 16, 17, 31, 40, 63, 100]
@@ -222,7 +229,7 @@ def test_step_message_round_trip():
         unpack_step(pack_step(message)[:-1])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", SWAPPED_DTYPES)
 def test_a_model_prepared_for_one_cpu_shards_its_original_projections(
     dtype: torch.dtype, two_threads: None
 ) -> None:

@@ -45,7 +45,7 @@ from torch import nn
 from engine.model.experts_swap import swap_experts
 from engine.model.fused_projections import linear_from
 from engine.model.linear_swap import swap_linears
-from engine.model.packed_weights import PackedWeights, pack
+from engine.model.packed_weights import PackedWeights, pack, packed_linear
 from engine.platform.platform import platform_for
 
 GROUP_SIZE = 32  # inputs per scale and offset, as llama.cpp's Q4_1
@@ -117,7 +117,7 @@ class Int4Linear(PackedWeights, nn.Module):
                 rows, self._packed, GROUP_SIZE, self._scale_offset
             )
         else:
-            y = torch.ops.mkldnn._linear_pointwise(rows, self._dense, None, "none", [], "")
+            y = packed_linear(rows, self._dense)
         y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 

@@ -47,7 +47,8 @@ bit to 32 rows (tests). Past them oneDNN may run the unpacked product through an
 (AMX tiles on an Intel box with ``amx_bf16``) that sums in another order, so outputs can differ
 by one bf16 rounding, each within the rounding bound of the exact product (tests). The packed
 copy replaces the weight (a tied LM head's packed copy sits beside the embedding, which the
-lookup still reads).
+lookup still reads). Where oneDNN has no bf16 path (an AVX2-only CPU: ``packable``,
+engine/model/packed_weights.py) bf16 projections stay ``nn.Linear``.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from torch import nn
 
 from engine.model.fused_projections import linear_from
 from engine.model.linear_swap import swap_linears
-from engine.model.packed_weights import PackedWeights, pack
+from engine.model.packed_weights import PackedWeights, pack, packable, packed_linear
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ class PackedLinear(PackedWeights, nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return packed_linear(x, self.packed, self.bias)
 
 
 @torch.inference_mode()
@@ -222,7 +223,7 @@ def _swap_for(linear: nn.Linear, blocks: int) -> nn.Module | None:
         return None
     if linear.weight.dtype == torch.float32 and linear.weight.is_contiguous():
         return Fp32Linear(linear, blocks)
-    if linear.weight.dtype == torch.bfloat16:
+    if linear.weight.dtype == torch.bfloat16 and packable(torch.bfloat16):
         return PackedLinear(linear)
     return None
 
