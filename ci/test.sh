@@ -14,12 +14,14 @@ set -e
 if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then exit "$rc"; fi
 # The kernel tests once more with the interpreter reducing and scanning in a GPU's tree order
 # instead of sequentially (tests/kernels/gpu_order.py): logic that needs exact float sums fails.
-# (The sm_90 compile check does not interpret anything: once is enough.)
-PAGED_SERVE_INTERPRETER_ORDER=tree .venv/bin/python -m pytest -q -p no:cacheprovider tests/kernels \
+# (The sm_90 compile check does not interpret anything: once is enough.) Two workers, as below.
+PAGED_SERVE_INTERPRETER_ORDER=tree .venv/bin/python -m pytest -q -p no:cacheprovider \
+  -n "${PAGED_SERVE_TEST_WORKERS:-2}" --dist loadfile tests/kernels \
   --ignore tests/kernels/test_aot_compile.py
 # The test suite runs last, so its summary is the run's closing line. Two pytest-xdist workers
 # (one per core of the CI box; each file's tests stay on one worker, so module fixtures such as
 # a subprocess server start once): the suite took 495 s so on the 2-core box, 934 s in one
 # process (that run with other work beside it).
+# The 30 slowest tests are listed before the summary, to see what the run's time goes to.
 .venv/bin/python -m pytest -q -p no:cacheprovider -n "${PAGED_SERVE_TEST_WORKERS:-2}" \
-  --dist loadfile tests "$@"
+  --dist loadfile --durations=30 tests "$@"
