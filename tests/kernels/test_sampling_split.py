@@ -78,7 +78,7 @@ def test_tokens_equal_the_one_program_kernel_and_the_reference(device):
 def test_a_row_alone_equals_the_row_in_a_batch(device):
     logits, params = _batch(device)
     batched = sample(logits, **params, slice_len=SLICE)
-    for row in (0, 3):
+    for row in (3,):  # a row inside the batch, not its first
         alone = sample(logits[row : row + 1], **{k: v[row : row + 1] for k, v in params.items()},
                        slice_len=SLICE)  # fmt: skip
         assert alone[0].item() == batched[0][row].item()
