@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from engine.model.experts_swap import experts_modules, swap_experts
-from engine.model.packed_weights import pack
+from engine.model.packed_weights import pack, packable
 
 PACKED_ROWS = {torch.float32: 8}  # the row count each dtype's layout is packed for
 
@@ -72,7 +72,7 @@ def _packed_for(weight: torch.Tensor | nn.Module) -> PackedExperts | None:
     quantized one, another dtype or device)."""
     if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu":
         return None
-    if weight.dtype not in PACKED_ROWS or not torch.backends.mkldnn.is_available():
+    if weight.dtype not in PACKED_ROWS or not packable(weight.dtype):
         return None
     return PackedExperts(weight)
 
