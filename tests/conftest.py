@@ -13,6 +13,10 @@ import torch
 # is first imported anywhere in the test session.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.interpreter_calls import skip_repatching_inside_a_launch
+
+    skip_repatching_inside_a_launch()  # the interpreter's calls of jit helpers, 2x faster
 
 # Under pytest-xdist (ci/test.sh runs two workers on the two cores) each worker's torch takes one
 # thread: most tests are Python-bound, and two workers of two threads each would oversubscribe

@@ -51,7 +51,14 @@ for _name in (
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``@pytest.mark.cuda`` kernel tests (the large grids) when there is no GPU."""
+    """Skip ``@pytest.mark.cuda`` kernel tests (the large grids) when there is no GPU. In a
+    session run in the tree order, deselect the tests that take ``interpreter_order``: they
+    choose their order themselves and ran in both in the default session."""
+    if SESSION_ORDER == "tree":
+        chosen = [i for i in items if "interpreter_order" in getattr(i, "fixturenames", ())]
+        if chosen:
+            config.hook.pytest_deselected(items=chosen)
+            items[:] = [i for i in items if i not in chosen]
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

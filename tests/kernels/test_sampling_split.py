@@ -13,6 +13,8 @@ interpreter slow, so the tests do not also loop over both orders themselves).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -50,14 +52,21 @@ def _batch(device, vocab: int = VOCAB):
     return logits.to(device), params
 
 
+@functools.cache
+def _split_batch(device):
+    """The batch sampled with slices of ``SLICE`` (two tests read it; interpreted, it is the
+    file's slowest call). Called inside a test, so in the session's reduction order."""
+    logits, params = _batch(device)
+    return logits, params, sample(logits, **params, slice_len=SLICE)
+
+
 def test_it_splits_the_row_as_configured():
     assert split_slices(VOCAB, SLICE) == 4 and split_slices(151936) == 38
 
 
 def test_tokens_equal_the_one_program_kernel_and_the_reference(device):
-    logits, params = _batch(device)
+    logits, params, split = _split_batch(device)
     whole = sample(logits, **params)
-    split = sample(logits, **params, slice_len=SLICE)
     assert torch.equal(split[0], whole[0])
     assert split[0][5:].tolist() == [-1, -1, -1]  # NaN, +inf, nothing finite
     ok = torch.isfinite(whole[1])
@@ -76,8 +85,7 @@ def test_tokens_equal_the_one_program_kernel_and_the_reference(device):
 
 
 def test_a_row_alone_equals_the_row_in_a_batch(device):
-    logits, params = _batch(device)
-    batched = sample(logits, **params, slice_len=SLICE)
+    logits, params, batched = _split_batch(device)
     for row in (3,):  # a row inside the batch, not its first
         alone = sample(logits[row : row + 1], **{k: v[row : row + 1] for k, v in params.items()},
                        slice_len=SLICE)  # fmt: skip
