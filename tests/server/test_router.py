@@ -7,7 +7,8 @@ about four of the seven prefixes, so a replica that sees every group (round robi
 of groups makes each group alternate replicas by round) keeps evicting them, while one that
 sees about half of them (cache-aware: a prompt goes where its prefix went) keeps its share. The
 fleet's prefix-cache hit rate (hit tokens over queried tokens, summed over both replicas'
-``vllm:prefix_cache_*`` counters) must be at least 1.5x round robin's on the same traffic.
+``vllm:prefix_cache_*`` counters) must be at least 1.5x round robin's on the same traffic, and
+at least ``MIN_AWARE_HIT_RATE``.
 Between the two policies the router's own ``POST /flush_cache`` empties both replicas' caches
 (our ``/flush_cache``), and a fresh router starts with an empty routing tree. The fleet is keyed
 as one across machines would be: the replicas and the router share ``--api-key``, clients send
@@ -33,8 +34,9 @@ from tests.server.processes import READY, START_DEADLINE_S, ServerProcess
 pytest.importorskip("sglang_router", reason="sglang-router is a test extra (x86_64 Linux)")
 
 GROUPS = 7
-ROUNDS = 4
-KV_CACHE_BYTES = 16 << 20  # 45 blocks of 16 tokens in bf16: about four prefixes
+ROUNDS = 3
+KV_CACHE_BYTES = 32 << 20  # 45 blocks of 16 tokens in fp32 (--dtype below): about four prefixes
+MIN_AWARE_HIT_RATE = 0.3  # of 3 rounds, 2 can hit a prefix of ~144 of ~160 tokens: ~0.6
 ROUTER_DEADLINE_S = 30.0
 STAGGER_S = 0.03  # between a round's sends: they reach the router in group order
 KEY = "sk-fleet"
@@ -133,7 +135,7 @@ def send_traffic(router: Router, model: str) -> None:
 @pytest.fixture(scope="module")
 def replicas() -> Iterator[list[str]]:
     args = ["--port", "0", "--kv-cache-memory", str(KV_CACHE_BYTES), "--max-model-len", "512"]
-    args += ["--api-key", KEY]
+    args += ["--api-key", KEY, "--dtype", "float32"]  # the same block count on every CPU
     servers = [ServerProcess(args) for _ in range(2)]
     try:
         yield [s.wait_for(READY, START_DEADLINE_S)["url"] for s in servers]
@@ -196,6 +198,6 @@ def test_cache_aware_routing_beats_round_robin_on_shared_prefixes(replicas: list
         f"cache_aware {[int(r) for _, _, r in cache_aware.values()]}, "
         f"round_robin {[int(r) for _, _, r in round_robin.values()]}"
     )
-    assert aware >= 1.5 * robin
+    assert aware >= MIN_AWARE_HIT_RATE and aware >= 1.5 * robin
     for url in replicas:
         assert_replica_clean(url)
