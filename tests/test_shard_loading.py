@@ -147,3 +147,22 @@ def test_a_tp2_engine_on_a_folder_loads_shards_and_equals_hf(checkpoint: str, tm
         assert_pool_clean(llm.engine.block_manager)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_each_tensor_goes_to_the_rank_device_as_it_is_read(family: str, tmp_path: Path):
+    """With a device, every parameter and every buffer the checkpoint stores (DeepSeek's
+    router bias) is put there as it is read, tied ones once: on a GPU the host never holds the
+    shard. The meta device stands in for a GPU here; the shapes are the CPU shard's."""
+    _model(family).save_pretrained(tmp_path, max_shard_size="40KB")
+    meta = torch.device("meta")
+    got = load_shard(str(tmp_path), rank=1, world_size=2, dtype=torch.float32, device=meta)
+    want = load_shard(str(tmp_path), rank=1, world_size=2, dtype=torch.float32)
+    stored = set(checkpoint_files(tmp_path))
+    have = dict(got.named_parameters()) | dict(got.named_buffers())
+    for name, tensor in dict(want.named_parameters()).items():
+        assert have[name].is_meta and have[name].shape == tensor.shape, name
+    buffers = [name for name, _ in want.named_buffers() if name in stored]
+    assert buffers or family == "llama"
+    for name in buffers:
+        assert have[name].is_meta, name

