@@ -25,8 +25,8 @@ PAGED_SERVE_INTERPRETER_ORDER=tree .venv/bin/python -m pytest -q -p no:cacheprov
   --ignore tests/kernels/test_interface.py --ignore tests/kernels/test_sampling_distribution.py
 # The test suite runs last, so its summary is the run's closing line. Two pytest-xdist workers
 # (one per core of the CI box; each file's tests stay on one worker, so module fixtures such as
-# a subprocess server start once): 1312 s so on the 2-core AVX2 box in a fresh-clone .ci/run at
-# 2c5cbd5's parent; three workers took as long (1305 s: the two cores were 98 % busy).
+# a subprocess server start once): 1312 s so on the 2-core AVX2 box (a fresh-clone .ci/run at
+# be377b5); three workers took as long (1305 s at 2c5cbd5: the two cores were 98 % busy).
 # The 30 slowest tests are listed before the summary, to see what the run's time goes to.
 .venv/bin/python -m pytest -q -p no:cacheprovider -n "${PAGED_SERVE_TEST_WORKERS:-2}" \
   --dist loadfile --durations=30 tests "$@"
