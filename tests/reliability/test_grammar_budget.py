@@ -65,14 +65,29 @@ class Counting:
         setattr(target, name, counted)
 
 
+def compile_queue(
+    tokenizer, cpu_s: float, memory_bytes: int = 1 << 30, max_pending: int = 2
+) -> GrammarCompiles:
+    """A queue of ``max_pending`` compiles whose probe may spend ``cpu_s`` CPU-seconds and
+    ``memory_bytes`` on one, and 0.1 s on a mask fill."""
+    grammars = GrammarCompiler(tokenizer, vocab_size=len(tokenizer), stop_token_ids=[2])
+    budget = ProbeBudget(cpu_s=cpu_s, memory_bytes=memory_bytes, fill_s=0.1)
+    return GrammarCompiles(grammars, budget, max_pending=max_pending)
+
+
 @pytest.fixture
 def compiles(default_tokenizer) -> GrammarCompiles:
-    grammars = GrammarCompiler(
-        default_tokenizer, vocab_size=len(default_tokenizer), stop_token_ids=[2]
-    )
-    queue = GrammarCompiles(
-        grammars, ProbeBudget(cpu_s=1.0, memory_bytes=1 << 30, fill_s=0.1), max_pending=2
-    )
+    """One CPU-second per compile: the 1,000-property schema is past it on any machine."""
+    queue = compile_queue(default_tokenizer, cpu_s=1.0)
+    yield queue
+    queue.close()
+
+
+@pytest.fixture
+def roomy_compiles(default_tokenizer) -> GrammarCompiles:
+    """Sixty CPU-seconds per compile, for tests whose 300-property schemas must compile: one
+    takes a fraction of a second here, more than 1 CPU-second on a slow CI machine."""
+    queue = compile_queue(default_tokenizer, cpu_s=60.0)
     yield queue
     queue.close()
 
@@ -82,7 +97,8 @@ def probe_pid(compiles: GrammarCompiles) -> int | None:
     return None if proc is None or proc.poll() is not None else proc.pid
 
 
-def test_identical_constraints_in_flight_compile_once(compiles):
+def test_identical_constraints_in_flight_compile_once(roomy_compiles):
+    compiles = roomy_compiles
     constraint = schema_constraint(300)
     probed = Counting(compiles.probe, "check")
     compiled = Counting(compiles.grammars, "compile")
@@ -112,11 +128,7 @@ def test_a_constraint_past_the_cpu_budget_is_refused_and_remembered(compiles):
 
 
 def test_a_constraint_past_the_memory_budget_is_refused(default_tokenizer):
-    grammars = GrammarCompiler(
-        default_tokenizer, vocab_size=len(default_tokenizer), stop_token_ids=[2]
-    )
-    budget = ProbeBudget(cpu_s=60.0, memory_bytes=4 << 20, fill_s=0.1)
-    queue = GrammarCompiles(grammars, budget, max_pending=2)
+    queue = compile_queue(default_tokenizer, cpu_s=60.0, memory_bytes=4 << 20)
     try:
         with pytest.raises(InvalidRequestError, match="more than 4 MiB of memory"):
             asyncio.run(queue.compile(schema_constraint(MAX_OBJECT_PROPERTIES)))
@@ -167,7 +179,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_full_queue_is_refused_and_identical_ones_still_join(compiles):
+def test_a_full_queue_is_refused_and_identical_ones_still_join(roomy_compiles):
+    compiles = roomy_compiles
     first, second, third = (schema_constraint(300, tag=t) for t in "abc")
 
     async def three() -> list[object]:
@@ -253,11 +266,7 @@ def test_lines_a_library_prints_on_the_probes_stdout_are_not_answers(compiles):
 def test_closing_answers_every_waiter(default_tokenizer):
     """A compile queued behind another when the engine shuts down: its waiter gets an error
     at once rather than a future nobody will settle."""
-    grammars = GrammarCompiler(
-        default_tokenizer, vocab_size=len(default_tokenizer), stop_token_ids=[2]
-    )
-    budget = ProbeBudget(cpu_s=60.0, memory_bytes=1 << 30, fill_s=0.1)
-    queue = GrammarCompiles(grammars, budget, max_pending=4)
+    queue = compile_queue(default_tokenizer, cpu_s=60.0, max_pending=4)
 
     async def shut_down_while_waiting() -> list[object]:
         tasks = [
