@@ -6,6 +6,8 @@ The block pool is intact after every scenario."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import (
@@ -191,6 +193,7 @@ ARCHITECTURES: dict[str, tuple[type, type, dict]] = {
 }
 LENGTHS = [1, 6, 17, 33]
 MAX_TOKENS = 12
+PREEMPTION_STEPS = 40  # tokens: enough for 3 requests to outgrow a pool of 6 blocks
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
@@ -208,17 +211,29 @@ def tiny_architecture(name: str, seed: int = 0) -> PreTrainedModel:
     return model
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
-def expected(request: pytest.FixtureRequest):
-    model = tiny_architecture(request.param)
+@functools.cache
+def reference(
+    name: str,
+) -> tuple[PreTrainedModel, list[list[int]], list[list[int]], list[list[int]]]:
+    """``(model, prompts, want, long)``: the tiny model, five prompts, HF's ``MAX_TOKENS``
+    greedy tokens for each and its ``PREEMPTION_STEPS`` for the first three (computed once per
+    architecture: the fixture and the tensor-parallel test share them)."""
+    model = tiny_architecture(name)
     prompts = random_prompts(LENGTHS, seed=3)
     prompts.append(prompts[-1][:20] + prompts[1])  # shares 20 tokens (a cached block) with one
-    want = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
-    return model, prompts, want
+    # greedy is a prefix of itself: the preemption test's 40 tokens give the first prompts' 12
+    long = [hf_greedy(model, p, PREEMPTION_STEPS) for p in prompts[:3]]
+    want = [t[:MAX_TOKENS] for t in long] + [hf_greedy(model, p, MAX_TOKENS) for p in prompts[3:]]
+    return model, prompts, want, long
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def expected(request: pytest.FixtureRequest):
+    return reference(request.param)
 
 
 def test_alone(expected) -> None:
-    model, prompts, want = expected
+    model, prompts, want, _ = expected
     llm = LLM(loaded=loaded(model), kv_cache_memory=4 << 20)
     for prompt, tokens in zip(prompts, want):
         [result] = llm.generate([prompt], GREEDY)
@@ -229,7 +244,7 @@ def test_alone(expected) -> None:
 def test_batched_chunked_with_a_prefix_hit(expected) -> None:
     """One batch, 8 tokens a step: long prompts in chunks beside decodes; the last prompt's
     first block is the cache's (the previous prompt filled it)."""
-    model, prompts, want = expected
+    model, prompts, want, _ = expected
     llm = LLM(loaded=loaded(model), kv_cache_memory=4 << 20, max_num_batched_tokens=8)
     [first] = llm.generate([prompts[-2]], GREEDY)
     results = llm.generate(prompts, GREEDY)
@@ -245,9 +260,8 @@ def test_batched_chunked_with_a_prefix_hit(expected) -> None:
 def test_preemption(expected) -> None:
     """Three requests that grow to 3-4 blocks each in a pool of 6: the running ones outgrow it,
     so some are preempted and recomputed."""
-    model, prompts, _ = expected
-    prompts, steps = prompts[:3], 40
-    want = [hf_greedy(model, p, steps) for p in prompts]
+    model, prompts, _, want = expected
+    prompts, steps = prompts[:3], PREEMPTION_STEPS
     hf = model.config
     layout = cache_layout(hf)
     block_bytes = KVCache.bytes_per_block(
@@ -282,7 +296,7 @@ def test_logprobs_and_prompt_logprobs_follow_the_models_head(expected) -> None:
     """The logprobs the engine reports are HF's ``log_softmax`` of its logits, the family's
     logit transforms included (Granite's scaling, Gemma's final soft-cap): greedy tokens alone
     cannot tell, since both transforms keep the order."""
-    model, prompts, _ = expected
+    model, prompts, _, _ = expected
     prompt = prompts[2]
     with torch.inference_mode():
         hf = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
@@ -311,9 +325,8 @@ def test_tensor_parallel_equals_hf(name: str) -> None:
     sharded as dense MLPs beside them; gpt-oss's sinks, biases and interleaved transposed
     experts are sliced per rank; latent attention's heads are sharded over a replicated
     latent cache; gated DeltaNet's key and value heads (and their state slots) are sharded."""
-    model = tiny_architecture(name)
-    prompts = random_prompts(LENGTHS, seed=3)
-    want = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+    model, prompts, want, _ = reference(name)
+    prompts, want = prompts[: len(LENGTHS)], want[: len(LENGTHS)]
     tp2 = LLM(loaded=loaded(model), tensor_parallel_size=2, kv_cache_memory=4 << 20)
     try:
         assert [r.token_ids for r in tp2.generate(prompts, GREEDY)] == want
@@ -338,7 +351,7 @@ def test_tensor_parallel_refuses_what_it_cannot_shard(name: str, missing: str) -
 def test_seeded_n2_sampling_is_batch_invariant(expected) -> None:
     """n=2 seeded samples of a prompt (forked from one prefill, copy-on-write) are the same
     alone and beside other requests."""
-    model, prompts, _ = expected
+    model, prompts, _, _ = expected
     params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, n=2, seed=7, ignore_eos=True)
     llm = LLM(loaded=loaded(model), kv_cache_memory=4 << 20)
     alone = [r.token_ids for r in llm.generate([prompts[2]], params)]

@@ -24,7 +24,7 @@ import torch
 
 from kernels.triton.sampling import sample
 
-DRAWS = 4096
+DRAWS = 2048  # the untempered checks still reject at p < 1e-26 (v1000-T0.7-topk40)
 P_REJECT = 1e-6
 
 
@@ -100,7 +100,7 @@ def test_draws_follow_the_renormalised_target(case: str, device):
 @pytest.mark.parametrize("case", [c for c in CASES if CASES[c][0].numel() > 256])
 def test_split_row_draws_follow_the_renormalised_target(case: str, device):
     """The same draws through the split-row kernel, rows cut into 256-column slices (257
-    columns: a last slice of one); on CUDA only (4096 rows x 20 launches would take the
+    columns: a last slice of one); on CUDA only (2048 rows x 20 launches would take the
     interpreter minutes; tests/kernels/test_sampling_split.py holds it to the one-program
     kernel token for token there)."""
     _check_draws(case, device, slice_len=256)
