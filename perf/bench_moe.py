@@ -9,7 +9,7 @@ width ``--moe-intermediate``, top-k routing, fp32 or ``--dtype``) and times, per
   token chose: what ``experts_implementation="eager"`` runs) and its sdpa attention over a
   ``DynamicCache``, ``streams`` rows a step;
 * ``hf_grouped``: the same with HF's ``grouped_mm`` experts (its default where torch has it);
-* ``paged_serve``: ``LLMEngine.step`` with ``streams`` requests decoding together (the fused
+* ``paged_serve``: ``LLMEngine.step`` with ``streams`` requests decoding one token each (the fused
   MoE pass of engine/platform/cpu/moe.py, paged attention, sampling and detokenizing included);
   ``--quantization int8`` quantizes its projections and experts (HF's stay as loaded).
 
@@ -143,7 +143,8 @@ def paged_decoder(
 ) -> tuple[Step, Step]:
     """An engine on a copy of ``model`` with ``streams`` requests prefilled: ``(step,
     shutdown)``, ``step`` one ``LLMEngine.step`` of them decoding together (``args.steps + 1``
-    steps at least)."""
+    steps at least), one token per stream: speculative decoding off, as HF's step is (with it,
+    a step verifies several drafted tokens per stream: more rows, another measure)."""
     loaded = LoadedModel(
         model=copy.deepcopy(model),
         tokenizer=None,
@@ -153,7 +154,10 @@ def paged_decoder(
         load_seconds=0.0,
     )
     config = EngineConfig(
-        kv_cache_memory=256 << 20, max_num_seqs=max(8, streams), quantization=args.quantization
+        kv_cache_memory=256 << 20,
+        max_num_seqs=max(8, streams),
+        quantization=args.quantization,
+        speculative_config=None,
     )
     engine = LLMEngine(config, loaded)
     gen = torch.Generator().manual_seed(1)
