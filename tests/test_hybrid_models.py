@@ -94,9 +94,10 @@ def test_the_kernels_in_the_engine_and_the_graph_path(hybrid) -> None:
         state_cache=engine.runner.state_cache,
     )
     engine.runner.enable_decode_graphs(graphs, EagerReplay())
-    # 4 tokens (3 decode steps of every row; each step interprets all the kernels)
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    assert [r.token_ids for r in llm.generate(PROMPTS[:3], params)] == [w[:4] for w in want[:3]]
+    tokens = 4  # 3 decode steps of every row (each step interprets all the kernels)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    results = llm.generate(PROMPTS[:3], params)
+    assert [r.token_ids for r in results] == [w[:tokens] for w in want[:3]]
     assert graphs.replays[4] > 0  # three rows and a padding row
     assert_pool_clean(engine.block_manager)
 

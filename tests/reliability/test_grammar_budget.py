@@ -77,7 +77,8 @@ def compile_queue(
 
 @pytest.fixture
 def compiles(default_tokenizer) -> GrammarCompiles:
-    """One CPU-second per compile: the 1,000-property schema is past it on any machine."""
+    """One CPU-second per compile, which the ``MAX_OBJECT_PROPERTIES``-property schema
+    (1,024) exceeds."""
     queue = compile_queue(default_tokenizer, cpu_s=1.0)
     yield queue
     queue.close()
@@ -86,7 +87,7 @@ def compiles(default_tokenizer) -> GrammarCompiles:
 @pytest.fixture
 def roomy_compiles(default_tokenizer) -> GrammarCompiles:
     """Sixty CPU-seconds per compile, for tests whose 300-property schemas must compile: one
-    takes a fraction of a second here, more than 1 CPU-second on a slow CI machine."""
+    took more than 1 CPU-second on a slow CI machine."""
     queue = compile_queue(default_tokenizer, cpu_s=60.0)
     yield queue
     queue.close()
