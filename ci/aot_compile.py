@@ -5,14 +5,15 @@
                              [--tiles TILE_N,NUM_WARPS,NUM_STAGES,MAXNREG] [--token-mask]
 
 A configuration is compiled as the launcher would launch it: the attention kernel's
-compile-time arguments and options come from ``kernels.triton.paged_attention.attention_launch``
-(the record the launcher uses), the MLA kernel's (DeepSeek-V3's 128 heads and 512 + 64 latent,
-per dtype: decode, split decode, prefill) from ``kernels.triton.mla_attention.mla_launch``, the
-gated DeltaNet kernels' (Qwen3-Next's 128-lane key and value heads: recurrent and chunked delta
-rule, the 4-wide causal convolution) from ``delta_rule_constants`` and ``conv_constants``, and
-the sampling tile from ``kernels.triton.sampling`` (and, for vocabularies above its slice, every
-phase of the split-row sampler, ``kernels.triton.sampling_split``), pointers and the
-strides a contiguous cache makes multiples of 16 carry the JIT's launch-time
+compile-time arguments and options come from
+``paged_serve.kernels.triton.paged_attention.attention_launch`` (the record the launcher uses), the
+MLA kernel's (DeepSeek-V3's 128 heads and 512 + 64 latent, per dtype: decode, split decode, prefill)
+from ``paged_serve.kernels.triton.mla_attention.mla_launch``, the gated DeltaNet kernels'
+(Qwen3-Next's 128-lane key and value heads: recurrent and chunked delta rule, the 4-wide causal
+convolution) from ``delta_rule_constants`` and ``conv_constants``, and
+the sampling tile from ``paged_serve.kernels.triton.sampling`` (and, for vocabularies above its
+slice, every phase of the split-row sampler, ``paged_serve.kernels.triton.sampling_split``),
+pointers and the strides a contiguous cache makes multiples of 16 carry the JIT's launch-time
 ``tt.divisibility=16`` specialisation, and the target is ``GPUTarget("cuda", 90, 32)``. ptxas
 (the one Triton itself runs for sm_90) is run again with ``-v`` on the PTX for the registers,
 spill stores/loads and stack of each kernel. Prints one row per configuration; exits 1 if any
@@ -111,8 +112,8 @@ def _attention_source(cfg: Config):
     import torch
     from triton.compiler import ASTSource
 
-    from kernels.triton.attention_checks import AttentionShapes
-    from kernels.triton.paged_attention import _paged_attention_kernel, attention_launch
+    from paged_serve.kernels.triton.attention_checks import AttentionShapes
+    from paged_serve.kernels.triton.paged_attention import _paged_attention_kernel, attention_launch
 
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     # One sequence of one KV head: only the launch settings matter, not the grid.
@@ -169,7 +170,11 @@ def _mla_source(cfg: Config):
     import torch
     from triton.compiler import ASTSource
 
-    from kernels.triton.mla_attention import MlaShapes, _mla_attention_kernel, mla_launch
+    from paged_serve.kernels.triton.mla_attention import (
+        MlaShapes,
+        _mla_attention_kernel,
+        mla_launch,
+    )
 
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     shapes = MlaShapes(1, cfg.group, cfg.latent, cfg.rope, 64, 1)
@@ -206,8 +211,8 @@ def _linear_attention_source(cfg: Config):
     convolution (x, weight, window, out in ``cfg.dtype``) at Qwen3-Next's shapes."""
     from triton.compiler import ASTSource
 
-    from kernels.triton.causal_conv import _causal_conv_kernel, conv_constants
-    from kernels.triton.delta_rule import (
+    from paged_serve.kernels.triton.causal_conv import _causal_conv_kernel, conv_constants
+    from paged_serve.kernels.triton.delta_rule import (
         _CHUNKED_WARPS,
         _delta_rule_chunked_kernel,
         _delta_rule_recurrent_kernel,
@@ -239,7 +244,7 @@ def _linear_attention_source(cfg: Config):
 def _sampling_source(cfg: Config):
     from triton.compiler import ASTSource
 
-    from kernels.triton.sampling import _NUM_WARPS, _sample_kernel, _tile_shape
+    from paged_serve.kernels.triton.sampling import _NUM_WARPS, _sample_kernel, _tile_shape
 
     block_b, block_v = _tile_shape(cfg.vocab)
     constants = dict(BLOCK_B=block_b, BLOCK_V=block_v, HAS_MASK=cfg.token_mask)
@@ -263,8 +268,8 @@ def _sampling_split_source(cfg: Config):
     import triton
     from triton.compiler import ASTSource
 
-    from kernels.triton.sampling import _NUM_WARPS
-    from kernels.triton.sampling_split import (
+    from paged_serve.kernels.triton.sampling import _NUM_WARPS
+    from paged_serve.kernels.triton.sampling_split import (
         _MAX_BLOCK_V,
         SLICE,
         _sample_split_kernel,
@@ -365,7 +370,9 @@ def configs(args: argparse.Namespace) -> list[Config]:
         out.append(Config("conv", dtype))
     masks = (False, True) if args.token_mask else (False,)
     out += [Config("sampling", vocab=v, token_mask=m) for v in args.vocabs for m in masks]
-    from kernels.triton.sampling_split import SLICE  # vocabularies the split-row sampler takes
+    from paged_serve.kernels.triton.sampling_split import (
+        SLICE,  # vocabularies the split-row sampler takes
+    )
 
     split = [v for v in args.vocabs if v > SLICE]
     out += [Config("sampling_split", vocab=v, phase=ph) for v in split for ph in range(6)]

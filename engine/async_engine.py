@@ -22,19 +22,19 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
-from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
-from engine.grammar.compiles import GrammarCompiles
-from engine.grammar.probe import ProbeBudget
-from engine.grammar.structured_output import StructuredOutput
-from engine.llm_engine import LLMEngine
-from engine.model.loader import LoadedModel
-from engine.observe.engine_state import EngineState, StateWatch
-from engine.observe.metrics import EngineStats, SnapshotCollector
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.sched.forks import sample_ids
-from engine.spec.speculator import Speculator
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.errors import InvalidRequestError
+from paged_serve.engine.grammar.compiles import GrammarCompiles
+from paged_serve.engine.grammar.probe import ProbeBudget
+from paged_serve.engine.grammar.structured_output import StructuredOutput
+from paged_serve.engine.llm_engine import LLMEngine
+from paged_serve.engine.model.loader import LoadedModel
+from paged_serve.engine.observe.engine_state import EngineState, StateWatch
+from paged_serve.engine.observe.metrics import EngineStats, SnapshotCollector
+from paged_serve.engine.outputs import RequestOutput
+from paged_serve.engine.sampling_params import SamplingParams
+from paged_serve.engine.sched.forks import sample_ids
+from paged_serve.engine.spec.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -284,8 +284,8 @@ class AsyncEngine:
         )
 
     def engine_state(self) -> EngineState | None:
-        """The detailed state for the dashboard (``engine.observe.engine_state``); never waits for a
-        step.
+        """The detailed state for the dashboard (``paged_serve.engine.observe.engine_state``); never
+        waits for a step.
 
         Asking marks the state wanted, so the engine thread takes one after its steps for the
         next few seconds (at most every ``MIN_INTERVAL_S``). If the engine is between steps now

@@ -6,11 +6,11 @@ import argparse
 import logging
 import sys
 
-from engine.config import ATTENTION_BACKENDS, DTYPES, QUANTIZATIONS, EngineConfig
-from engine.llm import LLM
-from engine.parallel.workers import TensorParallelError
-from engine.sampling_params import SamplingParams
-from engine.spec.config import SpeculativeConfig
+from paged_serve.engine.config import ATTENTION_BACKENDS, DTYPES, QUANTIZATIONS, EngineConfig
+from paged_serve.engine.llm import LLM
+from paged_serve.engine.parallel.workers import TensorParallelError
+from paged_serve.engine.sampling_params import SamplingParams
+from paged_serve.engine.spec.config import SpeculativeConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from engine.spec.config import SpeculativeConfig
+from paged_serve.engine.spec.config import SpeculativeConfig
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30

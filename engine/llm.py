@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model.loader import LoadedModel
-from engine.outputs import CompletionResult
-from engine.sampling_params import SamplingParams
-from engine.sched.forks import sample_ids
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.llm_engine import LLMEngine
+from paged_serve.engine.model.loader import LoadedModel
+from paged_serve.engine.outputs import CompletionResult
+from paged_serve.engine.sampling_params import SamplingParams
+from paged_serve.engine.sched.forks import sample_ids
 
 Prompt = str | Sequence[int]
 

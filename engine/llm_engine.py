@@ -14,26 +14,26 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
-from engine.grammar.structured_output import GrammarCompiler, StructuredOutput
-from engine.model.architecture import check_servable
-from engine.model.loader import LoadedModel
-from engine.observe.metrics import EngineStats
-from engine.outputs import RequestOutput
-from engine.parallel.workers import TensorParallelWorkers
-from engine.platform.platform import platform_for
-from engine.runner.build import build_runner, context_length, load_for
-from engine.sampling_params import SamplingParams
-from engine.sched.admission import check_request, prompt_token_ids
-from engine.sched.block_manager import BlockManager
-from engine.sched.forks import join_forks, make_samples, sample_ids
-from engine.sched.live_request import LiveRequest
-from engine.sched.scheduler import Scheduler
-from engine.sched.state_slots import StateSlots
-from engine.spec.build import build_speculator
-from engine.spec.verify import accepted_lengths
-from engine.step_outputs import StepOutputs
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.errors import InvalidRequestError
+from paged_serve.engine.grammar.structured_output import GrammarCompiler, StructuredOutput
+from paged_serve.engine.model.architecture import check_servable
+from paged_serve.engine.model.loader import LoadedModel
+from paged_serve.engine.observe.metrics import EngineStats
+from paged_serve.engine.outputs import RequestOutput
+from paged_serve.engine.parallel.workers import TensorParallelWorkers
+from paged_serve.engine.platform.platform import platform_for
+from paged_serve.engine.runner.build import build_runner, context_length, load_for
+from paged_serve.engine.sampling_params import SamplingParams
+from paged_serve.engine.sched.admission import check_request, prompt_token_ids
+from paged_serve.engine.sched.block_manager import BlockManager
+from paged_serve.engine.sched.forks import join_forks, make_samples, sample_ids
+from paged_serve.engine.sched.live_request import LiveRequest
+from paged_serve.engine.sched.scheduler import Scheduler
+from paged_serve.engine.sched.state_slots import StateSlots
+from paged_serve.engine.spec.build import build_speculator
+from paged_serve.engine.spec.verify import accepted_lengths
+from paged_serve.engine.step_outputs import StepOutputs
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from engine.grammar.structured_output import StructuredOutput
+from paged_serve.engine.grammar.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20
 MAX_N = 128

@@ -13,16 +13,16 @@ import logging
 import time
 from collections.abc import Sequence
 
-from engine.observe.metrics import EngineStats
-from engine.outputs import RequestOutput, TokenLogprob
-from engine.runner.model_runner import StepResult
-from engine.sample.sampler import INVALID_TOKEN
-from engine.sched.forks import detach, with_pending_forks
-from engine.sched.live_request import LiveRequest, request_metrics
-from engine.sched.request import Request
-from engine.sched.scheduler import ScheduledBatch, Scheduler
+from paged_serve.engine.observe.metrics import EngineStats
+from paged_serve.engine.outputs import RequestOutput, TokenLogprob
+from paged_serve.engine.runner.model_runner import StepResult
+from paged_serve.engine.sample.sampler import INVALID_TOKEN
+from paged_serve.engine.sched.forks import detach, with_pending_forks
+from paged_serve.engine.sched.live_request import LiveRequest, request_metrics
+from paged_serve.engine.sched.request import Request
+from paged_serve.engine.sched.scheduler import ScheduledBatch, Scheduler
 
-logger = logging.getLogger("engine.llm_engine")
+logger = logging.getLogger("paged_serve.engine.llm_engine")
 
 
 class StepOutputs:

@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.sched.forks import sampling_rows
+from paged_serve.engine.llm import LLM
+from paged_serve.engine.llm_engine import LLMEngine
+from paged_serve.engine.sampling_params import SamplingParams
+from paged_serve.engine.sched.forks import sampling_rows
 
 
 @dataclass(slots=True)
@@ -134,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.model.loader import load_model
+    from paged_serve.engine.model.loader import load_model
     from perf.bench_serving import source_revision
     from perf.e2e_workload import agreement
     from perf.hf_baselines import hf_generate_padded

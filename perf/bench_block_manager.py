@@ -1,7 +1,7 @@
 """KV memory use of the paged block manager against a contiguous fixed-slot cache.
 
-Allocates each request's tokens with the real ``engine.sched.block_manager.BlockManager`` and
-reports
+Allocates each request's tokens with the real
+``paged_serve.engine.sched.block_manager.BlockManager`` and reports
 its usage metrics next to the baseline a non-paged server would have: every request reserves a
 contiguous slot as long as the longest request, so a short request wastes the rest of its slot.
 
@@ -18,7 +18,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from engine.sched.block_manager import BlockManager, OutOfBlocksError
+from paged_serve.engine.sched.block_manager import BlockManager, OutOfBlocksError
 
 DEFAULT_REQUEST_TOKENS = (9, 17, 33, 5, 41, 12)
 

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from engine.config import cache_root
-from engine.platform.cpu.attention import PlannedTorchAttention
-from engine.platform.cpu.host_malloc import keep_freed_memory
-from kernels.cpu import decode_attention as cpu_decode_attention
-from kernels.cpu.decode_attention import CpuDecodeAttention
+from paged_serve.engine.config import cache_root
+from paged_serve.engine.platform.cpu.attention import PlannedTorchAttention
+from paged_serve.engine.platform.cpu.host_malloc import keep_freed_memory
+from paged_serve.kernels.cpu import decode_attention as cpu_decode_attention
+from paged_serve.kernels.cpu.decode_attention import CpuDecodeAttention
 from perf.wall_timing import median_wall_s
 
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2.0**-7}  # relative: fp32 sums, one bf16 rounding

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.platform.cpu import linears
-from engine.platform.cpu.linears import FEW_ROW_KERNELS, FEW_ROWS, Fp32Linear
+from paged_serve.engine.platform.cpu import linears
+from paged_serve.engine.platform.cpu.linears import FEW_ROW_KERNELS, FEW_ROWS, Fp32Linear
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) per fused projection
 

@@ -1,4 +1,5 @@
-"""The torch sampler's draw on the CPU: ``engine.sample.eager_sampling`` against ``sample_ref``.
+"""The torch sampler's draw on the CPU: ``paged_serve.engine.sample.eager_sampling`` against
+``sample_ref``.
 
 ``python -m perf.bench_cpu_sampling [--vocab 49152] [--batches 1 8 24] [--rounds 9]``
 
@@ -19,9 +20,9 @@ from collections.abc import Callable
 
 import torch
 
-from engine.platform.cpu.host_malloc import keep_freed_memory
-from engine.sample.eager_sampling import sample_eager
-from kernels.reference import sample_ref
+from paged_serve.engine.platform.cpu.host_malloc import keep_freed_memory
+from paged_serve.engine.sample.eager_sampling import sample_eager
+from paged_serve.kernels.reference import sample_ref
 from perf.wall_timing import median_wall_s
 
 MIXES: dict[str, tuple[float, int, float, float]] = {  # temperature, top_k, top_p, min_p

@@ -37,11 +37,11 @@ def measure(mode: str, streams: int, threads: int | None) -> dict:
     """Per-step p50 times (ms) of one mode with ``streams`` concurrent requests (this process)."""
     import torch
 
-    import engine.model.prep as model_prep
-    import engine.platform.cpu.linears as cpu_linears
-    from engine.llm import LLM
-    from engine.model.loader import load_model
-    from engine.sampling_params import SamplingParams
+    import paged_serve.engine.model.prep as model_prep
+    import paged_serve.engine.platform.cpu.linears as cpu_linears
+    from paged_serve.engine.llm import LLM
+    from paged_serve.engine.model.loader import load_model
+    from paged_serve.engine.sampling_params import SamplingParams
 
     if threads is not None:
         torch.set_num_threads(threads)

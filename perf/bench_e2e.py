@@ -42,10 +42,10 @@ import torch
 import transformers
 from transformers import ContinuousBatchingConfig
 
-from engine import LLM
-from engine.model.loader import LoadedModel, load_model
-from engine.platform.dtype_choice import resolve_dtype
-from engine.sampling_params import SamplingParams
+from paged_serve.engine import LLM
+from paged_serve.engine.model.loader import LoadedModel, load_model
+from paged_serve.engine.platform.dtype_choice import resolve_dtype
+from paged_serve.engine.sampling_params import SamplingParams
 from perf.e2e_workload import SystemResult, Workload, agreement, finish, make_workload, timed
 from perf.hf_baselines import (
     HF_SYSTEMS,

@@ -34,11 +34,16 @@ from typing import Any
 
 import msgspec
 
-from engine.observe.engine_state import MAX_BUSY_FRACTION, MIN_INTERVAL_S, StateWatch, take_state
-from engine.sampling_params import SamplingParams
-from engine.sched.block_manager import BlockManager
-from engine.sched.request import Request, RequestStatus
-from engine.sched.scheduler import Scheduler
+from paged_serve.engine.observe.engine_state import (
+    MAX_BUSY_FRACTION,
+    MIN_INTERVAL_S,
+    StateWatch,
+    take_state,
+)
+from paged_serve.engine.sampling_params import SamplingParams
+from paged_serve.engine.sched.block_manager import BlockManager
+from paged_serve.engine.sched.request import Request, RequestStatus
+from paged_serve.engine.sched.scheduler import Scheduler
 from perf.wall_timing import median_wall_s
 
 BLOCK_SIZE = 16
@@ -146,8 +151,8 @@ async def _workload(engine: Any, requests: int, max_tokens: int) -> None:
 
 
 def measure_e2e(rounds: int, requests: int, max_tokens: int) -> dict[str, Any]:
-    from engine.async_engine import AsyncEngine
-    from engine.config import EngineConfig
+    from paged_serve.engine.async_engine import AsyncEngine
+    from paged_serve.engine.config import EngineConfig
 
     engine = AsyncEngine(EngineConfig(kv_cache_memory=256 << 20, max_model_len=1024))
     asyncio.run(_workload(engine, 2, 4))  # warm-up

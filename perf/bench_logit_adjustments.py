@@ -1,4 +1,5 @@
-"""Host and device cost of penalties and logit bias per step (``engine.sample.logit_adjustments``).
+"""Host and device cost of penalties and logit bias per step
+(``paged_serve.engine.sample.logit_adjustments``).
 
     python -m perf.bench_logit_adjustments [--device cpu] [--vocab 49152] [--repeats 5]
 
@@ -14,9 +15,9 @@ import time
 
 import torch
 
-from engine.sample.logit_adjustments import adjust_logits
-from engine.sampling_params import SamplingParams
-from engine.sched.request import Request
+from paged_serve.engine.sample.logit_adjustments import adjust_logits
+from paged_serve.engine.sampling_params import SamplingParams
+from paged_serve.engine.sched.request import Request
 
 CASES = ((8, 500), (64, 2000))  # (rows, prompt tokens)
 

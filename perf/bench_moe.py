@@ -37,10 +37,10 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model.loader import LoadedModel
-from engine.sampling_params import SamplingParams
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.llm_engine import LLMEngine
+from paged_serve.engine.model.loader import LoadedModel
+from paged_serve.engine.sampling_params import SamplingParams
 
 
 def build_model(args: argparse.Namespace) -> Qwen3MoeForCausalLM:

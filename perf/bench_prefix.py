@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from engine import LLM, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.model.loader import LoadedModel, load_model
+from paged_serve.engine import LLM, SamplingParams
+from paged_serve.engine.llm_engine import LLMEngine
+from paged_serve.engine.model.loader import LoadedModel, load_model
 
 
 def percentile(values: Sequence[float], q: float) -> float:

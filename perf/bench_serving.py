@@ -201,7 +201,7 @@ def machine() -> dict[str, Any]:
 def load_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    from engine.model.loader import resolve_model_path
+    from paged_serve.engine.model.loader import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path(None)[0])
 
@@ -215,7 +215,7 @@ def compute_references(
     systems: Sequence[System], workloads: Sequence[ServingWorkload], tokenizer: Any, k: int
 ) -> dict[tuple[str, bool], dict[str, dict[int, list[int]]]]:
     """HF greedy references for every (precision, EOG rule) the systems need, per workload."""
-    from engine.model.loader import eos_token_ids, load_model
+    from paged_serve.engine.model.loader import eos_token_ids, load_model
 
     refs: dict[tuple[str, bool], dict[str, dict[int, list[int]]]] = {}
     for dtype in sorted({s.hf_dtype for s in systems}):

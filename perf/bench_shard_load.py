@@ -66,8 +66,8 @@ def _status_kb(field: str) -> int:
 
 def measure(folder: str, mode: str) -> dict:
     """One load in this process (run through ``--child``)."""
-    from engine.model.loader import load_model, load_model_shard
-    from engine.parallel.sharding import shard_model
+    from paged_serve.engine.model.loader import load_model, load_model_shard
+    from paged_serve.engine.parallel.sharding import shard_model
 
     before = _status_kb("VmRSS")
     if mode.startswith("shard"):

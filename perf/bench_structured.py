@@ -20,10 +20,10 @@ import time
 
 import torch
 
-from engine import EngineConfig, SamplingParams
-from engine.grammar.structured_output import GrammarCompiler, StructuredOutput
-from engine.llm_engine import LLMEngine
-from engine.sample.token_mask import fill_token_bitmask
+from paged_serve.engine import EngineConfig, SamplingParams
+from paged_serve.engine.grammar.structured_output import GrammarCompiler, StructuredOutput
+from paged_serve.engine.llm_engine import LLMEngine
+from paged_serve.engine.sample.token_mask import fill_token_bitmask
 
 PROMPT = "Write a long sentence about the sea, as JSON:"
 SCHEMA = {

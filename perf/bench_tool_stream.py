@@ -1,4 +1,5 @@
-"""Event-loop cost of parsing a streamed reply for tool calls (``server.tools.ToolCallStream``).
+"""Event-loop cost of parsing a streamed reply for tool calls
+(``paged_serve.server.tools.ToolCallStream``).
 
     python -m perf.bench_tool_stream [--words 5000] [--piece 5]
 
@@ -14,8 +15,14 @@ import argparse
 import json
 import time
 
-from server.tool_parsers import GenericParser, HermesParser, NamedParser, RequiredParser, ToolParser
-from server.tools import ToolCallStream
+from paged_serve.server.tool_parsers import (
+    GenericParser,
+    HermesParser,
+    NamedParser,
+    RequiredParser,
+    ToolParser,
+)
+from paged_serve.server.tools import ToolCallStream
 
 
 def cases(words: int) -> dict[str, tuple[ToolParser, str]]:

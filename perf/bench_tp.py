@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model.loader import LoadedModel
-from engine.sampling_params import SamplingParams
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.llm_engine import LLMEngine
+from paged_serve.engine.model.loader import LoadedModel
+from paged_serve.engine.sampling_params import SamplingParams
 
 COLLECTIVES = ("all_reduce", "broadcast")
 

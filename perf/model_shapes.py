@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from engine.model.loader import LoadedModel
+from paged_serve.engine.model.loader import LoadedModel
 
 # Qwen/Qwen3-0.6B's config.json (the fields that shape the compute).
 MODEL_SHAPES: dict[str, dict[str, Any]] = {

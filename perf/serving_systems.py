@@ -2,7 +2,8 @@
 
 A system is named on the command line:
 
-* ``paged-serve[:DTYPE]``: this checkout's ``paged-serve`` (``python -m server.cli``) started
+* ``paged-serve[:DTYPE]``: this checkout's ``paged-serve`` (``python -m paged_serve.server.cli``)
+started
   as a subprocess with ``--dtype DTYPE`` (default float32); its greedy tokens must equal HF's
   in float32, and are compared with HF in the same dtype otherwise;
 * ``llama-cpp-f32``: llama.cpp's ``llama-server`` on the shipped Q4_1 weights turned into an F32
@@ -101,7 +102,8 @@ def server_command(
     """The command line that serves ``system`` on 127.0.0.1:``port``."""
     if system.kind == "paged-serve":
         return [
-            sys.executable, "-m", "server.cli", "--host", "127.0.0.1", "--port", str(port),
+            sys.executable, "-m", "paged_serve.server.cli",
+            "--host", "127.0.0.1", "--port", str(port),
             "--dtype", system.dtype, "--no-dashboard", "--log-level", "warning",
             *system.extra_args,
         ]

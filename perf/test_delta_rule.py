@@ -23,7 +23,7 @@ import functools
 import pytest
 import torch
 
-from kernels.triton.delta_rule import gated_delta_rule
+from paged_serve.kernels.triton.delta_rule import gated_delta_rule
 from perf.cuda_timing import CudaTimer, measure, run_with_benchmark
 from perf.report import PerfReport
 

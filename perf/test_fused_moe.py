@@ -2,8 +2,8 @@
 
 128 experts, top-8, hidden 2048, expert width 768, bf16; T = 1, 16 and 256 tokens routed by
 random router logits (softmax top-k, renormalised). Reported: the fused kernel's time
-(``kernels.triton.fused_moe.fused_moe``: pair alignment, two grouped GEMMs, SwiGLU, the sum;
-eager, as the engine runs a layer), TFLOP/s over the routed pairs' multiply-adds
+(``paged_serve.kernels.triton.fused_moe.fused_moe``: pair alignment, two grouped GEMMs, SwiGLU, the
+sum; eager, as the engine runs a layer), TFLOP/s over the routed pairs' multiply-adds
 (``2 * T * k * 3 * H * I``), GB/s over the expert weights the step reads (each chosen expert's
 ``3 * H * I`` weights once) plus activations, that as a % of the device's copy bandwidth, and
 the speed-up over the per-expert torch loop a user would write (HF's eager experts: one
@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.triton.fused_moe import fused_moe
+from paged_serve.kernels.triton.fused_moe import fused_moe
 from perf.cuda_timing import CudaTimer, measure, run_with_benchmark
 from perf.report import PerfReport
 

@@ -26,9 +26,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels.reference import copy_blocks_ref
-from kernels.triton.block_copy import copy_blocks
-from kernels.triton.kv_write import write_kv
+from paged_serve.kernels.reference import copy_blocks_ref
+from paged_serve.kernels.triton.block_copy import copy_blocks
+from paged_serve.kernels.triton.kv_write import write_kv
 from perf.cuda_timing import (
     CudaTimer,
     cold_copies,

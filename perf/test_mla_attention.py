@@ -19,7 +19,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.triton.mla_attention import MlaShapes, mla_attention, mla_launch, mla_workspace_numel
+from paged_serve.kernels.triton.mla_attention import (
+    MlaShapes,
+    mla_attention,
+    mla_launch,
+    mla_workspace_numel,
+)
 from perf.cuda_timing import CudaTimer, free_device_bytes, measure, run_with_benchmark
 from perf.report import PerfReport
 

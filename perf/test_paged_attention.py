@@ -40,8 +40,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from engine.platform.cpu.attention_plan import AttentionPlan
-from kernels.triton.paged_attention import choose_num_kv_splits, paged_attention, workspace_numel
+from paged_serve.engine.platform.cpu.attention_plan import AttentionPlan
+from paged_serve.kernels.triton.paged_attention import (
+    choose_num_kv_splits,
+    paged_attention,
+    workspace_numel,
+)
 from perf.cuda_timing import (
     CudaTimer,
     Timing,

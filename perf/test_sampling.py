@@ -1,5 +1,5 @@
-"""Fused sampling benchmark: ``kernels.triton.sampling.sample`` against the PyTorch sort-based
-pipeline.
+"""Fused sampling benchmark: ``paged_serve.kernels.triton.sampling.sample`` against the PyTorch
+sort-based pipeline.
 
 Batch {1, 8, 64, 256} x vocabulary {49152 (SmolLM2), 151936 (Qwen)} x filter mixes (top-k,
 top-p, min-p, all three), fp32 logits (both vocabularies take the split-row kernel: 12 and 38
@@ -22,8 +22,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels.reference import sampling_keep_mask
-from kernels.triton.sampling import sample
+from paged_serve.kernels.reference import sampling_keep_mask
+from paged_serve.kernels.triton.sampling import sample
 from perf.cuda_timing import CudaTimer, cold_copies, l2_cache_bytes, measure, run_with_benchmark
 from perf.report import PerfReport, Target
 

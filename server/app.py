@@ -12,17 +12,17 @@ Routes::
     POST /flush_cache, /reset_prefix_cache                    (server.worker_api: routers)
     GET  /, /dashboard                GET  /v1/engine/state    (server.dashboard)
 
-Every failure leaves as the OpenAI error object (``server.errors``): the error middleware
-catches our APIError, aiohttp's HTTP exceptions (unknown route 404, wrong method 405, body over
-``client_max_size`` 413) and anything unexpected (500 with a generic message; the traceback goes
-to the log, never to the client). Then the browser guard refuses what a web page could make a
-visitor's browser send - a rebound Host, a cross-site Origin, a body that is not JSON
-(``server.browser_guard``). With API keys set, every ``/v1`` route needs
+Every failure leaves as the OpenAI error object (``paged_serve.server.errors``): the error
+middleware catches our APIError, aiohttp's HTTP exceptions (unknown route 404, wrong method 405,
+body over ``client_max_size`` 413) and anything unexpected (500 with a generic message; the
+traceback goes to the log, never to the client). Then the browser guard refuses what a web page
+could make a visitor's browser send - a rebound Host, a cross-site Origin, a body that is not JSON
+(``paged_serve.server.browser_guard``). With API keys set, every ``/v1`` route needs
 ``Authorization: Bearer <key>``, and so do the tokenizer routes and the two cache resets;
 ``/health``, ``/metrics`` and the routers' read-only worker routes stay open. Then the body
 middleware reads the whole body within ``ServerLimits.body_timeout_s`` (408 and the connection
 closed otherwise) and marks the connection busy for the connection guard while the handler runs
-(``server.connections``).
+(``paged_serve.server.connections``).
 
 The runner cancels a handler whose client disconnects (``handler_cancellation``), which aborts
 its engine requests (background responses run in tasks of their own, which it does not touch);
@@ -43,30 +43,30 @@ from collections.abc import Awaitable, Callable, Sequence
 import msgspec
 from aiohttp import web
 
-from engine.async_engine import AsyncEngine
-from server.background import BACKGROUND, BackgroundRuns
-from server.browser_guard import browser_guard_middleware
-from server.chat import create_chat_completion
-from server.completions import create_completion
-from server.connections import ConnectionGuard, GuardedRunner
-from server.dashboard import add_dashboard
-from server.errors import APIError, error_response, from_http_exception
-from server.generation_defaults import NO_DEFAULTS, SamplingDefaults
-from server.limits import ServerLimits
-from server.metrics import metrics
-from server.models import list_models, retrieve_model
-from server.response_store import ResponseStore
-from server.responses import (
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.server.background import BACKGROUND, BackgroundRuns
+from paged_serve.server.browser_guard import browser_guard_middleware
+from paged_serve.server.chat import create_chat_completion
+from paged_serve.server.completions import create_completion
+from paged_serve.server.connections import ConnectionGuard, GuardedRunner
+from paged_serve.server.dashboard import add_dashboard
+from paged_serve.server.errors import APIError, error_response, from_http_exception
+from paged_serve.server.generation_defaults import NO_DEFAULTS, SamplingDefaults
+from paged_serve.server.limits import ServerLimits
+from paged_serve.server.metrics import metrics
+from paged_serve.server.models import list_models, retrieve_model
+from paged_serve.server.response_store import ResponseStore
+from paged_serve.server.responses import (
     cancel_response,
     create_response,
     delete_response,
     retrieve_response,
 )
-from server.sse import internal_error
-from server.state import OWNER, STATE, ServerState, key_hash
-from server.tokenize import TOKENIZER_PATHS, add_tokenizer_routes
-from server.wire import json_response
-from server.worker_api import CACHE_PATHS, add_worker_routes
+from paged_serve.server.sse import internal_error
+from paged_serve.server.state import OWNER, STATE, ServerState, key_hash
+from paged_serve.server.tokenize import TOKENIZER_PATHS, add_tokenizer_routes
+from paged_serve.server.wire import json_response
+from paged_serve.server.worker_api import CACHE_PATHS, add_worker_routes
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def create_app(
     """The app serving ``engine`` within ``limits`` (default: ``ServerLimits()``), with the
     dashboard page and its state endpoint unless ``dashboard`` is False. ``served_model_name``
     may be several names (replies carry the first); ``sampling_defaults`` fill the sampling
-    fields a request leaves out (``server.generation_defaults``). The caller owns the
+    fields a request leaves out (``paged_serve.server.generation_defaults``). The caller owns the
     engine (and shuts it down). Serve it with ``make_runner``, which applies the connection
     limits."""
     if any(not key for key in api_keys):

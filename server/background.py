@@ -18,9 +18,9 @@ reader that goes away just stops reading. The log holds at most ``max_bytes`` of
 dropped first, and lives only while the run does: once it has finished, the stored Response is
 what ``GET`` returns.
 
-The events are the foreground stream's (``server.response_stream``), so ``response.created``
-reports ``in_progress``, not ``queued``: the run's task produces it as it starts.
-A cancelled run's stream ends without a terminal event (the reference has no
+The events are the foreground stream's (``paged_serve.server.response_stream``), so
+``response.created`` reports ``in_progress``, not ``queued``: the run's task produces it as it
+starts. A cancelled run's stream ends without a terminal event (the reference has no
 ``response.cancelled``; a ``GET`` then says ``cancelled``); a failed one ends with
 ``response.failed``, its Response carrying ``error``.
 """
@@ -35,13 +35,13 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from server.errors import APIError, bad_request
-from server.generation import Generation
-from server.response_objects import ErrorEvent, Response, ResponseEvent
-from server.sse import frame, internal_error
+from paged_serve.server.errors import APIError, bad_request
+from paged_serve.server.generation import Generation
+from paged_serve.server.response_objects import ErrorEvent, Response, ResponseEvent
+from paged_serve.server.sse import frame, internal_error
 
 if TYPE_CHECKING:
-    from server.responses import ResponseReply
+    from paged_serve.server.responses import ResponseReply
 
 logger = logging.getLogger(__name__)
 

@@ -35,9 +35,9 @@ from collections.abc import Awaitable, Callable
 from aiohttp import hdrs, web
 from yarl import URL
 
-from server.connections import is_loopback_address
-from server.errors import APIError
-from server.state import STATE
+from paged_serve.server.connections import is_loopback_address
+from paged_serve.server.errors import APIError
+from paged_serve.server.state import STATE
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -18,8 +18,8 @@ reply continues that message's role (in a stream, as a content delta right after
 delta); the echoed text has no logprobs, as in vLLM. ``return_token_ids``,
 ``return_tokens_as_token_ids``, ``include_stop_str_in_output`` and
 ``stream_options.continuous_usage_stats`` are vLLM's, shared with completions
-(``server.reply``, ``server.logprobs``); the documented fields this server does not implement
-are refused by ``server.unsupported_fields``.
+(``paged_serve.server.reply``, ``paged_serve.server.logprobs``); the documented fields this server
+does not implement are refused by ``paged_serve.server.unsupported_fields``.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from collections.abc import AsyncGenerator
 from aiohttp import web
 from msgspec import UNSET, UnsetType
 
-from engine.outputs import TokenLogprob
-from server.completion_objects import (
+from paged_serve.engine.outputs import TokenLogprob
+from paged_serve.server.completion_objects import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -40,22 +40,22 @@ from server.completion_objects import (
     ChatCompletionChunk,
     ChatDelta,
 )
-from server.generation import Generation, Job, start_generation
-from server.logprobs import (
+from paged_serve.server.generation import Generation, Job, start_generation
+from paged_serve.server.logprobs import (
     ChatLogprobs,
     chat_logprobs,
     check_prompt_logprobs_size,
     prompt_logprobs,
 )
-from server.prompts import chat_prompt_ids, message_text, off_loop
-from server.protocol import ChatCompletionRequest, read_request
-from server.reasoning import REASONING_PARSERS, Qwen3ReasoningParser, ReasoningStream
-from server.reply import ChoiceReply
-from server.sampling import check_sequences, output_limit
-from server.sse import respond
-from server.state import STATE, ServerState
-from server.structured import compile_constraint
-from server.tools import (
+from paged_serve.server.prompts import chat_prompt_ids, message_text, off_loop
+from paged_serve.server.protocol import ChatCompletionRequest, read_request
+from paged_serve.server.reasoning import REASONING_PARSERS, Qwen3ReasoningParser, ReasoningStream
+from paged_serve.server.reply import ChoiceReply
+from paged_serve.server.sampling import check_sequences, output_limit
+from paged_serve.server.sse import respond
+from paged_serve.server.state import STATE, ServerState
+from paged_serve.server.structured import compile_constraint
+from paged_serve.server.tools import (
     ToolCallStream,
     ToolPlan,
     conversation,
@@ -64,8 +64,8 @@ from server.tools import (
     reply_message,
     with_tool_plan,
 )
-from server.unsupported_fields import CHAT_REFUSED, refuse_unsupported
-from server.wire import encode, json_response
+from paged_serve.server.unsupported_fields import CHAT_REFUSED, refuse_unsupported
+from paged_serve.server.wire import encode, json_response
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:

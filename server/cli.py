@@ -20,23 +20,23 @@ from pathlib import Path
 
 from aiohttp import web
 
-from engine.async_engine import AsyncEngine
-from engine.cli import add_engine_args, engine_kwargs
-from engine.config import EngineConfig
-from engine.parallel.workers import TensorParallelError
-from engine.sampling_params import MAX_LOGPROBS
-from server.app import create_app, make_runner
-from server.generation_defaults import (
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.engine.cli import add_engine_args, engine_kwargs
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.parallel.workers import TensorParallelError
+from paged_serve.engine.sampling_params import MAX_LOGPROBS
+from paged_serve.server.app import create_app, make_runner
+from paged_serve.server.generation_defaults import (
     NO_DEFAULTS,
     SOURCES,
     SamplingDefaults,
     load_sampling_defaults,
 )
-from server.limits import ServerLimits
-from server.reasoning import REASONING_PARSERS
-from server.state import STATE
-from server.tool_parsers import PARSERS
-from server.vllm_flags import add_refused_args
+from paged_serve.server.limits import ServerLimits
+from paged_serve.server.reasoning import REASONING_PARSERS
+from paged_serve.server.state import STATE
+from paged_serve.server.tool_parsers import PARSERS
+from paged_serve.server.vllm_flags import add_refused_args
 
 logger = logging.getLogger("server")
 ENGINE_WATCH_S = 0.5  # how often the server checks that the engine is alive
@@ -45,7 +45,7 @@ API_KEY_ENV = "VLLM_API_KEY"  # vLLM's: a launch line that relies on it works un
 
 def build_parser() -> argparse.ArgumentParser:
     """``paged-serve``'s flags, in ``vllm serve``'s help groups; vLLM's flags where paged-serve
-    does the same, and a reasoned refusal for the rest (``server.vllm_flags``)."""
+    does the same, and a reasoned refusal for the rest (``paged_serve.server.vllm_flags``)."""
     parser = argparse.ArgumentParser(prog="paged-serve", description=__doc__)
     parser.add_argument(
         "model_tag",

@@ -23,7 +23,7 @@ from typing import Generic, TypeVar
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from server.logprobs import ChatLogprobs, CompletionLogprobs, PromptLogprobs
+from paged_serve.server.logprobs import ChatLogprobs, CompletionLogprobs, PromptLogprobs
 
 ChoiceT = TypeVar("ChoiceT")
 

@@ -12,9 +12,9 @@ tokenizer thread.
 vLLM's ``return_token_ids`` adds each choice's ``prompt_token_ids`` (in a stream, to its first
 chunk) and ``token_ids`` (the generated ids only, even with ``echo``; in a stream, each chunk's
 new ones). ``return_tokens_as_token_ids``, ``include_stop_str_in_output`` and
-``stream_options.continuous_usage_stats`` are shared with chat (``server.reply``,
-``server.logprobs``); the documented fields this server does not implement are refused by
-``server.unsupported_fields``.
+``stream_options.continuous_usage_stats`` are shared with chat (``paged_serve.server.reply``,
+``paged_serve.server.logprobs``); the documented fields this server does not implement are refused
+by ``paged_serve.server.unsupported_fields``.
 """
 
 from __future__ import annotations
@@ -25,24 +25,24 @@ from collections.abc import AsyncGenerator
 from aiohttp import web
 from msgspec import UNSET, UnsetType
 
-from engine.outputs import TokenLogprob
-from server.completion_objects import Completion, CompletionChoice
-from server.generation import Choice, Generation, Job, start_generation
-from server.logprobs import (
+from paged_serve.engine.outputs import TokenLogprob
+from paged_serve.server.completion_objects import Completion, CompletionChoice
+from paged_serve.server.generation import Choice, Generation, Job, start_generation
+from paged_serve.server.logprobs import (
     ChoiceLogprobs,
     CompletionLogprobs,
     check_prompt_logprobs_size,
     prompt_logprobs,
 )
-from server.prompts import off_loop, tokenize_prompt
-from server.protocol import CompletionRequest, read_request
-from server.reply import ChoiceReply
-from server.sampling import check_sequences, output_limit
-from server.sse import respond
-from server.state import STATE, ServerState
-from server.structured import compile_constraint
-from server.unsupported_fields import COMPLETION_REFUSED, refuse_unsupported
-from server.wire import encode, json_response
+from paged_serve.server.prompts import off_loop, tokenize_prompt
+from paged_serve.server.protocol import CompletionRequest, read_request
+from paged_serve.server.reply import ChoiceReply
+from paged_serve.server.sampling import check_sequences, output_limit
+from paged_serve.server.sse import respond
+from paged_serve.server.state import STATE, ServerState
+from paged_serve.server.structured import compile_constraint
+from paged_serve.server.unsupported_fields import COMPLETION_REFUSED, refuse_unsupported
+from paged_serve.server.wire import encode, json_response
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:

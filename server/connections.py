@@ -5,13 +5,14 @@ Slow clients are bounded four ways (docs/reliability.md):
 * the request head: aiohttp closes a connection that has not delivered a complete head within
   its ``keepalive_timeout`` of opening, or of its previous response ending; ``make_runner``
   sets that to ``ServerLimits.header_timeout_s``;
-* the body: ``server.app``'s body middleware reads it within ``body_timeout_s`` (else 408);
+* the body: ``paged_serve.server.app``'s body middleware reads it within ``body_timeout_s`` (else
+408);
 * the number of connections: ``ConnectionGuard``, here;
 * a client that stops reading: the transport pauses the writer once its buffer passes the
   high-water mark (64 KiB); a connection whose writes stay paused for ``write_timeout_s``
   without its buffer shrinking is aborted here (``_WriteWatch``), whatever was writing - a
   stream, a whole body - and aborting it cancels the handler, whose requests are aborted.
-  ``server.sse`` bounds, besides, what a stream may hold unsent.
+  ``paged_serve.server.sse`` bounds, besides, what a stream may hold unsent.
 
 The guard is the protocol factory the runner's sites accept through. It keeps every open
 connection in one ordered map, least recently idle first, each marked busy while the app runs
@@ -46,8 +47,8 @@ from typing import Any, cast
 
 from aiohttp import web
 
-from server.errors import SERVER_ERROR, APIError
-from server.wire import encode
+from paged_serve.server.errors import SERVER_ERROR, APIError
+from paged_serve.server.wire import encode
 
 logger = logging.getLogger(__name__)
 

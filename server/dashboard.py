@@ -10,9 +10,9 @@ Routes (added by ``create_app`` unless ``dashboard=False``, the CLI's ``--no-das
 
 The page polls the state endpoint a few times a second while it is visible. The endpoint's
 engine part is taken between steps, only while someone asks, at most every
-``engine.observe.engine_state.MIN_INTERVAL_S`` (see that module); its history part is sampled here
-once a second from the counters /metrics reads, so the charts cover the last minutes even
-when nobody was watching. The page is served wherever the API is: there is no other listener,
+``paged_serve.engine.observe.engine_state.MIN_INTERVAL_S`` (see that module); its history part is
+sampled here once a second from the counters /metrics reads, so the charts cover the last minutes
+even when nobody was watching. The page is served wherever the API is: there is no other listener,
 and a server on loopback (the default) serves it on loopback only.
 """
 
@@ -27,11 +27,11 @@ from pathlib import Path
 import msgspec
 from aiohttp import web
 
-from engine.async_engine import AsyncEngine
-from engine.observe.engine_state import EngineState
-from engine.observe.metrics import histogram_sum_count
-from server.errors import SERVER_ERROR, APIError
-from server.state import STATE
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.engine.observe.engine_state import EngineState
+from paged_serve.engine.observe.metrics import histogram_sum_count
+from paged_serve.server.errors import SERVER_ERROR, APIError
+from paged_serve.server.state import STATE
 
 PAGE_FILE = Path(__file__).with_name("static") / "dashboard.html"
 HISTORY_INTERVAL_S = 1.0

@@ -4,10 +4,11 @@ Every failure the server reports has the same body, whatever its status::
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": null}}
 
-``APIError`` carries that object plus the HTTP status; the error middleware in ``server.app``
-turns it (and aiohttp's own HTTP exceptions, msgspec decode errors and unexpected exceptions)
-into a JSON response. Streams that already sent their headers send the same object as an SSE
-frame instead. ``param`` and ``code`` are always present, ``null`` when there is none.
+``APIError`` carries that object plus the HTTP status; the error middleware in
+``paged_serve.server.app`` turns it (and aiohttp's own HTTP exceptions, msgspec decode errors and
+unexpected exceptions) into a JSON response. Streams that already sent their headers send the same
+object as an SSE frame instead. ``param`` and ``code`` are always present, ``null`` when there is
+none.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import re
 import msgspec
 from aiohttp import web
 
-from server.wire import json_response
+from paged_serve.server.wire import json_response
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"

@@ -1,7 +1,7 @@
 """The value constraints of request fields, as ``msgspec.Meta`` on annotated types.
 
 Decoding checks them, so a bad value is reported with the exact field name
-(``server.errors.from_decode_error``); rules that involve several fields are ``check()``
+(``paged_serve.server.errors.from_decode_error``); rules that involve several fields are ``check()``
 methods on the request Structs.
 """
 
@@ -11,7 +11,7 @@ from typing import Annotated
 
 import msgspec
 
-from engine.sampling_params import MAX_LOGPROBS, MAX_N
+from paged_serve.engine.sampling_params import MAX_LOGPROBS, MAX_N
 
 MAX_STOP = 4
 MAX_STOP_TOKEN_IDS = 64

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, fields
 
-from engine.sampling_params import MAX_LOGPROBS, MAX_N
+from paged_serve.engine.sampling_params import MAX_LOGPROBS, MAX_N
 
 ANY_HOST = "*"  # in allowed_hosts: no Host or Origin check at all
 
@@ -46,7 +46,8 @@ class ServerLimits:
         (vLLM's ``--max-logprobs``).
     allowed_hosts: host names (no port) a request's Host header may carry besides the loopback
         ones, when the server listens on loopback only; and Origin hosts trusted besides the
-        server's own. ``"*"`` turns the Host and Origin checks off (``server.browser_guard``).
+        server's own. ``"*"`` turns the Host and Origin checks off
+        (``paged_serve.server.browser_guard``).
     """
 
     max_request_bytes: int = 1 << 20

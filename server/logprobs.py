@@ -36,8 +36,8 @@ from collections.abc import Sequence
 
 import msgspec
 
-from engine.outputs import TokenLogprob
-from server.errors import bad_request
+from paged_serve.engine.outputs import TokenLogprob
+from paged_serve.server.errors import bad_request
 
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):

@@ -1,12 +1,12 @@
-"""``GET /metrics``: the engine's registry (``engine.observe.metrics``) in the Prometheus text
-exposition format, version 0.0.4, rendered by ``prometheus_client``.
+"""``GET /metrics``: the engine's registry (``paged_serve.engine.observe.metrics``) in the
+Prometheus text exposition format, version 0.0.4, rendered by ``prometheus_client``.
 
 Every metric has HELP and TYPE lines; counters end in ``_total``; histograms have
 ``_bucket{le=...}``, ``_sum`` and ``_count`` (and prometheus_client's ``_created``).
 ``paged_serve_kv_blocks_used`` counts blocks held by live requests only; blocks that sit in the
 prefix cache with no request holding them are ``paged_serve_kv_blocks_cached``. Every figure
 vLLM also reports is there a second time under vLLM's name and labels
-(``engine.observe.vllm_names``), labelled with the first served model name.
+(``paged_serve.engine.observe.vllm_names``), labelled with the first served model name.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
-from engine.async_engine import AsyncEngine
-from engine.observe.vllm_names import VllmNames
-from server.state import STATE
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.engine.observe.vllm_names import VllmNames
+from paged_serve.server.state import STATE
 
 
 def render(engine: AsyncEngine, model_name: str) -> bytes:

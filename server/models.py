@@ -10,8 +10,8 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from server.state import STATE, ServerState
-from server.wire import json_response
+from paged_serve.server.state import STATE, ServerState
+from paged_serve.server.wire import json_response
 
 
 class ModelCard(msgspec.Struct, kw_only=True):

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, TypeVar
 
 import jinja2
 
-from engine.async_engine import AsyncEngine
-from server.errors import bad_request
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.server.errors import bad_request
 
 if TYPE_CHECKING:
-    from server.protocol import ContentPart
+    from paged_serve.server.protocol import ContentPart
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 TEXT_PARTS = {"text", "input_text", "output_text"}

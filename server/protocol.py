@@ -2,10 +2,10 @@
 
 Field names follow the OpenAI API reference (plus vLLM's ``top_k``, ``min_p`` and
 ``ignore_eos``). Unknown fields are ignored, as OpenAI does. Range constraints are the
-annotated types of ``server.field_types``, so a bad value is reported with the exact field
-name; cross-field rules (``stop`` count, prompt shape) are checked by ``check()`` methods.
-The sampling fields completions and chat share are ``server.sampling.SamplingFields``; the
-documented fields this server refuses are ``server.unsupported_fields``'s table.
+annotated types of ``paged_serve.server.field_types``, so a bad value is reported with the exact
+field name; cross-field rules (``stop`` count, prompt shape) are checked by ``check()`` methods.
+The sampling fields completions and chat share are ``paged_serve.server.sampling.SamplingFields``;
+the documented fields this server refuses are ``paged_serve.server.unsupported_fields``'s table.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from engine.sampling_params import SamplingParams
-from server.errors import bad_request, from_decode_error
-from server.field_types import (
+from paged_serve.engine.sampling_params import SamplingParams
+from paged_serve.server.errors import bad_request, from_decode_error
+from paged_serve.server.field_types import (
     ChatTopLogprobCount,
     CompletionLogprobCount,
     Metadata,
@@ -28,13 +28,13 @@ from server.field_types import (
     TopP,
     User,
 )
-from server.generation_defaults import NO_DEFAULTS, SamplingDefaults
-from server.prompts import check_template_flags
-from server.response_tools import ResponsesTool, ResponsesToolChoice
-from server.sampling import SamplingFields, sampling_errors_as_400
-from server.state import STATE
-from server.structured import ResponseText, from_text_format
-from server.tools import MessageToolCall, ToolChoice, ToolSpec
+from paged_serve.server.generation_defaults import NO_DEFAULTS, SamplingDefaults
+from paged_serve.server.prompts import check_template_flags
+from paged_serve.server.response_tools import ResponsesTool, ResponsesToolChoice
+from paged_serve.server.sampling import SamplingFields, sampling_errors_as_400
+from paged_serve.server.state import STATE
+from paged_serve.server.structured import ResponseText, from_text_format
+from paged_serve.server.tools import MessageToolCall, ToolChoice, ToolSpec
 
 T = TypeVar("T")
 
@@ -204,7 +204,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 class InputItem(msgspec.Struct, kw_only=True):
     """A Responses API input item: a ``message`` (role; content a string or text parts), a
     ``function_call`` (call_id, name, arguments) or a ``function_call_output`` (call_id,
-    output); ``server.response_tools`` checks which fields each needs."""
+    output); ``paged_serve.server.response_tools`` checks which fields each needs."""
 
     type: str = "message"
     role: str | None = None
@@ -221,8 +221,9 @@ OUTPUT_TEXT_LOGPROBS = "message.output_text.logprobs"  # the one ``include`` val
 
 
 class ResponsesText(ResponseText, kw_only=True):
-    """The Responses ``text`` field: ``format`` (``server.structured``) and ``verbosity``, which
-    this server does not steer (only OpenAI's default, ``medium``, is accepted)."""
+    """The Responses ``text`` field: ``format`` (``paged_serve.server.structured``) and
+    ``verbosity``, which this server does not steer (only OpenAI's default, ``medium``, is
+    accepted)."""
 
     verbosity: str | None = None
 
@@ -240,14 +241,13 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     reports.
 
     Fields of OpenAI's reference that this server does not implement are refused when set to
-    anything but their default (``server.unsupported_fields.RESPONSES_REFUSED``): a request that
-    asks for a conversation object, a prompt template, reasoning, truncation, moderation or
-    compaction must not silently get something else. Hints that change nothing in the output by the
-    reference's own account (``user``, ``safety_identifier``, ``prompt_cache_key``,
-    ``prompt_cache_retention``, ``prompt_cache_options``, ``service_tier``, ``stream_options``)
-    are accepted and ignored; ``max_tool_calls`` bounds built-in tool calls, of which this server
-    makes none, so it always holds. Names the reference does not list are ignored, as OpenAI
-    does.
+    anything but their default (``unsupported_fields.RESPONSES_REFUSED``): a request that asks for a
+    conversation object, a prompt template, reasoning, truncation, moderation or compaction must not
+    silently get something else. Hints that change nothing in the output by the reference's own
+    account (``user``, ``safety_identifier``, ``prompt_cache_key``, ``prompt_cache_retention``,
+    ``prompt_cache_options``, ``service_tier``, ``stream_options``) are accepted and ignored;
+    ``max_tool_calls`` bounds built-in tool calls, of which this server makes none, so it always
+    holds. Names the reference does not list are ignored, as OpenAI does.
     """
 
     input: str | list[InputItem]
@@ -308,7 +308,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
             )
 
     def _check_unsupported(self) -> None:
-        """``text.verbosity`` (the table-driven refusals are ``server.unsupported_fields``)."""
+        """``text.verbosity`` (the table-driven refusals are ``unsupported_fields``)."""
         if self.text is not None and self.text.verbosity not in (None, "medium"):
             raise bad_request(
                 "text.verbosity is not supported by this server: only the default, 'medium'",
@@ -356,7 +356,7 @@ RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest, Respons
 
 async def read_request(request: web.Request, type: type[RequestT]) -> RequestT:
     """The body of ``request`` as ``type``, checked, naming a served model (or none), with the
-    server's sampling defaults where it leaves a field out (``server.generation_defaults``).
+    server's sampling defaults where it leaves a field out (``generation_defaults``).
 
     Raises APIError: 400 naming the bad field, 404 for another model.
     """

@@ -2,7 +2,7 @@
 and the options both endpoints share about what their outputs hold.
 
 ``ChoiceReply`` is the base of the two endpoints' reply builders (``CompletionReply``,
-``ChatReply``): it wraps their choices in the envelope of ``server.completion_objects``,
+``ChatReply``): it wraps their choices in the envelope of ``paged_serve.server.completion_objects``,
 decides where ``usage`` goes in a stream, and reads the engine's outputs with vLLM's
 ``include_stop_str_in_output`` applied (the stop string that ended a choice appended to its
 text; the detokenizer cuts the text just before it).
@@ -23,12 +23,12 @@ from typing import TypeVar
 
 from msgspec import UNSET
 
-from engine.outputs import RequestOutput
-from server.completion_objects import ChoiceList, PromptTokensDetails, Usage
-from server.generation import Choice, Generation
-from server.sampling import SamplingFields
-from server.sse import frame
-from server.state import ServerState
+from paged_serve.engine.outputs import RequestOutput
+from paged_serve.server.completion_objects import ChoiceList, PromptTokensDetails, Usage
+from paged_serve.server.generation import Choice, Generation
+from paged_serve.server.sampling import SamplingFields
+from paged_serve.server.sse import frame
+from paged_serve.server.state import ServerState
 
 ReplyT = TypeVar("ReplyT", bound=ChoiceList)
 

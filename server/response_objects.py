@@ -1,14 +1,14 @@
 """The Responses API's objects: the Response, its output message, and the stream's events.
 
-Output items are ``message`` items and ``function_call`` items (``server.response_tools``);
-``tools``, ``tool_choice`` and ``parallel_tool_calls`` echo the request. Annotations on the
-text are always empty; ``logprobs`` are the chat shape's token entries
-(``server.logprobs.ChatTokenLogprob``) when the request includes
+Output items are ``message`` items and ``function_call`` items
+(``paged_serve.server.response_tools``); ``tools``, ``tool_choice`` and ``parallel_tool_calls`` echo
+the request. Annotations on the text are always empty; ``logprobs`` are the chat shape's token
+entries (``paged_serve.server.logprobs.ChatTokenLogprob``) when the request includes
 ``message.output_text.logprobs``, else empty; both are still sent, as the reference lists them.
-``text.format`` echoes the request's (``server.structured``).
+``text.format`` echoes the request's (``paged_serve.server.structured``).
 
 Events share ``{"type", "sequence_number"}``; the stream numbers them from 0 as it sends them
-(``ResponseStream`` in ``server.response_stream``).
+(``ResponseStream`` in ``paged_serve.server.response_stream``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 import msgspec
 
-from server.logprobs import ChatTokenLogprob
-from server.response_tools import FunctionCallItem
+from paged_serve.server.logprobs import ChatTokenLogprob
+from paged_serve.server.response_tools import FunctionCallItem
 
 
 class IncompleteDetails(msgspec.Struct):

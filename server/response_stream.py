@@ -12,7 +12,7 @@ A failure mid-stream sends an ``error`` event and ends the stream. A stored resp
 default true) is stored before its last event is sent.
 
 ``ResponseStream`` numbers the events; the objects in them (the Response, its message, the
-final Response that is stored) come from its ``ResponseReply`` (``server.responses``).
+final Response that is stored) come from its ``ResponseReply`` (``paged_serve.server.responses``).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
-from server import sse
-from server.errors import APIError
-from server.generation import Generation
-from server.logprobs import ChatTokenLogprob
-from server.response_objects import (
+from paged_serve.server import sse
+from paged_serve.server.errors import APIError
+from paged_serve.server.generation import Generation
+from paged_serve.server.logprobs import ChatTokenLogprob
+from paged_serve.server.response_objects import (
     ContentPartEvent,
     ErrorEvent,
     FunctionCallArgumentsDelta,
@@ -36,11 +36,11 @@ from server.response_objects import (
     TextDeltaEvent,
     TextDoneEvent,
 )
-from server.response_tools import FunctionCallItem, new_item_id
-from server.tools import ToolCallStream
+from paged_serve.server.response_tools import FunctionCallItem, new_item_id
+from paged_serve.server.tools import ToolCallStream
 
 if TYPE_CHECKING:
-    from server.responses import ResponseReply
+    from paged_serve.server.responses import ResponseReply
 
 
 class ResponseStream:

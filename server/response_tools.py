@@ -1,11 +1,11 @@
-"""Function tools in the Responses API, mapped onto the chat tools of ``server.tools``.
+"""Function tools in the Responses API, mapped onto the chat tools of ``paged_serve.server.tools``.
 
 Requests: ``tools`` are flat (``{"type": "function", "name", "description", "parameters"}``),
 a named ``tool_choice`` is ``{"type": "function", "name"}``, and ``input`` items may be
 ``function_call`` items (a call the model made) and ``function_call_output`` items (its result,
 by ``call_id``), besides messages. The conversation a stored response carries over to a
-``previous_response_id`` follow-up is kept as chat messages (``server.protocol.ChatMessage``),
-so tool calls and results survive it.
+``previous_response_id`` follow-up is kept as chat messages
+(``paged_serve.server.protocol.ChatMessage``), so tool calls and results survive it.
 
 Replies: text before the calls is an output ``message``; each call is a ``function_call``
 output item (``id`` ``fc_…``, ``call_id`` ``call_…``).
@@ -18,8 +18,8 @@ from typing import Any
 
 import msgspec
 
-from server.errors import bad_request
-from server.tools import (
+from paged_serve.server.errors import bad_request
+from paged_serve.server.tools import (
     FunctionSpec,
     MessageFunctionCall,
     MessageToolCall,

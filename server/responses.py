@@ -3,21 +3,23 @@
 The prompt is ``instructions`` (as a system message), then the stored conversation of
 ``previous_response_id`` (its input and output messages, without its instructions), then
 ``input``, through the chat template. The output is one assistant message with one
-``output_text`` part; with function tools (``server.response_tools``), text before the calls
-is that message and each call a ``function_call`` item. A response that hit
+``output_text`` part; with function tools (``paged_serve.server.response_tools``), text before the
+calls is that message and each call a ``function_call`` item. A response that hit
 ``max_output_tokens`` has status ``incomplete``.
 
-``stream: true`` sends the response as typed, numbered events (``server.response_stream``).
-The response is stored (``store``, default true) for ``GET`` and ``previous_response_id``.
+``stream: true`` sends the response as typed, numbered events
+(``paged_serve.server.response_stream``). The response is stored (``store``, default true) for
+``GET`` and ``previous_response_id``.
 
 ``include: ["message.output_text.logprobs"]`` (with ``top_logprobs`` alternatives, 0-20) gives
 the ``output_text`` part, each ``response.output_text.delta`` (its own tokens) and
 ``response.output_text.done`` a ``logprobs`` list of chat-shaped token entries
-(``server.logprobs``); a delta may carry tokens whose text is still held back (part of a UTF-8
-character), so the deltas' lists concatenate to the part's. Not with function tools that may be
-called (which tokens make the text is then the parser's business): a 400 naming ``include``.
+(``paged_serve.server.logprobs``); a delta may carry tokens whose text is still held back
+(part of a UTF-8 character), so the deltas' lists concatenate to the part's. Not with
+function tools that may be called (which tokens make the text is then the parser's business):
+a 400 naming ``include``.
 
-``background: true`` runs the generation as a task of the server (``server.background``):
+``background: true`` runs the generation as a task of the server (``background``):
 ``GET`` polls it, ``?stream=true&starting_after=N`` resumes a streamed one after event N, and
 ``POST /v1/responses/{id}/cancel`` cancels it. ``DELETE`` of a running one cancels it first.
 """
@@ -31,14 +33,14 @@ from collections.abc import Sequence
 import msgspec
 from aiohttp import web
 
-from engine.outputs import TokenLogprob
-from server.background import BACKGROUND
-from server.errors import APIError, bad_request
-from server.generation import Generation, Job, start_generation
-from server.logprobs import ChatTokenLogprob, chat_logprobs
-from server.prompts import chat_prompt_ids
-from server.protocol import ChatMessage, ResponsesRequest, read_request
-from server.response_objects import (
+from paged_serve.engine.outputs import TokenLogprob
+from paged_serve.server.background import BACKGROUND
+from paged_serve.server.errors import APIError, bad_request
+from paged_serve.server.generation import Generation, Job, start_generation
+from paged_serve.server.logprobs import ChatTokenLogprob, chat_logprobs
+from paged_serve.server.prompts import chat_prompt_ids
+from paged_serve.server.protocol import ChatMessage, ResponsesRequest, read_request
+from paged_serve.server.response_objects import (
     IncompleteDetails,
     InputTokensDetails,
     OutputMessage,
@@ -49,9 +51,9 @@ from server.response_objects import (
     ResponseUsage,
     TextConfig,
 )
-from server.response_store import StoredResponse
-from server.response_stream import ResponseStream
-from server.response_tools import (
+from paged_serve.server.response_store import StoredResponse
+from paged_serve.server.response_stream import ResponseStream
+from paged_serve.server.response_tools import (
     FunctionCallItem,
     assistant_message,
     chat_tool_choice,
@@ -59,19 +61,19 @@ from server.response_tools import (
     input_messages,
     new_item_id,
 )
-from server.sampling import output_limit
-from server.sse import respond
-from server.state import OWNER, STATE, ServerState
-from server.structured import compile_constraint
-from server.tools import (
+from paged_serve.server.sampling import output_limit
+from paged_serve.server.sse import respond
+from paged_serve.server.state import OWNER, STATE, ServerState
+from paged_serve.server.structured import compile_constraint
+from paged_serve.server.tools import (
     ToolPlan,
     conversation,
     plan_tools,
     reply_message,
     with_tool_plan,
 )
-from server.unsupported_fields import RESPONSES_REFUSED, refuse_unsupported
-from server.wire import json_response
+from paged_serve.server.unsupported_fields import RESPONSES_REFUSED, refuse_unsupported
+from paged_serve.server.wire import json_response
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -271,7 +273,7 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
 
 class ResponseReply:
     """Builds the Response object and stores the result; ``events`` makes a stream's events
-    (``server.response_stream``)."""
+    (``paged_serve.server.response_stream``)."""
 
     def __init__(
         self,

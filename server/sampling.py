@@ -12,10 +12,10 @@ from contextlib import contextmanager
 
 import msgspec
 
-from engine.grammar.structured_output import StructuredOutput
-from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
-from server.errors import bad_request
-from server.field_types import (
+from paged_serve.engine.grammar.structured_output import StructuredOutput
+from paged_serve.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from paged_serve.server.errors import bad_request
+from paged_serve.server.field_types import (
     MAX_STOP,
     MAX_STOP_TOKEN_IDS,
     MAX_TOKEN_ID_DIGITS,
@@ -33,7 +33,7 @@ from server.field_types import (
     TopP,
     User,
 )
-from server.structured import (
+from paged_serve.server.structured import (
     JsonSchema,
     ResponseFormat,
     StructuredOutputsField,

@@ -15,7 +15,7 @@ outputs pile up unseen behind a blocked write: they pile up here, counted. Once 
 unsent bytes pass ``ServerLimits.max_unsent_bytes`` the client is too far behind to be
 waited for: the connection is reset (the unsent bytes dropped, the kernel's too) and the
 handler returns, which aborts its engine requests. A write that makes no progress at all is
-cut by the connection's write timeout (``server.connections``).
+cut by the connection's write timeout (``paged_serve.server.connections``).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from collections.abc import AsyncGenerator, Callable
 
 from aiohttp import web
 
-from server.connections import drop_connection
-from server.errors import SERVER_ERROR, APIError
-from server.state import STATE
-from server.wire import encode
+from paged_serve.server.connections import drop_connection
+from paged_serve.server.errors import SERVER_ERROR, APIError
+from paged_serve.server.state import STATE
+from paged_serve.server.wire import encode
 
 logger = logging.getLogger(__name__)
 

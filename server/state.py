@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from engine.async_engine import AsyncEngine
-from server.connections import ConnectionGuard
-from server.errors import SERVER_ERROR, APIError
-from server.generation_defaults import NO_DEFAULTS, SamplingDefaults
-from server.limits import ServerLimits
-from server.response_store import ResponseStore
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.server.connections import ConnectionGuard
+from paged_serve.server.errors import SERVER_ERROR, APIError
+from paged_serve.server.generation_defaults import NO_DEFAULTS, SamplingDefaults
+from paged_serve.server.limits import ServerLimits
+from paged_serve.server.response_store import ResponseStore
 
 
 @dataclass(slots=True)

@@ -1,5 +1,5 @@
 """Structured outputs on the wire: the request fields that constrain a reply, as one
-``engine.grammar.structured_output.StructuredOutput``.
+``paged_serve.engine.grammar.structured_output.StructuredOutput``.
 
 Accepted forms (at most one per request; the engine guarantees the output matches it):
 
@@ -22,12 +22,12 @@ from typing import Any
 
 import msgspec
 
-from engine.errors import InvalidRequestError
-from engine.grammar.compiles import CompileQueueFullError
-from engine.grammar.structured_output import StructuredOutput
-from engine.sampling_params import SamplingParams
-from server.errors import bad_request, queue_full
-from server.response_objects import TextFormat
+from paged_serve.engine.errors import InvalidRequestError
+from paged_serve.engine.grammar.compiles import CompileQueueFullError
+from paged_serve.engine.grammar.structured_output import StructuredOutput
+from paged_serve.engine.sampling_params import SamplingParams
+from paged_serve.server.errors import bad_request, queue_full
+from paged_serve.server.response_objects import TextFormat
 
 JsonSchema = dict[str, Any] | bool
 

@@ -15,12 +15,17 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from server.errors import bad_request
-from server.field_types import TokenId
-from server.prompts import chat_message, chat_prompt_ids, check_template_flags, tokenize_prompt
-from server.protocol import ChatMessage, decode
-from server.state import STATE, ServerState
-from server.wire import json_response
+from paged_serve.server.errors import bad_request
+from paged_serve.server.field_types import TokenId
+from paged_serve.server.prompts import (
+    chat_message,
+    chat_prompt_ids,
+    check_template_flags,
+    tokenize_prompt,
+)
+from paged_serve.server.protocol import ChatMessage, decode
+from paged_serve.server.state import STATE, ServerState
+from paged_serve.server.wire import json_response
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

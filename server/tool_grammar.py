@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from engine.grammar.structured_output import StructuredOutput, subschemas
+from paged_serve.engine.grammar.structured_output import StructuredOutput, subschemas
 
 JsonObject = dict[str, Any]
 

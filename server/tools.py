@@ -11,15 +11,15 @@ system message, past calls and results as JSON, and the reply held to a JSON env
 
 * ``none``: no tools in the prompt and no parsing;
 * ``auto`` (the default with tools): native templates are parsed by their family's parser
-  (``server.tool_parsers``); the generic format's reply is constrained to ``{"tool_call": ...}``
-  (``{"tool_calls": [...]}`` with parallel calls) or ``{"response": "..."}``;
+  (``paged_serve.server.tool_parsers``); the generic format's reply is constrained to
+  ``{"tool_call": ...}`` (``{"tool_calls": [...]}`` with parallel calls) or ``{"response": "..."}``;
 * ``required`` and a named function: the grammar forces the reply to a JSON list of calls / the
   named function's arguments object, so the arguments match the tool's parameter schema by
   construction, whatever the model.
 
-Every choice's grammar comes from one ``server.tool_grammar.ToolGrammar``, so a schema with
-``$defs``/``$ref`` means the same under each. A call reaches the client only once its JSON is
-whole (``server.tool_parsers``): a reply that ``max_tokens`` cuts off mid-call ends with
+Every choice's grammar comes from one ``paged_serve.server.tool_grammar.ToolGrammar``, so a schema
+with ``$defs``/``$ref`` means the same under each. A call reaches the client only once its JSON is
+whole (``paged_serve.server.tool_parsers``): a reply that ``max_tokens`` cuts off mid-call ends with
 ``finish_reason: "length"`` and the unfinished call as text in the content.
 """
 
@@ -34,13 +34,18 @@ from typing import Any
 
 import msgspec
 
-from engine.grammar.structured_output import StructuredOutput
-from engine.sampling_params import SamplingParams
-from server.completion_objects import FunctionCall, FunctionDelta, ToolCall, ToolCallDelta
-from server.errors import bad_request
-from server.prompts import ROLES, message_text
-from server.tool_grammar import ToolGrammar, ToolSchemaError, checked_parameters
-from server.tool_parsers import (
+from paged_serve.engine.grammar.structured_output import StructuredOutput
+from paged_serve.engine.sampling_params import SamplingParams
+from paged_serve.server.completion_objects import (
+    FunctionCall,
+    FunctionDelta,
+    ToolCall,
+    ToolCallDelta,
+)
+from paged_serve.server.errors import bad_request
+from paged_serve.server.prompts import ROLES, message_text
+from paged_serve.server.tool_grammar import ToolGrammar, ToolSchemaError, checked_parameters
+from paged_serve.server.tool_parsers import (
     PARSERS,
     FirstCallOnly,
     GenericParser,

@@ -1,8 +1,8 @@
 """How every reply body is serialised: one msgspec JSON encoder and ``json_response()``.
 
-Reply bodies are msgspec Structs, as the requests are (``server.protocol``). Each Struct lists
-the fields of its OpenAI object in the reference's order, so no place that builds one can drop a
-field or misspell it. Two kinds of "no value" are kept apart:
+Reply bodies are msgspec Structs, as the requests are (``paged_serve.server.protocol``). Each Struct
+lists the fields of its OpenAI object in the reference's order, so no place that builds one can drop
+a field or misspell it. Two kinds of "no value" are kept apart:
 
 * a field the reference marks nullable is typed ``X | None`` and always sent, ``null`` included
   (``logprobs``, ``finish_reason`` of a stream chunk, ``param`` of an error);

@@ -28,11 +28,11 @@ import importlib.metadata
 import msgspec
 from aiohttp import web
 
-from engine.sampling_params import SamplingParams
-from server.errors import SERVER_ERROR, APIError
-from server.generation import Job, start_generation
-from server.state import STATE, ServerState
-from server.wire import json_response
+from paged_serve.engine.sampling_params import SamplingParams
+from paged_serve.server.errors import SERVER_ERROR, APIError
+from paged_serve.server.generation import Job, start_generation
+from paged_serve.server.state import STATE, ServerState
+from paged_serve.server.wire import json_response
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # seconds a one-token health generation may take
 CACHE_PATHS = frozenset({"/flush_cache", "/reset_prefix_cache"})  # need the API key

@@ -40,12 +40,12 @@ from transformers import (  # noqa: E402
 )
 from transformers.integrations.moe import ExpertsInterface  # noqa: E402
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.model.fused_projections import fuse_projections  # noqa: E402
-from engine.model.loader import LoadedModel  # noqa: E402
-from engine.model.packed_weights import packable  # noqa: E402
-from engine.sched.block_manager import BlockManager  # noqa: E402
+from paged_serve.engine.config import EngineConfig  # noqa: E402
+from paged_serve.engine.llm_engine import LLMEngine  # noqa: E402
+from paged_serve.engine.model.fused_projections import fuse_projections  # noqa: E402
+from paged_serve.engine.model.loader import LoadedModel  # noqa: E402
+from paged_serve.engine.model.packed_weights import packable  # noqa: E402
+from paged_serve.engine.sched.block_manager import BlockManager  # noqa: E402
 from tests.tp_workers import fork_tp_workers_from_a_preloaded_server  # noqa: E402
 
 fork_tp_workers_from_a_preloaded_server()  # TP=2 engines start in 0.3 s, not 8 s
@@ -214,7 +214,7 @@ def tiny_family(request: pytest.FixtureRequest) -> tuple[str, PreTrainedModel]:
 @pytest.fixture(scope="session")
 def default_model() -> LoadedModel:
     """SmolLM2-135M-Instruct in fp32 (converted once into $PAGED_SERVE_CACHE)."""
-    from engine.model.loader import load_model
+    from paged_serve.engine.model.loader import load_model
 
     return load_model(None, dtype=torch.float32, device=torch.device("cpu"))
 

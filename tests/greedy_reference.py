@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from engine.outputs import CompletionResult
+from paged_serve.engine.outputs import CompletionResult
 from tests.conftest import hf_greedy
 
 LOGPROB_TOL = 2e-4

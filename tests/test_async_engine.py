@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from engine import EngineConfig, SamplingParams
-from engine.async_engine import AsyncEngine, QueueFullError
+from paged_serve.engine import EngineConfig, SamplingParams
+from paged_serve.engine.async_engine import AsyncEngine, QueueFullError
 from tests.conftest import hf_greedy, loaded, random_prompts, tiny_model
 
 PROMPTS = random_prompts([4, 20, 33], seed=7)

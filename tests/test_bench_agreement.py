@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.llm import LLM
+from paged_serve.engine.llm import LLM
 from perf.bench_agreement import forced_agreement
 from tests.conftest import (
     TINY_VOCAB,

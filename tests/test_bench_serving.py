@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.model.loader import LoadedModel
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.model.loader import LoadedModel
+from paged_serve.server.app import create_app, make_runner
 from perf import bench_serving
 from perf.bench_serving import timing_order
 from perf.serving_check import check_replies, hf_references, matched_tokens, sample_indices
@@ -48,7 +49,6 @@ from perf.serving_workloads import (
     arrival_offsets,
     decode_heavy,
 )
-from server.app import create_app, make_runner
 
 
 # ------------------------------------------------------------------------------ workloads

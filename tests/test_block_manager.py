@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sched.block_manager import BlockManager, OutOfBlocksError
+from paged_serve.engine.sched.block_manager import BlockManager, OutOfBlocksError
 
 
 @pytest.mark.parametrize(

@@ -8,15 +8,15 @@ import sys
 
 import pytest
 
-from engine.cli import add_engine_args, engine_kwargs
-from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from engine.llm_engine import LLMEngine
+from paged_serve.engine.cli import add_engine_args, engine_kwargs
+from paged_serve.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from paged_serve.engine.llm_engine import LLMEngine
 from tests.conftest import loaded, tiny_model
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "engine.cli", *args],
+        [sys.executable, "-m", "paged_serve.engine.cli", *args],
         capture_output=True,
         text=True,
         timeout=300,

@@ -12,15 +12,15 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from engine.platform.cpu import attention_plan
-from engine.platform.cpu.attention import PlannedTorchAttention
-from engine.platform.cpu.attention_plan import (
+from paged_serve.engine.platform.cpu import attention_plan
+from paged_serve.engine.platform.cpu.attention import PlannedTorchAttention
+from paged_serve.engine.platform.cpu.attention_plan import (
     MIN_PADDING_SAVED,
     AttentionPlan,
     kv_pair,
     length_groups,
 )
-from kernels.reference import paged_attention_ref, write_kv_ref
+from paged_serve.kernels.reference import paged_attention_ref, write_kv_ref
 from tests.kernels.conftest import build_paged_batch
 from tests.kernels.test_paged_attention import CASES, _seqs
 from tests.kernels.test_reference import _naive_attention

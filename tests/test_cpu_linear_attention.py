@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.platform.cpu.linear_attention import causal_conv1d_cpu, gated_delta_rule_cpu
-from kernels.reference import causal_conv1d_ref, gated_delta_rule_ref
+from paged_serve.engine.platform.cpu.linear_attention import causal_conv1d_cpu, gated_delta_rule_cpu
+from paged_serve.kernels.reference import causal_conv1d_ref, gated_delta_rule_ref
 
 STEPS = {
     "decode": ([1, 1, 1, 1, 1], {1}),

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.llm import LLM
-from engine.model.packed_weights import packable
-from engine.platform.cpu.linears import (
+from paged_serve.engine.llm import LLM
+from paged_serve.engine.model.packed_weights import packable
+from paged_serve.engine.platform.cpu.linears import (
     CALIBRATION_MARGIN,
     FEW_ROW_KERNELS,
     FEW_ROWS,
@@ -28,7 +28,7 @@ from engine.platform.cpu.linears import (
     restore_plain_linears,
     speed_up_cpu_linears,
 )
-from engine.sampling_params import SamplingParams
+from paged_serve.engine.sampling_params import SamplingParams
 from tests.conftest import SWAPPED_DTYPES, TINY_FAMILIES, hf_greedy, loaded, tiny_model
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.runner.decode_graphs import DecodeGraphs, EagerReplay, graph_batch_sizes
-from engine.runner.step_inputs import StepInputs
-from kernels.triton.paged_attention import choose_num_kv_splits
+from paged_serve.engine import LLM, SamplingParams
+from paged_serve.engine.runner.decode_graphs import DecodeGraphs, EagerReplay, graph_batch_sizes
+from paged_serve.engine.runner.step_inputs import StepInputs
+from paged_serve.kernels.triton.paged_attention import choose_num_kv_splits
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts, tiny_model
 from tests.greedy_reference import (
     assert_greedy_within_tolerance,

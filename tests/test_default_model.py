@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine import LLM, SamplingParams
-from engine.model.loader import (
+from paged_serve.engine import LLM, SamplingParams
+from paged_serve.engine.model.loader import (
     DEFAULT_MODEL_NAME,
     default_gguf_path,
     gguf_cache_dir,

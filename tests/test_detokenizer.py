@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sched.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
+from paged_serve.engine.sched.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
 
 TEXTS = [
     "Hello, world! Plain ASCII with  double spaces.",

@@ -8,10 +8,10 @@ import logging
 import pytest
 import torch
 
-import engine.platform.dtype_choice as dtype_choice
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.platform.dtype_choice import choose_dtype, native_bf16_features
+import paged_serve.engine.platform.dtype_choice as dtype_choice
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.llm_engine import LLMEngine
+from paged_serve.engine.platform.dtype_choice import choose_dtype, native_bf16_features
 from tests.conftest import tiny_model
 
 CPU = torch.device("cpu")
@@ -84,7 +84,7 @@ def test_the_engine_loads_and_logs_the_choice(
     monkeypatch, caplog, tiny_model_dir, asked, native, expected
 ) -> None:
     _caps(monkeypatch, avx512_bf16=native)
-    with caplog.at_level(logging.INFO, logger="engine.runner.build"):
+    with caplog.at_level(logging.INFO, logger="paged_serve.engine.runner.build"):
         engine = LLMEngine(
             EngineConfig(model=str(tiny_model_dir), dtype=asked, kv_cache_memory=1 << 20)
         )

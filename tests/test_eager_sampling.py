@@ -1,5 +1,5 @@
-"""engine.sample.eager_sampling against kernels.reference: the same keep sets, tokens and logprobs,
-bit
+"""paged_serve.engine.sample.eager_sampling against kernels.reference: the same keep sets, tokens
+and logprobs, bit
 for bit, over random mixes of every filter (rows that skip a filter next to rows that use it)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sample.eager_sampling import keep_mask_eager, sample_eager
-from engine.sample.sampler import Sampler, SamplingBatch, row_uniforms
-from kernels.reference import nucleus_keep, sample_ref, sampling_keep_mask
+from paged_serve.engine.sample.eager_sampling import keep_mask_eager, sample_eager
+from paged_serve.engine.sample.sampler import Sampler, SamplingBatch, row_uniforms
+from paged_serve.kernels.reference import nucleus_keep, sample_ref, sampling_keep_mask
 
 
 def _mix(rows: int, vocab: int, seed: int) -> tuple[torch.Tensor, dict, torch.Tensor]:
@@ -119,7 +119,7 @@ def test_the_torch_sampler_draws_the_reference_token():
 def test_the_nucleus_head_and_its_fallback_equal_the_reference(monkeypatch):
     """Rows cut inside the head, rows whose head is kept whole (sorted in full), a tie group
     across the head's end, and zeros (tokens outside a top-k set)."""
-    from engine.sample import eager_sampling
+    from paged_serve.engine.sample import eager_sampling
 
     vocab, head = 3000, eager_sampling.NUCLEUS_HEAD
     gen = torch.Generator().manual_seed(7)

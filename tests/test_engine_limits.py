@@ -9,11 +9,11 @@ import asyncio
 import pytest
 import torch
 
-from engine import EngineConfig, SamplingParams
-from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.errors import InvalidRequestError
-from engine.llm_engine import LLMEngine
-from engine.sample.sampler import INVALID_TOKEN
+from paged_serve.engine import EngineConfig, SamplingParams
+from paged_serve.engine.async_engine import AsyncEngine, EngineDeadError
+from paged_serve.engine.errors import InvalidRequestError
+from paged_serve.engine.llm_engine import LLMEngine
+from paged_serve.engine.sample.sampler import INVALID_TOKEN
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts, tiny_model
 
 PROMPTS = random_prompts([5, 9, 14], seed=7)

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.observe import engine_state
-from engine.observe.engine_state import StateWatch, pool_integrity, take_state
-from engine.sampling_params import SamplingParams
-from engine.sched.block_manager import RECENT_COPIES, BlockManager
-from engine.sched.request import Request, RequestStatus
-from engine.sched.scheduler import Scheduler
+from paged_serve.engine.observe import engine_state
+from paged_serve.engine.observe.engine_state import StateWatch, pool_integrity, take_state
+from paged_serve.engine.sampling_params import SamplingParams
+from paged_serve.engine.sched.block_manager import RECENT_COPIES, BlockManager
+from paged_serve.engine.sched.request import Request, RequestStatus
+from paged_serve.engine.sched.scheduler import Scheduler
 
 INF = float("inf")  # no bound on the time spent taking states
 
@@ -184,7 +184,7 @@ def test_a_failing_take_never_reaches_the_engine_loop(monkeypatch, caplog):
     def broken(*args):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr("engine.observe.engine_state.take_state", broken)
+    monkeypatch.setattr("paged_serve.engine.observe.engine_state.take_state", broken)
     watch.want()
     watch.after_step(engine, "a")  # logged, not raised
     assert watch.broken and "taking the engine state failed" in caplog.text
@@ -195,7 +195,7 @@ def test_a_failing_take_never_reaches_the_engine_loop(monkeypatch, caplog):
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_waiting_list_is_capped(n, monkeypatch):
-    monkeypatch.setattr("engine.observe.engine_state.MAX_WAITING_LISTED", n)
+    monkeypatch.setattr("paged_serve.engine.observe.engine_state.MAX_WAITING_LISTED", n)
     engine = _engine(BlockManager(4, 4))
     for i in range(5):
         engine.scheduler.add(_request(f"w{i}", 3))

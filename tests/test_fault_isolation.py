@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from engine import EngineConfig, SamplingParams
-from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.llm_engine import LLMEngine
+from paged_serve.engine import EngineConfig, SamplingParams
+from paged_serve.engine.async_engine import AsyncEngine, EngineDeadError
+from paged_serve.engine.llm_engine import LLMEngine
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts, tiny_model
 
 PROMPTS = random_prompts([6, 19], seed=2)

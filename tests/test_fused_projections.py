@@ -9,14 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from engine.llm import LLM
-from engine.model.fused_projections import (
+from paged_serve.engine.llm import LLM
+from paged_serve.engine.model.fused_projections import (
     FusedLinear,
     FusedPart,
     fuse_projections,
     unfuse_projections,
 )
-from engine.sampling_params import SamplingParams
+from paged_serve.engine.sampling_params import SamplingParams
 from tests.conftest import TINY_FAMILIES, hf_greedy, loaded, tiny_model
 
 

@@ -8,9 +8,9 @@ import copy
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from paged_serve.engine import LLM, SamplingParams
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.llm_engine import LLMEngine
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts
 
 LENGTHS = [1, 5, 15, 16, 17, 31, 40, 63, 100]

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine.outputs import CompletionResult, TokenLogprob
+from paged_serve.engine.outputs import CompletionResult, TokenLogprob
 from tests.conftest import random_prompts, tiny_model
 from tests.greedy_reference import (
     LOGPROB_TOL,

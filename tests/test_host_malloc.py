@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-import engine.platform.cpu.host_malloc as host_malloc
-from engine.llm import LLM
-from engine.platform.cpu.host_malloc import keep_freed_memory
+import paged_serve.engine.platform.cpu.host_malloc as host_malloc
+from paged_serve.engine.llm import LLM
+from paged_serve.engine.platform.cpu.host_malloc import keep_freed_memory
 from tests.conftest import loaded, tiny_model
 
 glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
@@ -29,7 +29,8 @@ glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc
 # and the default loop's faults varied from 10,814 to 186,584 between identical runs.
 LOOP = """
 import ctypes, resource, sys, torch
-from engine.platform.cpu.host_malloc import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, keep_freed_memory
+from paged_serve.engine.platform.cpu.host_malloc import (
+    M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, keep_freed_memory)
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 else:

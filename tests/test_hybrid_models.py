@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.runner.decode_graphs import DecodeGraphs, EagerReplay
-from engine.sched.state_slots import StateSlots
+from paged_serve.engine import LLM, SamplingParams
+from paged_serve.engine.runner.decode_graphs import DecodeGraphs, EagerReplay
+from paged_serve.engine.sched.state_slots import StateSlots
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts
 from tests.test_model_coverage import tiny_architecture
 
@@ -172,7 +172,7 @@ def test_state_slots_hand_out_copy_and_return() -> None:
 
 
 def test_the_dashboard_state_shows_slots_beside_blocks(hybrid) -> None:
-    from engine.observe.engine_state import take_state
+    from paged_serve.engine.observe.engine_state import take_state
 
     model, _ = hybrid
     engine = LLM(loaded=loaded(model), kv_cache_memory=4 << 20, max_num_seqs=8).engine

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.model.int4_weights import (
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.llm import LLM
+from paged_serve.engine.model.int4_weights import (
     GROUP_SIZE,
     MAX_KERNEL_ROWS,
     Int4Experts,
@@ -23,9 +23,9 @@ from engine.model.int4_weights import (
     quantize_groups,
     quantize_int4,
 )
-from engine.model.packed_weights import packable
-from engine.platform.cpu.linears import PackedLinear
-from engine.sampling_params import SamplingParams
+from paged_serve.engine.model.packed_weights import packable
+from paged_serve.engine.platform.cpu.linears import PackedLinear
+from paged_serve.engine.sampling_params import SamplingParams
 from tests.conftest import (
     QUANTIZED_EXPERTS_REFERENCE,
     TINY_FAMILIES,

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.model.int8_weights import Int8Experts, Int8Linear, quantize_int8
-from engine.sampling_params import SamplingParams
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.llm import LLM
+from paged_serve.engine.model.int8_weights import Int8Experts, Int8Linear, quantize_int8
+from paged_serve.engine.sampling_params import SamplingParams
 from tests.conftest import (
     QUANTIZED_EXPERTS_REFERENCE,
     TINY_FAMILIES,

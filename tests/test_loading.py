@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
-from engine.model.loader import load_model, quantized_checkpoint_options
+from paged_serve.engine import LLM, SamplingParams
+from paged_serve.engine.model.loader import load_model, quantized_checkpoint_options
 from tests.conftest import assert_pool_clean, hf_greedy, random_prompts, tiny_model
 from tests.test_model_coverage import tiny_architecture
 

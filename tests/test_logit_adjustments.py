@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.sample.logit_adjustments import adjust_logits, penalize
-from engine.sched.request import Request
+from paged_serve.engine import LLM, SamplingParams
+from paged_serve.engine.sample.logit_adjustments import adjust_logits, penalize
+from paged_serve.engine.sched.request import Request
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts, tiny_model
 
 PROMPTS = random_prompts([3, 12, 30, 17], seed=21)

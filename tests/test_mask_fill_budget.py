@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import SamplingParams
-from engine.grammar.structured_output import StructuredOutput
-from engine.llm_engine import LLMEngine
-from engine.sample.token_mask import MASK_FILL_THREADS, MaskFiller
+from paged_serve.engine import SamplingParams
+from paged_serve.engine.grammar.structured_output import StructuredOutput
+from paged_serve.engine.llm_engine import LLMEngine
+from paged_serve.engine.sample.token_mask import MASK_FILL_THREADS, MaskFiller
 from tests.conftest import assert_pool_clean, tokenizer_engine
 
 EOS = 2

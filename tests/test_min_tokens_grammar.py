@@ -12,9 +12,9 @@ import re
 
 import pytest
 
-from engine import SamplingParams
-from engine.grammar.structured_output import StructuredOutput
-from engine.llm_engine import LLMEngine
+from paged_serve.engine import SamplingParams
+from paged_serve.engine.grammar.structured_output import StructuredOutput
+from paged_serve.engine.llm_engine import LLMEngine
 from tests.conftest import assert_pool_clean, tokenizer_engine
 
 EOS = 2

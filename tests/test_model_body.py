@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-import engine.model.prep as model_prep
-from engine.llm import LLM
-from engine.model.body import RMSNorm
-from engine.sampling_params import SamplingParams
+import paged_serve.engine.model.prep as model_prep
+from paged_serve.engine.llm import LLM
+from paged_serve.engine.model.body import RMSNorm
+from paged_serve.engine.sampling_params import SamplingParams
 from tests.conftest import (
     TINY_FAMILIES,
     assert_pool_clean,

@@ -13,8 +13,8 @@ import pytest
 import torch
 import transformers.masking_utils as masking_utils
 
-from engine import LLM, SamplingParams
-from engine.runner.model_runner import LaunchedStep
+from paged_serve.engine import LLM, SamplingParams
+from paged_serve.engine.runner.model_runner import LaunchedStep
 from tests.conftest import assert_pool_clean, loaded, random_prompts, tiny_model
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

@@ -8,10 +8,10 @@ import threading
 
 import torch
 
-import engine.async_engine as async_engine
-import engine.platform.cpu.openmp_pool as openmp_pool
-from engine import EngineConfig
-from engine.platform.cpu.openmp_pool import release_openmp_pool
+import paged_serve.engine.async_engine as async_engine
+import paged_serve.engine.platform.cpu.openmp_pool as openmp_pool
+from paged_serve.engine import EngineConfig
+from paged_serve.engine.platform.cpu.openmp_pool import release_openmp_pool
 from tests.conftest import loaded, tiny_model
 
 

@@ -1,34 +1,102 @@
-"""The generic top-level package names refuse a foreign sibling at import time."""
+"""One import name: ``paged_serve`` maps the layout's folders, lists every one of them, and
+leaves every other top-level name (Hugging Face's ``kernels`` above all) to its owner."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
+PACKAGE_DIRS = SETUPTOOLS["package-dir"]
 
 
-def _import_with_foreign(tmp_path: Path, foreign: str, target: str) -> subprocess.CompletedProcess:
-    """Import ``target`` with a package named ``foreign`` from elsewhere first on sys.path."""
-    fake = tmp_path / foreign
-    fake.mkdir()
-    (fake / "__init__.py").write_text("VALUE = 'someone else'\n")
-    code = f"import sys; sys.path[:0] = [{str(tmp_path)!r}, {str(ROOT)!r}]; import {target}"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+def _folder_of(package: str) -> Path:
+    """The folder setuptools builds ``package`` from: its longest mapped prefix's folder."""
+    parts = package.split(".")
+    for n in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:n])
+        if prefix in PACKAGE_DIRS:
+            return ROOT / PACKAGE_DIRS[prefix] / Path(*parts[n:])
+    raise AssertionError(f"{package} is under no mapped folder")
 
 
-@pytest.mark.parametrize("foreign, target", [("kernels", "engine"), ("engine", "server")])
-def test_a_foreign_sibling_package_fails_at_import_naming_it(tmp_path, foreign, target):
-    result = _import_with_foreign(tmp_path, foreign, target)
-    assert result.returncode != 0
-    assert f"the {foreign!r} package imported from" in result.stderr
-    assert str(tmp_path / foreign) in result.stderr
-    assert "not paged-serve's" in result.stderr
+def _python_folders() -> set[Path]:
+    """Every folder under engine/, kernels/ and server/ that holds a .py file or the static page."""
+    folders = {
+        path.parent
+        for top in ("engine", "kernels", "server")
+        for path in (ROOT / top).rglob("*")
+        if path.suffix in (".py", ".html", ".c") and "__pycache__" not in path.parts
+    }
+    return folders
 
 
-def test_our_own_packages_import_together():
-    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import server, engine, kernels"
-    subprocess.run([sys.executable, "-c", code], check=True)
+def test_every_folder_holding_code_is_a_listed_package():
+    listed = {_folder_of(package) for package in SETUPTOOLS["packages"]}
+    assert _python_folders() - listed == set(), "a folder the wheel would leave out"
+    assert listed - _python_folders() == set(), "a listed package with no folder"
+
+
+def test_every_listed_package_but_kernels_has_an_init():
+    without = {
+        package
+        for package in SETUPTOOLS["packages"]
+        if not (_folder_of(package) / "__init__.py").is_file()
+    }
+    assert without == {"paged_serve.kernels", "paged_serve.server.static"}
+
+
+def test_the_scripts_name_the_one_import_name():
+    scripts = PYPROJECT["project"]["scripts"]
+    assert scripts == {
+        "paged-serve": "paged_serve.server.cli:main",
+        "paged-generate": "paged_serve.engine.cli:main",
+    }
+
+
+def _run(code: str, cwd: Path) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, check=True
+    )
+    return result.stdout.strip()
+
+
+def test_the_offline_api_and_every_subpackage_import_from_outside_the_checkout(tmp_path):
+    code = (
+        "import paged_serve, paged_serve.engine, paged_serve.kernels.reference, "
+        "paged_serve.server.app; from paged_serve import LLM, SamplingParams; "
+        "print(LLM.__module__, SamplingParams.__module__)"
+    )
+    assert _run(code, tmp_path) == "paged_serve.engine.llm paged_serve.engine.sampling_params"
+
+
+def test_importing_the_kernels_loads_no_engine(tmp_path):
+    code = (
+        "import sys, paged_serve.kernels.reference; "
+        "print(sorted(m for m in sys.modules if m.startswith('paged_serve.engine')))"
+    )
+    assert _run(code, tmp_path) == "[]"
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("kernels") is None
+    or not (Path(importlib.util.find_spec("kernels").origin or "").name == "__init__.py"),
+    reason="Hugging Face's kernels distribution is not installed",
+)
+def test_hugging_face_kernels_stays_theirs_from_the_repository_root():
+    """With the repository first on sys.path (python -m perf..., pytest), ``import kernels`` is
+    Hugging Face's, and transformers' hub-kernel module (which imports it) loads."""
+    code = (
+        "import sys; sys.path.insert(0, '.'); import kernels; "
+        "import transformers.integrations.hub_kernels; "
+        "print(kernels.__file__)"
+    )
+    origin = _run(code, ROOT)
+    assert "site-packages" in origin and not origin.startswith(str(ROOT / "kernels"))

@@ -12,10 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.llm import LLM
-from engine.model.experts_swap import experts_modules
-from engine.platform.cpu.packed_experts import PackedExperts, pack_experts, restore_plain_experts
-from engine.sampling_params import SamplingParams
+from paged_serve.engine.llm import LLM
+from paged_serve.engine.model.experts_swap import experts_modules
+from paged_serve.engine.platform.cpu.packed_experts import (
+    PackedExperts,
+    pack_experts,
+    restore_plain_experts,
+)
+from paged_serve.engine.sampling_params import SamplingParams
 from tests.conftest import assert_pool_clean, hf_greedy, loaded
 from tests.test_model_coverage import tiny_architecture
 

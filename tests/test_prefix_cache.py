@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, EngineConfig, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.sched.block_manager import BlockManager
-from engine.sched.forks import sample_ids
+from paged_serve.engine import LLM, EngineConfig, SamplingParams
+from paged_serve.engine.llm_engine import LLMEngine
+from paged_serve.engine.sched.block_manager import BlockManager
+from paged_serve.engine.sched.forks import sample_ids
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts, tiny_model
 
 BS = 16
@@ -170,8 +170,7 @@ def test_a_hit_needs_the_whole_prefix_even_when_cache_keys_collide(monkeypatch):
     prefix is never a hit after another prefix that ends in the same tokens."""
     import builtins
 
-    import engine.sched.block_manager as bm_module
-
+    import paged_serve.engine.sched.block_manager as bm_module
     monkeypatch.setattr(bm_module, "prefix_key", lambda parent, toks: repr(toks).encode(), False)
     monkeypatch.setattr(bm_module, "hash", lambda t: builtins.hash(t[1]), False)  # ignores parent
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)

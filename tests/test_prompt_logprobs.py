@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from engine import EngineConfig, SamplingParams
-from engine.llm_engine import LLMEngine
+from paged_serve.engine import EngineConfig, SamplingParams
+from paged_serve.engine.llm_engine import LLMEngine
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts, tiny_model
 
 PROMPTS = random_prompts([7, 40, 70], seed=4)

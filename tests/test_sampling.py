@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.platform.kernel_backend import fused_sampler
-from engine.sample.sampler import Sampler, SamplingBatch
+from paged_serve.engine import LLM, SamplingParams
+from paged_serve.engine.platform.kernel_backend import fused_sampler
+from paged_serve.engine.sample.sampler import Sampler, SamplingBatch
 from tests.conftest import assert_pool_clean, loaded, random_prompts, tiny_model
 
 

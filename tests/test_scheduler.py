@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
-from engine.sched.block_manager import BlockManager
-from engine.sched.request import Request, RequestStatus
-from engine.sched.scheduler import Scheduler
+from paged_serve.engine.sampling_params import SamplingParams
+from paged_serve.engine.sched.block_manager import BlockManager
+from paged_serve.engine.sched.request import Request, RequestStatus
+from paged_serve.engine.sched.scheduler import Scheduler
 
 
 def make(rid: str, n: int) -> Request:

@@ -35,14 +35,14 @@ import xgrammar
 from pydantic import BaseModel, Field
 from xgrammar.testing import _is_grammar_accept_string as grammar_accepts
 
-from engine.grammar.json_schema_rules import (
+from paged_serve.engine.grammar.json_schema_rules import (
     ENFORCED_FORMATS,
     ENFORCED_KEYWORDS,
     FORMAT_PATTERNS,
     REFUSED_FORMATS,
     REFUSED_KEYWORDS,
 )
-from engine.grammar.structured_output import StructuredOutput, json_schema_grammar
+from paged_serve.engine.grammar.structured_output import StructuredOutput, json_schema_grammar
 
 # ------------------------------------------------------------------ the validator
 FORMATS = jsonschema.FormatChecker()

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
-from engine.parallel.shard_loading import checkpoint_files, load_shard
-from engine.parallel.sharding import shard_model
+from paged_serve.engine import LLM, SamplingParams
+from paged_serve.engine.parallel.shard_loading import checkpoint_files, load_shard
+from paged_serve.engine.parallel.sharding import shard_model
 from tests.conftest import assert_pool_clean, hf_greedy, random_prompts, tiny_model
 from tests.test_model_coverage import tiny_architecture
 
@@ -104,7 +104,7 @@ def test_mxfp4_experts_are_read_and_dequantised_per_rank(tmp_path: Path):
     """gpt-oss's MXFP4 experts: each rank reads its rows of ``gate_up_proj_blocks`` (output
     columns, interleaved gate/up pairs) and its groups of ``down_proj_blocks`` (input features),
     and dequantises them: equal to transformers' dequantisation of the whole model, sharded."""
-    from engine.model.loader import load_model
+    from paged_serve.engine.model.loader import load_model
     from tests.test_loading import save_mxfp4_gpt_oss
 
     save_mxfp4_gpt_oss(tmp_path)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from engine.sched.block_manager import BlockManager
-from engine.sched.request import Request
-from engine.spec.config import SpeculativeConfig
-from engine.spec.ngram import NgramDrafter
-from engine.spec.speculator import MAX_PAUSE_STEPS, Speculator
-from engine.spec.verify import accepted_lengths
+from paged_serve.engine.sampling_params import SamplingParams
+from paged_serve.engine.sched.block_manager import BlockManager
+from paged_serve.engine.sched.request import Request
+from paged_serve.engine.spec.config import SpeculativeConfig
+from paged_serve.engine.spec.ngram import NgramDrafter
+from paged_serve.engine.spec.speculator import MAX_PAUSE_STEPS, Speculator
+from paged_serve.engine.spec.verify import accepted_lengths
 
 
 def request(tokens: list[int], output: list[int] = (), rid: str = "r", **params) -> Request:

@@ -14,11 +14,11 @@ from collections import Counter
 import pytest
 import torch
 
-from engine import EngineConfig, SamplingParams
-from engine.grammar.structured_output import StructuredOutput
-from engine.llm_engine import LLMEngine
-from engine.sched.request import Request
-from engine.spec.config import SpeculativeConfig
+from paged_serve.engine import EngineConfig, SamplingParams
+from paged_serve.engine.grammar.structured_output import StructuredOutput
+from paged_serve.engine.llm_engine import LLMEngine
+from paged_serve.engine.sched.request import Request
+from paged_serve.engine.spec.config import SpeculativeConfig
 from tests.conftest import (
     assert_pool_clean,
     loaded,

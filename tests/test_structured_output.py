@@ -14,11 +14,11 @@ import re
 import jsonschema
 import pytest
 
-from engine import EngineConfig, SamplingParams
-from engine.errors import InvalidRequestError
-from engine.grammar.structured_output import MAX_SPEC_CHARS, StructuredOutput
-from engine.llm_engine import LLMEngine
-from engine.model.loader import LoadedModel
+from paged_serve.engine import EngineConfig, SamplingParams
+from paged_serve.engine.errors import InvalidRequestError
+from paged_serve.engine.grammar.structured_output import MAX_SPEC_CHARS, StructuredOutput
+from paged_serve.engine.llm_engine import LLMEngine
+from paged_serve.engine.model.loader import LoadedModel
 from tests.conftest import assert_pool_clean, tiny_model, tokenizer_engine
 
 SCHEMAS = {

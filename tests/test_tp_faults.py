@@ -25,11 +25,11 @@ import aiohttp
 import pytest
 from transformers import AutoTokenizer
 
-from engine import LLM, SamplingParams
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.model.loader import LoadedModel, resolve_model_path
-from server.app import create_app
+from paged_serve.engine import LLM, SamplingParams
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.model.loader import LoadedModel, resolve_model_path
+from paged_serve.server.app import create_app
 from tests.conftest import hf_greedy, loaded, tiny_model
 from tests.server.conftest import ServerThread, http
 from tests.server.processes import READY, START_DEADLINE_S, ServerProcess
@@ -169,14 +169,15 @@ def test_workers_exit_when_the_driver_is_killed(model_dir):
 
 def test_a_rank_launched_on_its_own_joins_through_the_environment(model_dir, monkeypatch):
     """The multi-node launch, on one node: the driver spawns no rank (LOCAL_WORLD_SIZE=1) and
-    rank 1 is ``python -m engine.parallel.rank`` with RANK/WORLD_SIZE/MASTER_* set."""
+    rank 1 is ``python -m paged_serve.engine.parallel.rank`` with RANK/WORLD_SIZE/MASTER_* set."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     flags = ["--model", str(model_dir), "--kv-cache-memory", str(4 << 20)]
     rank1 = subprocess.Popen(
-        [sys.executable, "-m", "engine.parallel.rank", *flags], env={**os.environ, **env}
+        [sys.executable, "-m", "paged_serve.engine.parallel.rank", *flags],
+        env={**os.environ, **env},
     )
     try:
         monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from engine import LLM, SamplingParams
-from engine.model.fused_projections import fuse_projections
-from engine.model.int4_weights import Int4Linear, quantize_int4
-from engine.model.int8_weights import Int8Linear, quantize_int8
+from paged_serve.engine import LLM, SamplingParams
+from paged_serve.engine.model.fused_projections import fuse_projections
+from paged_serve.engine.model.int4_weights import Int4Linear, quantize_int4
+from paged_serve.engine.model.int8_weights import Int8Linear, quantize_int8
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts, tiny_model
 
 MAX_TOKENS = 16

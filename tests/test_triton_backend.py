@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from paged_serve.engine import LLM, SamplingParams
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts, tiny_model
 
 PROMPTS = random_prompts([1, 17, 33], seed=31)
@@ -64,9 +64,10 @@ def test_seeded_n2_sampling_through_the_kernels(model):
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
-    """The backend choice and the launchers ask ``kernels.triton.runtime`` the same question."""
-    from engine.platform.platform import platform_for
-    from kernels.triton.kv_write import write_kv
+    """The backend choice and the launchers ask ``paged_serve.kernels.triton.runtime`` the same
+    question."""
+    from paged_serve.engine.platform.platform import platform_for
+    from paged_serve.kernels.triton.kv_write import write_kv
 
     cpu = platform_for(torch.device("cpu"))
     x = torch.zeros(1, 1, 16)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from engine import LLM, EngineConfig, SamplingParams
+from paged_serve.engine import LLM, EngineConfig, SamplingParams
 from tests.conftest import assert_pool_clean, loaded, tiny_model
 
 

@@ -23,9 +23,9 @@ from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequestError
-from engine.grammar.probe import GrammarProbe, ProbeBudget, ProbeCancelled
-from engine.grammar.structured_output import GrammarCompiler, StructuredOutput
+from paged_serve.engine.errors import InvalidRequestError
+from paged_serve.engine.grammar.probe import GrammarProbe, ProbeBudget, ProbeCancelled
+from paged_serve.engine.grammar.structured_output import GrammarCompiler, StructuredOutput
 
 REFUSED_CACHE_SIZE = 256  # constraints refused, remembered so a repeat costs nothing
 

@@ -41,7 +41,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from engine.grammar.schema_patterns import enforceable_pattern
+from paged_serve.engine.grammar.schema_patterns import enforceable_pattern
 
 MAX_SCHEMA_DEPTH = 64
 MAX_MULTIPLE_OF = 1024  # xgrammar ignores a larger multipleOf

@@ -3,8 +3,8 @@
 xgrammar's compile cannot be interrupted, and some small constraints cost minutes of CPU and
 gigabytes: an object schema of N optional properties compiles in about N^2.3 time (800 of them,
 a 9.6 KB schema: 1.7 CPU-seconds; 1,600: 20 s). So before the server compiles a constraint it
-has not seen, a probe process (``python -m engine.grammar.probe``, started on first use from
-the engine's serialized vocabulary) compiles it, checks that it admits some output, and walks
+has not seen, a probe process (``python -m paged_serve.engine.grammar.probe``, started on first use
+from the engine's serialized vocabulary) compiles it, checks that it admits some output, and walks
 ``WALK_TOKENS`` random tokens through it, timing each mask fill. The parent watches the probe's
 CPU time and resident memory (``/proc/<pid>/stat``, ``/proc/<pid>/statm``) and kills it the
 moment either passes the budget, or when no request waits on the answer any more; a killed
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from engine.errors import InvalidRequestError
-from engine.grammar.structured_output import StructuredOutput, compile_constraint
+from paged_serve.engine.errors import InvalidRequestError
+from paged_serve.engine.grammar.structured_output import StructuredOutput, compile_constraint
 
 WALK_TOKENS = 16  # random tokens the probe feeds the grammar, timing each mask fill
 POLL_S = 0.02  # how often the parent checks the probe's CPU time and memory
@@ -74,7 +74,7 @@ class GrammarProbe:
         self._pending = b""  # what the probe wrote past its last whole line
         self._lock = threading.Lock()
         # The probe's command line (the vocabulary file's path is appended).
-        self.command = [sys.executable, "-m", "engine.grammar.probe"]
+        self.command = [sys.executable, "-m", "paged_serve.engine.grammar.probe"]
 
     def check(self, constraint: StructuredOutput, cancelled: threading.Event) -> None:
         """Return when the probe compiled ``constraint`` within budget. Raises
@@ -181,16 +181,12 @@ class GrammarProbe:
             with os.fdopen(handle, "w") as file:
                 file.write(self._info_json())
             self._info_path = Path(name)
-        root = str(Path(__file__).resolve().parents[2])  # the folder holding engine/
-        path = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
-        env = {**os.environ, "PYTHONPATH": path}
         self._pending = b""
         self._proc = subprocess.Popen(
             [*self.command, str(self._info_path)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             bufsize=0,
-            env=env,
             preexec_fn=_lower_priority if os.name == "posix" else None,
         )
         proc = self._proc
@@ -267,7 +263,7 @@ def walk(
     import torch
     import xgrammar
 
-    from engine.sample.token_mask import allowed_tokens
+    from paged_serve.engine.sample.token_mask import allowed_tokens
 
     matcher = xgrammar.GrammarMatcher(compiled)
     mask = xgrammar.allocate_token_bitmask(1, vocab_size)

@@ -25,9 +25,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import InvalidRequestError
-from engine.grammar.json_schema_rules import enforceable_schema
-from engine.grammar.json_schema_rules import (
+from paged_serve.engine.errors import InvalidRequestError
+from paged_serve.engine.grammar.json_schema_rules import enforceable_schema
+from paged_serve.engine.grammar.json_schema_rules import (
     subschemas as subschemas,  # re-exported for server/tools
 )
 

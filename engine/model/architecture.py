@@ -20,8 +20,8 @@ from __future__ import annotations
 from torch import nn
 from transformers import PreTrainedModel
 
-from engine.model.latent_attention import unservable_latent_reason
-from engine.model.linear_attention import linear_attention_layers
+from paged_serve.engine.model.latent_attention import unservable_latent_reason
+from paged_serve.engine.model.linear_attention import linear_attention_layers
 
 # Decoders engine/model/body.py runs op for op (tests/test_model_body.py).
 FAST_BODY_ARCHITECTURES = (

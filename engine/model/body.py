@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.attention_swap import paged_attention_flat
-from engine.model.fused_projections import FusedLinear
-from engine.platform.platform import platform_for
+from paged_serve.engine.model.attention_swap import paged_attention_flat
+from paged_serve.engine.model.fused_projections import FusedLinear
+from paged_serve.engine.platform.platform import platform_for
 
 
 @dataclass(frozen=True, slots=True)

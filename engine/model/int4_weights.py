@@ -42,11 +42,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model.experts_swap import swap_experts
-from engine.model.fused_projections import linear_from
-from engine.model.linear_swap import swap_linears
-from engine.model.packed_weights import PackedWeights, pack, packed_linear
-from engine.platform.platform import platform_for
+from paged_serve.engine.model.experts_swap import swap_experts
+from paged_serve.engine.model.fused_projections import linear_from
+from paged_serve.engine.model.linear_swap import swap_linears
+from paged_serve.engine.model.packed_weights import PackedWeights, pack, packed_linear
+from paged_serve.engine.platform.platform import platform_for
 
 GROUP_SIZE = 32  # inputs per scale and offset, as llama.cpp's Q4_1
 MAX_KERNEL_ROWS = 8  # more rows go to the bf16 GEMM (faster from about 10 rows: measured)

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model.experts_swap import swap_experts
-from engine.model.linear_swap import swap_linears
-from engine.platform.platform import platform_for
+from paged_serve.engine.model.experts_swap import swap_experts
+from paged_serve.engine.model.linear_swap import swap_linears
+from paged_serve.engine.platform.platform import platform_for
 
 
 class Int8Linear(nn.Module):

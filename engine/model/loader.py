@@ -28,8 +28,8 @@ from transformers import (
     PreTrainedModel,
 )
 
-from engine.config import cache_root
-from engine.parallel.shard_loading import CPU, load_shard
+from paged_serve.engine.config import cache_root
+from paged_serve.engine.parallel.shard_loading import CPU, load_shard
 
 logger = logging.getLogger(__name__)
 

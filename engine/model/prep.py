@@ -14,13 +14,13 @@ import logging
 import torch
 from transformers import PreTrainedModel
 
-from engine.config import EngineConfig
-from engine.model.attention_swap import install_paged_attention
-from engine.model.experts_swap import install_paged_experts
-from engine.model.fused_projections import fuse_projections
-from engine.model.int4_weights import quantize_int4
-from engine.model.int8_weights import quantize_int8
-from engine.platform.platform import platform_for
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.model.attention_swap import install_paged_attention
+from paged_serve.engine.model.experts_swap import install_paged_experts
+from paged_serve.engine.model.fused_projections import fuse_projections
+from paged_serve.engine.model.int4_weights import quantize_int4
+from paged_serve.engine.model.int8_weights import quantize_int8
+from paged_serve.engine.platform.platform import platform_for
 
 logger = logging.getLogger(__name__)
 

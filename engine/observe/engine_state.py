@@ -33,11 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.sched.block_manager import BlockManager, BlockUsage
-from engine.sched.request import Request
+from paged_serve.engine.sched.block_manager import BlockManager, BlockUsage
+from paged_serve.engine.sched.request import Request
 
 if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
+    from paged_serve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 

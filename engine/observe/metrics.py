@@ -24,8 +24,8 @@ steps that gave a request tokens), ``e2e_request_latency_seconds``, ``request_qu
 ``request_generation_tokens`` (per finished request) and
 ``request_success_total{finished_reason}``, and speculative decoding's
 ``spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens`` and
-``_num_accepted_tokens_per_pos{position}`` counters. ``engine.observe.vllm_names`` repeats them
-under vLLM's own names for the server's ``/metrics``.
+``_num_accepted_tokens_per_pos{position}`` counters. ``paged_serve.engine.observe.vllm_names``
+repeats them under vLLM's own names for the server's ``/metrics``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.outputs import RequestMetrics
+from paged_serve.engine.outputs import RequestMetrics
 
 PREFIX = "paged_serve_"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

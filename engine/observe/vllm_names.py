@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.samples import Sample
 
-from engine.observe.metrics import PREFIX
+from paged_serve.engine.observe.metrics import PREFIX
 
 VLLM_PREFIX = "vllm:"
 # Our family name without PREFIX -> vLLM's family name without VLLM_PREFIX (on the wire a

@@ -27,14 +27,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from engine.parallel.rendezvous import (
+from paged_serve.engine.parallel.rendezvous import (
     is_loopback,
     open_store,
     pin_sockets_to_loopback,
     restore_environment,
 )
-from engine.parallel.step_message import StepMessage, pack_step, unpack_step
-from engine.platform.platform import platform_for
+from paged_serve.engine.parallel.step_message import StepMessage, pack_step, unpack_step
+from paged_serve.engine.platform.platform import platform_for
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 IDLE_TIMEOUT = datetime.timedelta(days=3650)  # workers wait for the next step indefinitely

@@ -1,6 +1,7 @@
 """One tensor-parallel worker rank's process: load and shard its model, join the groups, then
-run the driver's steps until SHUTDOWN (``run_worker``); ``python -m engine.parallel.rank`` starts a
-rank on another node (``main``). The driver's side is ``engine/parallel/workers.py``.
+run the driver's steps until SHUTDOWN (``run_worker``); ``python -m
+paged_serve.engine.parallel.rank`` starts a rank on another node (``main``). The driver's side is
+``engine/parallel/workers.py``.
 
 A rank the driver spawned has a pipe to it: start-up status and its last error go up, and a
 thread blocked reading it sees end-of-file when the driver is gone (even killed), so the rank
@@ -21,12 +22,12 @@ from multiprocessing.connection import Connection
 
 from transformers import PreTrainedModel
 
-from engine.config import EngineConfig
-from engine.parallel.group import TensorParallelGroup
-from engine.parallel.sharding import shard_model
-from engine.parallel.step_message import SHUTDOWN
-from engine.platform.platform import platform_for
-from engine.runner.build import build_runner, context_length, load_for
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.parallel.group import TensorParallelGroup
+from paged_serve.engine.parallel.sharding import shard_model
+from paged_serve.engine.parallel.step_message import SHUTDOWN
+from paged_serve.engine.platform.platform import platform_for
+from paged_serve.engine.runner.build import build_runner, context_length, load_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +118,7 @@ def run_worker(spec: WorkerSpec, pipe: Connection | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m engine.parallel.rank [engine flags]``: one rank on another node.
+    """``python -m paged_serve.engine.parallel.rank [engine flags]``: one rank on another node.
 
     The rank comes from ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and the driver's address from
     ``MASTER_ADDR``/``MASTER_PORT``; the engine flags must be the driver's (``--model``,
@@ -125,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     """
     import argparse
 
-    from engine.cli import add_engine_args, engine_kwargs  # the CLI imports the engine
+    from paged_serve.engine.cli import add_engine_args, engine_kwargs  # the CLI imports the engine
 
     parser = argparse.ArgumentParser(
-        prog="python -m engine.parallel.rank", description=main.__doc__
+        prog="python -m paged_serve.engine.parallel.rank", description=main.__doc__
     )
     add_engine_args(parser)
     args = parser.parse_args(argv)

@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.model.fused_projections import linear_from, unfuse_projections
-from engine.model.latent_attention import is_latent_attention
-from engine.model.linear_attention import is_gated_delta_net
-from engine.platform.cpu.linears import restore_plain_linears
-from engine.platform.cpu.packed_experts import restore_plain_experts
+from paged_serve.engine.model.fused_projections import linear_from, unfuse_projections
+from paged_serve.engine.model.latent_attention import is_latent_attention
+from paged_serve.engine.model.linear_attention import is_gated_delta_net
+from paged_serve.engine.platform.cpu.linears import restore_plain_linears
+from paged_serve.engine.platform.cpu.packed_experts import restore_plain_experts
 
 
 @dataclass(frozen=True, slots=True)

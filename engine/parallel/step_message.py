@@ -20,7 +20,7 @@ from itertools import accumulate
 
 import torch
 
-from engine.runner.step_inputs import StepInputs
+from paged_serve.engine.runner.step_inputs import StepInputs
 
 STEP = 1
 SHUTDOWN = 2

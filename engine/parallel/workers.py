@@ -22,9 +22,9 @@ worker that the driver is gone). The driver notices a dead worker before each st
 sentinels) or through the failed collective.
 
 Multi-node: with ``LOCAL_WORLD_SIZE=L`` the driver spawns ranks 1..L-1 only; ranks L..N-1 are
-started on other nodes with ``python -m engine.parallel.rank`` (the engine flags, plus ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` in the environment). Such a
-rank has no pipe: it learns that the driver is gone when a collective fails.
+started on other nodes with ``python -m paged_serve.engine.parallel.rank`` (the engine flags, plus
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` in the environment). Such
+a rank has no pipe: it learns that the driver is gone when a collective fails.
 """
 
 from __future__ import annotations
@@ -38,18 +38,18 @@ import torch
 import torch.multiprocessing as mp
 from transformers import PreTrainedModel
 
-from engine.config import EngineConfig
-from engine.parallel.group import TensorParallelGroup
-from engine.parallel.rank import WorkerSpec, run_worker
-from engine.parallel.rendezvous import Rendezvous
-from engine.parallel.sharding import (
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.parallel.group import TensorParallelGroup
+from paged_serve.engine.parallel.rank import WorkerSpec, run_worker
+from paged_serve.engine.parallel.rendezvous import Rendezvous
+from paged_serve.engine.parallel.sharding import (
     check_shardable,
     plain_projections,
     shard_model,
     shard_shape,
 )
-from engine.parallel.step_message import StepMessage
-from engine.platform.platform import platform_for
+from paged_serve.engine.parallel.step_message import StepMessage
+from paged_serve.engine.platform.platform import platform_for
 
 logger = logging.getLogger(__name__)
 

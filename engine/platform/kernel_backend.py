@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import cache_root
-from engine.platform.cpu.attention import PlannedTorchAttention
-from engine.platform.cpu.linear_attention import causal_conv1d_cpu, gated_delta_rule_cpu
-from engine.platform.cpu.moe import grouped_moe
-from kernels import reference
-from kernels.cpu import decode_attention as cpu_decode_attention
-from kernels.interface import (
+from paged_serve.engine.config import cache_root
+from paged_serve.engine.platform.cpu.attention import PlannedTorchAttention
+from paged_serve.engine.platform.cpu.linear_attention import causal_conv1d_cpu, gated_delta_rule_cpu
+from paged_serve.engine.platform.cpu.moe import grouped_moe
+from paged_serve.kernels import reference
+from paged_serve.kernels.cpu import decode_attention as cpu_decode_attention
+from paged_serve.kernels.interface import (
     CausalConv,
     CopyBlocks,
     FusedMoe,
@@ -58,7 +58,9 @@ class KernelBackend:
 def fused_sampler(name: str) -> FusedSample | None:
     """The fused draw of backend ``name`` (triton), or None (torch: the eager draw)."""
     if name == "triton":
-        from kernels.triton.sampling import sample  # imported here, as the kernels below
+        from paged_serve.kernels.triton.sampling import (
+            sample,  # imported here, as the kernels below
+        )
 
         return sample
     return None
@@ -88,13 +90,13 @@ def make_kernels(
         )
     if name == "triton":
         # Imported here: triton must not load before TRITON_INTERPRET is decided.
-        from kernels.triton.block_copy import copy_blocks
-        from kernels.triton.causal_conv import causal_conv1d
-        from kernels.triton.delta_rule import gated_delta_rule
-        from kernels.triton.fused_moe import fused_moe
-        from kernels.triton.kv_write import write_kv, write_latent
-        from kernels.triton.mla_attention import mla_attention
-        from kernels.triton.paged_attention import paged_attention
+        from paged_serve.kernels.triton.block_copy import copy_blocks
+        from paged_serve.kernels.triton.causal_conv import causal_conv1d
+        from paged_serve.kernels.triton.delta_rule import gated_delta_rule
+        from paged_serve.kernels.triton.fused_moe import fused_moe
+        from paged_serve.kernels.triton.kv_write import write_kv, write_latent
+        from paged_serve.kernels.triton.mla_attention import mla_attention
+        from paged_serve.kernels.triton.paged_attention import paged_attention
 
         sample = fused_sampler(name)
         return KernelBackend(

@@ -16,10 +16,10 @@ import logging
 import torch
 from torch import nn
 
-from engine.config import EngineConfig
-from engine.platform.dtype_choice import DtypeChoice, choose_dtype
-from engine.platform.kernel_backend import KernelBackend, make_kernels
-from kernels.triton.runtime import can_run_on
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.platform.dtype_choice import DtypeChoice, choose_dtype
+from paged_serve.engine.platform.kernel_backend import KernelBackend, make_kernels
+from paged_serve.kernels.triton.runtime import can_run_on
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class Platform:
         return self._default_kv_bytes(config)
 
     def _default_kv_bytes(self, config: EngineConfig) -> int:
-        from engine.config import DEFAULT_CPU_KV_CACHE_BYTES
+        from paged_serve.engine.config import DEFAULT_CPU_KV_CACHE_BYTES
 
         return DEFAULT_CPU_KV_CACHE_BYTES
 
@@ -111,8 +111,8 @@ class CpuPlatform(Platform):
     fused_rms_norm = True
 
     def prepare_model(self, model: nn.Module, config: EngineConfig) -> None:
-        from engine.platform.cpu.linears import speed_up_cpu_linears
-        from engine.platform.cpu.packed_experts import pack_experts
+        from paged_serve.engine.platform.cpu.linears import speed_up_cpu_linears
+        from paged_serve.engine.platform.cpu.packed_experts import pack_experts
 
         swapped = speed_up_cpu_linears(model)  # after quantizing: packs what stays an nn.Linear
         if swapped:
@@ -124,12 +124,12 @@ class CpuPlatform(Platform):
             logger.info("experts modules packed for oneDNN: %d", experts)
 
     def prepare_host(self) -> None:
-        from engine.platform.cpu.host_malloc import keep_freed_memory
+        from paged_serve.engine.platform.cpu.host_malloc import keep_freed_memory
 
         keep_freed_memory()  # steps reuse their temporaries' pages
 
     def release_thread_pool(self) -> None:
-        from engine.platform.cpu.openmp_pool import release_openmp_pool
+        from paged_serve.engine.platform.cpu.openmp_pool import release_openmp_pool
 
         release_openmp_pool()
 

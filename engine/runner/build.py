@@ -19,12 +19,12 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from engine.config import EngineConfig
-from engine.model.loader import LoadedModel, load_model, load_model_shard
-from engine.model.prep import prepare_model
-from engine.parallel.group import TensorParallelGroup
-from engine.platform.platform import Platform
-from engine.runner.model_runner import ModelRunner
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.model.loader import LoadedModel, load_model, load_model_shard
+from paged_serve.engine.model.prep import prepare_model
+from paged_serve.engine.parallel.group import TensorParallelGroup
+from paged_serve.engine.platform.platform import Platform
+from paged_serve.engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

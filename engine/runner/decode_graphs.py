@@ -34,12 +34,12 @@ from typing import Protocol
 
 import torch
 
-from engine.platform.host_tensors import host_tensor
-from engine.platform.kernel_backend import KernelBackend
-from engine.runner.attention_context import AttentionContext, attention_context
-from engine.runner.kv_cache import KVCache
-from engine.runner.state_cache import StateCache
-from engine.runner.step_inputs import StepInputs
+from paged_serve.engine.platform.host_tensors import host_tensor
+from paged_serve.engine.platform.kernel_backend import KernelBackend
+from paged_serve.engine.runner.attention_context import AttentionContext, attention_context
+from paged_serve.engine.runner.kv_cache import KVCache
+from paged_serve.engine.runner.state_cache import StateCache
+from paged_serve.engine.runner.step_inputs import StepInputs
 
 Forward = Callable[[], object]  # a forward that reads and writes only static buffers
 Replay = Callable[[], None]

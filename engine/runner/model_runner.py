@@ -16,31 +16,31 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.config import EngineConfig
-from engine.model.architecture import runs_fast_body
-from engine.model.body import ModelBody
-from engine.model.logits_head import LogitsHead
-from engine.outputs import TokenLogprob
-from engine.parallel.step_message import STEP, StepMessage
-from engine.platform.host_tensors import to_device
-from engine.platform.platform import platform_for
-from engine.runner.attention_context import AttentionContext, attention_context
-from engine.runner.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
-from engine.runner.kv_cache import KVCache
-from engine.runner.prompt_logprobs import (
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.model.architecture import runs_fast_body
+from paged_serve.engine.model.body import ModelBody
+from paged_serve.engine.model.logits_head import LogitsHead
+from paged_serve.engine.outputs import TokenLogprob
+from paged_serve.engine.parallel.step_message import STEP, StepMessage
+from paged_serve.engine.platform.host_tensors import to_device
+from paged_serve.engine.platform.platform import platform_for
+from paged_serve.engine.runner.attention_context import AttentionContext, attention_context
+from paged_serve.engine.runner.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
+from paged_serve.engine.runner.kv_cache import KVCache
+from paged_serve.engine.runner.prompt_logprobs import (
     PromptScores,
     PromptScoring,
     plan_prompt_scoring,
     score_prompt,
 )
-from engine.runner.state_cache import StateCache, linear_state_shape
-from engine.runner.step_inputs import StepInputs, flatten_step
-from engine.sample.sampler import Sampler
-from engine.sched.forks import sampling_rows
-from engine.sched.scheduler import ScheduledBatch
+from paged_serve.engine.runner.state_cache import StateCache, linear_state_shape
+from paged_serve.engine.runner.step_inputs import StepInputs, flatten_step
+from paged_serve.engine.sample.sampler import Sampler
+from paged_serve.engine.sched.forks import sampling_rows
+from paged_serve.engine.sched.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
-    from engine.parallel.group import TensorParallelGroup
+    from paged_serve.engine.parallel.group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 

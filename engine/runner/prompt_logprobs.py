@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.outputs import TokenLogprob
-from engine.sched.scheduler import ScheduledBatch
+from paged_serve.engine.outputs import TokenLogprob
+from paged_serve.engine.sched.scheduler import ScheduledBatch
 
 SCORE_CHUNK_ROWS = 256
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sched.forks import group_size
-from engine.sched.scheduler import ScheduledBatch
+from paged_serve.engine.sched.forks import group_size
+from paged_serve.engine.sched.scheduler import ScheduledBatch
 
 
 @dataclass(frozen=True, slots=True)

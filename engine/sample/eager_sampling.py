@@ -1,7 +1,7 @@
 """The torch sampler's draw: ``reference.sample_ref``'s tokens without the work a row skips.
 
-``kernels.reference.sample_ref`` defines the draw and computes every filter for every row: two
-sorts of the vocabulary and a search of each token's place among the sorted probabilities,
+``paged_serve.kernels.reference.sample_ref`` defines the draw and computes every filter for every
+row: two sorts of the vocabulary and a search of each token's place among the sorted probabilities,
 whether or not the row asks for top-k or top-p. On the 2-core CPU that was 10.4 ms for one row
 of 49,152 tokens and 52.7 ms for 8, more than the whole greedy bf16 step at 8 streams, for
 requests at the OpenAI default (temperature 1, no top-k, no top-p; docs/performance.md).
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference
+from paged_serve.kernels import reference
 
 # Tokens a top-p row looks at before it falls back to sorting the whole row: a nucleus of a
 # real model at temperature <= 1 usually ends well inside them.

@@ -24,9 +24,9 @@ from itertools import chain
 
 import torch
 
-from engine.platform.host_tensors import cpu_to_device, to_device
-from engine.sample.token_mask import allows_only
-from engine.sched.request import Request
+from paged_serve.engine.platform.host_tensors import cpu_to_device, to_device
+from paged_serve.engine.sample.token_mask import allows_only
+from paged_serve.engine.sched.request import Request
 
 
 def _flat_index(token_lists: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:

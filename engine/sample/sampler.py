@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.platform.host_tensors import cpu_to_device, to_device
-from engine.sample.eager_sampling import sample_eager
-from engine.sample.logit_adjustments import adjust_logits
-from engine.sample.token_mask import MaskFiller, PendingMask
-from engine.sched.request import Request
-from kernels import reference
-from kernels.interface import FusedSample
+from paged_serve.engine.platform.host_tensors import cpu_to_device, to_device
+from paged_serve.engine.sample.eager_sampling import sample_eager
+from paged_serve.engine.sample.logit_adjustments import adjust_logits
+from paged_serve.engine.sample.token_mask import MaskFiller, PendingMask
+from paged_serve.engine.sched.request import Request
+from paged_serve.kernels import reference
+from paged_serve.kernels.interface import FusedSample
 
 _SEED_MASK = (1 << 63) - 1
 INVALID_TOKEN = -1  # sampled for a row with no usable logit (NaN, +inf, or nothing finite)
@@ -33,7 +33,8 @@ INVALID_TOKEN = -1  # sampled for a row with no usable logit (NaN, +inf, or noth
 
 @dataclass(frozen=True, slots=True)
 class SamplingBatch:
-    """Per-row parameters as tensors on the logits' device (see ``kernels.reference``)."""
+    """Per-row parameters as tensors on the logits' device (see
+    ``paged_serve.kernels.reference``)."""
 
     temperature: torch.Tensor  # [B] fp32
     top_k: torch.Tensor  # [B] int32

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sched.request import Request
+from paged_serve.engine.sched.request import Request
 
 MASK_FILL_THREADS = 4
 _BIT = torch.arange(32, dtype=torch.int32)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
-from engine.sched.block_manager import BlockManager
+from paged_serve.engine.errors import InvalidRequestError
+from paged_serve.engine.sampling_params import SamplingParams
+from paged_serve.engine.sched.block_manager import BlockManager
 
 
 def prompt_token_ids(

@@ -31,7 +31,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.sched.state_slots import StateSlots
+from paged_serve.engine.sched.state_slots import StateSlots
 
 _PROCESS_KEY = os.urandom(32)  # keys the prefix digests: they differ in every process
 

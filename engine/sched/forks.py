@@ -24,13 +24,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import SamplingParams
-from engine.sched.request import Request
-from engine.spec.verify import verify_rows
+from paged_serve.engine.sampling_params import SamplingParams
+from paged_serve.engine.sched.request import Request
+from paged_serve.engine.spec.verify import verify_rows
 
 if TYPE_CHECKING:  # the scheduler counts seats with group_size: no import cycle at run time
-    from engine.sched.block_manager import BlockManager
-    from engine.sched.scheduler import ScheduledBatch, Scheduler
+    from paged_serve.engine.sched.block_manager import BlockManager
+    from paged_serve.engine.sched.scheduler import ScheduledBatch, Scheduler
 
 
 def sample_ids(request_id: str, n: int) -> list[str]:

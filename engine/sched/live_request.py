@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Set
 from dataclasses import dataclass
 
-from engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
-from engine.sched.detokenizer import IncrementalDetokenizer
-from engine.sched.request import Request
+from paged_serve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
+from paged_serve.engine.sched.detokenizer import IncrementalDetokenizer
+from paged_serve.engine.sched.request import Request
 
 
 @dataclass(slots=True)

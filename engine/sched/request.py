@@ -6,8 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.outputs import TokenLogprob
-from engine.sampling_params import SamplingParams
+from paged_serve.engine.outputs import TokenLogprob
+from paged_serve.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

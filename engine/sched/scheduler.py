@@ -18,10 +18,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.sched.block_manager import BlockManager
-from engine.sched.forks import group_size
-from engine.sched.request import Request, RequestStatus
-from engine.spec.speculator import Speculator
+from paged_serve.engine.sched.block_manager import BlockManager
+from paged_serve.engine.sched.forks import group_size
+from paged_serve.engine.sched.request import Request, RequestStatus
+from paged_serve.engine.spec.speculator import Speculator
 
 
 @dataclass(frozen=True, slots=True)

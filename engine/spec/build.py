@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 
-from engine.config import EngineConfig
-from engine.model.loader import LoadedModel
-from engine.platform.platform import Platform
-from engine.spec.config import SpeculativeConfig
-from engine.spec.ngram import NgramDrafter
-from engine.spec.speculator import Speculator
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.model.loader import LoadedModel
+from paged_serve.engine.platform.platform import Platform
+from paged_serve.engine.spec.config import SpeculativeConfig
+from paged_serve.engine.spec.ngram import NgramDrafter
+from paged_serve.engine.spec.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def build_speculator(
     if spec.method == "ngram":
         drafter = NgramDrafter(min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max)
     else:
-        from engine.spec.draft_model import DraftModelDrafter
+        from paged_serve.engine.spec.draft_model import DraftModelDrafter
 
         drafter = DraftModelDrafter.load(spec, config, loaded, platform)
     logger.info(

@@ -23,15 +23,15 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
-from engine.model.loader import LoadedModel
-from engine.platform.platform import Platform
-from engine.runner.build import build_runner, load_for
-from engine.runner.model_runner import ModelRunner
-from engine.sched.block_manager import BlockManager
-from engine.sched.request import Request
-from engine.sched.scheduler import ScheduledBatch, ScheduledRequest
-from engine.spec.config import SpeculativeConfig
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.model.loader import LoadedModel
+from paged_serve.engine.platform.platform import Platform
+from paged_serve.engine.runner.build import build_runner, load_for
+from paged_serve.engine.runner.model_runner import ModelRunner
+from paged_serve.engine.sched.block_manager import BlockManager
+from paged_serve.engine.sched.request import Request
+from paged_serve.engine.sched.scheduler import ScheduledBatch, ScheduledRequest
+from paged_serve.engine.spec.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from engine.sched.request import Request
+from paged_serve.engine.sched.request import Request
 
 
 class Drafter(Protocol):

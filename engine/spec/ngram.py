@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.sched.request import Request
+from paged_serve.engine.sched.request import Request
 
 
 @dataclass(slots=True)

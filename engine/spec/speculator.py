@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.sched.request import Request
-from engine.spec.config import SpeculativeConfig
-from engine.spec.drafter import Drafter
+from paged_serve.engine.sched.request import Request
+from paged_serve.engine.spec.config import SpeculativeConfig
+from paged_serve.engine.spec.drafter import Drafter
 
 MIN_ACCEPTANCE = 0.25  # accepted / drafted below which a sequence pauses drafting
 MAX_PAUSE_STEPS = 64

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.sched.request import Request
+from paged_serve.engine.sched.request import Request
 
 
 class _DraftedMatcher:

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu.native_cache import PRIVATE_MODE, file_problem, private_folder
+from paged_serve.kernels.cpu.native_cache import PRIVATE_MODE, file_problem, private_folder
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Input checks of ``kernels.triton.paged_attention.paged_attention``, and the sizes they establish.
+"""Input checks of ``paged_serve.kernels.triton.paged_attention.paged_attention``, and the sizes
+they establish.
 
 Shapes, dtypes, devices, contiguity, GQA divisibility and the scalar arguments: each failure
 raises ``ValueError`` naming the offending values. Nothing here reads a device tensor's
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.triton.runtime import check_device, zeroed_tickets
+from paged_serve.kernels.triton.runtime import check_device, zeroed_tickets
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256

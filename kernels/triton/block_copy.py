@@ -1,6 +1,6 @@
 """KV block copy: copy whole cache blocks (copy-on-write) for every layer and side in one launch.
 
-Semantics are exactly those of :func:`kernels.reference.copy_blocks_ref`: for each row
+Semantics are exactly those of :func:`paged_serve.kernels.reference.copy_blocks_ref`: for each row
 ``(src, dst)`` of ``block_mapping``, ``kv_caches[:, :, dst] = kv_caches[:, :, src]`` where
 ``kv_caches`` is the engine's single ``[num_layers, sides, num_blocks, block_size, Hkv, D]``
 allocation (2 sides, K and V; 1 for a latent cache, ``kernels/triton/mla_attention.py``).
@@ -16,10 +16,10 @@ block_size * Hkv * D`` contiguous elements; each program copies one ``CHUNK``-el
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
-
-from kernels.triton.runtime import check_device
+from paged_serve.kernels.triton.runtime import check_device
 
 _MAX_CHUNK = 4096
 

@@ -1,9 +1,9 @@
 """Depthwise causal convolution of ragged sequences over per-sequence windows (gated DeltaNet).
 
-Semantics are exactly those of :func:`kernels.reference.causal_conv1d_ref`: each sequence's rows
-of ``x [T, C]`` continue from its window ``conv_state[slot] [K - 1, C]`` (zeros where
-``has_state`` is 0), ``out[t, c] = silu(bias[c] + sum_j weight[c, j] * ext[t + j, c])``, and the
-window becomes the last ``K - 1`` rows of ``ext`` = window then rows. Prefill chunks and decode
+Semantics are exactly those of :func:`paged_serve.kernels.reference.causal_conv1d_ref`: each
+sequence's rows of ``x [T, C]`` continue from its window ``conv_state[slot] [K - 1, C]`` (zeros
+where ``has_state`` is 0), ``out[t, c] = silu(bias[c] + sum_j weight[c, j] * ext[t + j, c])``, and
+the window becomes the last ``K - 1`` rows of ``ext`` = window then rows. Prefill chunks and decode
 rows (one row each) take the same kernel.
 
 Grid: ``(S, cdiv(C, BLOCK_C))``. A program walks its sequence in ``BLOCK_T``-row tiles; tap
@@ -17,10 +17,10 @@ dim of ``x``, ``out`` and the window, so every load is coalesced. Math in fp32.
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
-
-from kernels.triton.runtime import check_device
+from paged_serve.kernels.triton.runtime import check_device
 
 _BLOCK_T = 16
 _BLOCK_C = 128

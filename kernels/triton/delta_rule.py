@@ -1,7 +1,7 @@
 """The gated delta rule over ragged sequences and per-sequence recurrent states (gated DeltaNet).
 
-Semantics are exactly those of :func:`kernels.reference.gated_delta_rule_ref`: per value head,
-with ``S [Dk, Dv]`` starting from ``state[slot]`` (zeros where ``has_state`` is 0) and q, k
+Semantics are exactly those of :func:`paged_serve.kernels.reference.gated_delta_rule_ref`: per value
+head, with ``S [Dk, Dv]`` starting from ``state[slot]`` (zeros where ``has_state`` is 0) and q, k
 L2-normalised (q scaled), each token does ``S = exp(g) S; S += k beta (v - k^T S); o = q^T S``,
 and the final ``S`` goes back to the slot. Value head ``h`` reads key head ``h // (Hv // Hk)``.
 
@@ -29,10 +29,10 @@ sm_90 without spills (ci/aot_compile.py).
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
-
-from kernels.triton.runtime import check_device
+from paged_serve.kernels.triton.runtime import check_device
 
 _BLOCK_V = 32
 _BLOCK_T = 16  # chunk length of the chunked kernel (tokens)

@@ -1,7 +1,7 @@
 """Fused mixture-of-experts: the routed (token, expert) pairs as two grouped GEMMs.
 
-Semantics are those of :func:`kernels.reference.fused_moe_ref`: token ``t`` routed to experts
-``topk_ids[t, j]`` with weights ``topk_weights[t, j]`` gets
+Semantics are those of :func:`paged_serve.kernels.reference.fused_moe_ref`: token ``t`` routed to
+experts ``topk_ids[t, j]`` with weights ``topk_weights[t, j]`` gets
 ``sum_j w_tj * (gate(x_t @ W1[e]^T + b1[e]) @ W2[e]^T + b2[e])``.
 
 Algorithm (the design of vLLM's and SGLang's ``fused_moe``)
@@ -30,10 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 import triton
 import triton.language as tl
-
-from kernels.triton.runtime import check_device, interpreting
+from paged_serve.kernels.triton.runtime import check_device, interpreting
 
 BLOCK_M = 16  # pairs per block: the smallest tl.dot M, so a decode step pads little
 BLOCK_N = 64

@@ -1,6 +1,6 @@
 """KV-cache write: scatter the step's new keys and values into their cache slots.
 
-Semantics are exactly those of :func:`kernels.reference.write_kv_ref`: token ``t``'s
+Semantics are exactly those of :func:`paged_serve.kernels.reference.write_kv_ref`: token ``t``'s
 ``[Hkv, D]`` key and value go to flat slot ``slot_mapping[t]`` (``block * block_size + offset``)
 of ``k_cache`` / ``v_cache`` ``[num_blocks, block_size, Hkv, D]``; slot ``-1`` means "skip"
 (padding or a token whose KV is already cached). Pure data movement, bit-exact.
@@ -16,10 +16,10 @@ same kernel with one head and no value side.
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
-
-from kernels.triton.runtime import check_device
+from paged_serve.kernels.triton.runtime import check_device
 
 _MAX_TILE = 4096
 

@@ -1,7 +1,7 @@
 """Multi-head latent attention (MLA) over a paged latent cache, with absorbed weights.
 
-Semantics are exactly those of :func:`kernels.reference.mla_attention_ref`. DeepSeek's MLA
-caches one entry per token, ``[kv_lora_rank + rope_dim]``: the normalised latent ``c`` (the
+Semantics are exactly those of :func:`paged_serve.kernels.reference.mla_attention_ref`. DeepSeek's
+MLA caches one entry per token, ``[kv_lora_rank + rope_dim]``: the normalised latent ``c`` (the
 first ``R = kv_lora_rank`` lanes) and the shared rotated key part ``k_rope``. With the key and
 value up-projections absorbed (the caller multiplies ``q_nope`` by ``W_UK`` before and the
 output by ``W_UV`` after), every query head attends over the same entries: the score of head
@@ -29,8 +29,8 @@ split runs (``_key_tiles``), online-softmax step (``_online_softmax_step``), row
   decode-only launch the last split program of each (sequence, head block) merges them (one
   ticket each); with prefill chunks, or ``fuse_merge=False``, the reduce kernel does.
   ``num_kv_splits=None`` chooses with
-  :func:`kernels.triton.paged_attention.choose_num_kv_splits`, counting ``(sequence, head
-  block)`` programs.
+  :func:`paged_serve.kernels.triton.paged_attention.choose_num_kv_splits`, counting ``(sequence,
+  head block)`` programs.
 
 Grids: main ``(num_q_tiles, cdiv(H, BLOCK_H), num_kv_splits)`` (``num_q_tiles`` as in paged
 attention); reduce (prefill chunks or ``fuse_merge=False``) ``(T, cdiv(H, 16))``.
@@ -44,17 +44,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 import triton
 import triton.language as tl
-
-from kernels.triton.attention_checks import (
+from paged_serve.kernels.triton.attention_checks import (
     SUPPORTED_DTYPES,
     check_step_bounds,
     check_step_metadata,
     check_tickets,
     check_workspace,
 )
-from kernels.triton.paged_attention import (
+from paged_serve.kernels.triton.paged_attention import (
     _key_tiles,
     _locate_q_tile,
     _online_softmax_step,
@@ -62,7 +62,7 @@ from kernels.triton.paged_attention import (
     choose_num_kv_splits,
     merge_splits,
 )
-from kernels.triton.runtime import check_device, interpreting, multiprocessor_count
+from paged_serve.kernels.triton.runtime import check_device, interpreting, multiprocessor_count
 
 _LOG2_E = 1.4426950408889634
 MAX_LATENT_DIM = 1024

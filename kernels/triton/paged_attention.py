@@ -1,7 +1,7 @@
 """Paged attention: ragged prefill chunks and decode tokens over a block-table KV cache.
 
-Semantics are exactly those of :func:`kernels.reference.paged_attention_ref` (read its module
-docstring for the KV layout, ragged-query and GQA conventions).
+Semantics are exactly those of :func:`paged_serve.kernels.reference.paged_attention_ref` (read its
+module docstring for the KV layout, ragged-query and GQA conventions).
 
 Algorithm
 ---------
@@ -77,10 +77,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 import triton
 import triton.language as tl
-
-from kernels.triton.attention_checks import (
+from paged_serve.kernels.triton.attention_checks import (
     AttentionShapes,
     check_attention_inputs,
     check_out,
@@ -88,7 +88,7 @@ from kernels.triton.attention_checks import (
     check_tickets,
     check_workspace,
 )
-from kernels.triton.runtime import REFERENCE_SMS, interpreting, multiprocessor_count
+from paged_serve.kernels.triton.runtime import REFERENCE_SMS, interpreting, multiprocessor_count
 
 # Split-KV heuristic (choose_num_kv_splits): no split once the unsplit launch fills this share of
 # the SMs, at least this many keys per split, at most this many splits, and the fewest splits

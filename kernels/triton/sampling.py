@@ -1,6 +1,6 @@
 """Fused sampling: temperature, top-k, top-p, min-p and the draw, without sorting the vocabulary.
 
-Semantics are exactly those of :func:`kernels.reference.sample_ref` (keep rule in
+Semantics are exactly those of :func:`paged_serve.kernels.reference.sample_ref` (keep rule in
 ``sampling_keep_mask``): a token is drawable when it passes top-k, top-p (nucleus on the
 top-k-renormalised distribution) and min-p on ``p = softmax(logits / temperature)``, and the
 draw is the exponential race ``argmax_i p_i / E_i``, ``E_i = -log(u_i)``, over kept tokens.
@@ -60,10 +60,10 @@ constrained rows runs a kernel with no mask loads at all.
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
-
-from kernels.triton.runtime import check_device, interpreting
+from paged_serve.kernels.triton.runtime import check_device, interpreting
 
 _MAX_BLOCK_V = 1024
 _TILE_CUDA = 1024
@@ -464,7 +464,7 @@ def sample(
     logprobs = torch.empty(num_rows, dtype=torch.float32, device=device)
     if num_rows == 0:
         return tokens, logprobs
-    from kernels.triton import sampling_split  # it builds on this module's helpers
+    from paged_serve.kernels.triton import sampling_split  # it builds on this module's helpers
 
     if slice_len is None and not interpreting():
         slice_len = sampling_split.SLICE

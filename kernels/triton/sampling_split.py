@@ -36,10 +36,10 @@ Grid: ``(B, P)`` for every phase but FINAL's ``(B, 1)``; 20 launches. ``BLOCK_V`
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
-
-from kernels.triton.sampling import (
+from paged_serve.kernels.triton.sampling import (
     _NUM_WARPS,
     _digit_histogram,
     _div,

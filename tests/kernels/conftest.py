@@ -35,13 +35,13 @@ if SESSION_ORDER not in ORDERS:
 _HERE = Path(__file__).parent
 
 for _name in (
-    "kernels.triton.paged_attention",
-    "kernels.triton.kv_write",
-    "kernels.triton.block_copy",
-    "kernels.triton.sampling",
-    "kernels.triton.mla_attention",
-    "kernels.triton.causal_conv",
-    "kernels.triton.delta_rule",
+    "paged_serve.kernels.triton.paged_attention",
+    "paged_serve.kernels.triton.kv_write",
+    "paged_serve.kernels.triton.block_copy",
+    "paged_serve.kernels.triton.sampling",
+    "paged_serve.kernels.triton.mla_attention",
+    "paged_serve.kernels.triton.causal_conv",
+    "paged_serve.kernels.triton.delta_rule",
 ):
     _mod = sys.modules.get(_name)
     if _mod is not None and not HAS_CUDA and os.environ.get("TRITON_INTERPRET") == "1":

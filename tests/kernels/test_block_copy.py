@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import copy_blocks_ref
-from kernels.triton.block_copy import copy_blocks
+from paged_serve.kernels.reference import copy_blocks_ref
+from paged_serve.kernels.triton.block_copy import copy_blocks
 
 
 @pytest.mark.parametrize(

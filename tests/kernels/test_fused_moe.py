@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import fused_moe_ref
-from kernels.triton.fused_moe import BLOCK_M, align_pairs, fused_moe
+from paged_serve.kernels.reference import fused_moe_ref
+from paged_serve.kernels.triton.fused_moe import BLOCK_M, align_pairs, fused_moe
 
 TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (3e-2, 3e-2)}
 

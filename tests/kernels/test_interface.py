@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.platform.cpu.attention import PlannedTorchAttention
-from engine.platform.cpu.linear_attention import causal_conv1d_cpu, gated_delta_rule_cpu
-from engine.platform.cpu.moe import grouped_moe
-from kernels import interface, reference
-from kernels.triton import (
+from paged_serve.engine.platform.cpu.attention import PlannedTorchAttention
+from paged_serve.engine.platform.cpu.linear_attention import causal_conv1d_cpu, gated_delta_rule_cpu
+from paged_serve.engine.platform.cpu.moe import grouped_moe
+from paged_serve.kernels import interface, reference
+from paged_serve.kernels.triton import (
     block_copy,
     causal_conv,
     delta_rule,

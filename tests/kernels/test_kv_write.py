@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import write_kv_ref
-from kernels.triton import block_copy, kv_write, paged_attention, sampling
-from kernels.triton.kv_write import write_kv
+from paged_serve.kernels.reference import write_kv_ref
+from paged_serve.kernels.triton import block_copy, kv_write, paged_attention, sampling
+from paged_serve.kernels.triton.kv_write import write_kv
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is used only without CUDA")

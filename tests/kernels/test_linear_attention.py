@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import causal_conv1d_ref, gated_delta_rule_ref
-from kernels.triton.causal_conv import causal_conv1d
-from kernels.triton.delta_rule import gated_delta_rule
+from paged_serve.kernels.reference import causal_conv1d_ref, gated_delta_rule_ref
+from paged_serve.kernels.triton.causal_conv import causal_conv1d
+from paged_serve.kernels.triton.delta_rule import gated_delta_rule
 
 DECODE = [1, 1, 1, 1]
 PREFILL = [31, 32, 33, 70]

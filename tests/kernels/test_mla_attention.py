@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import mla_attention_ref, write_latent_ref
-from kernels.triton.kv_write import write_latent
-from kernels.triton.mla_attention import MlaShapes, mla_attention, mla_launch
+from paged_serve.kernels.reference import mla_attention_ref, write_latent_ref
+from paged_serve.kernels.triton.kv_write import write_latent
+from paged_serve.kernels.triton.mla_attention import MlaShapes, mla_attention, mla_launch
 
 # fp32: summation order and exp2 vs exp only (~1 ulp of O(1) values), as for paged attention.
 # fp16/bf16: softmax weights rounded before the P.V dot and the output rounded, 8 roundoffs.

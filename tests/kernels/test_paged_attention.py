@@ -20,9 +20,9 @@ import math
 import pytest
 import torch
 
-from kernels.reference import paged_attention_ref
-from kernels.triton.attention_checks import AttentionShapes
-from kernels.triton.paged_attention import (
+from paged_serve.kernels.reference import paged_attention_ref
+from paged_serve.kernels.triton.attention_checks import AttentionShapes
+from paged_serve.kernels.triton.paged_attention import (
     _paged_attention_kernel,
     attention_launch,
     choose_num_kv_splits,

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from kernels.reference import (
+from paged_serve.kernels.reference import (
     ARGMAX_CHUNK,
     copy_blocks_ref,
     first_argmax,

@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 
-from kernels.reference import sample_ref, sampling_keep_mask
-from kernels.triton.sampling import sample, sampling_uniforms
+from paged_serve.kernels.reference import sample_ref, sampling_keep_mask
+from paged_serve.kernels.triton.sampling import sample, sampling_uniforms
 
 MARGIN = 1e-5
 

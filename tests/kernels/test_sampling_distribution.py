@@ -1,6 +1,6 @@
 """The fused sampler's draws follow the target distribution: many seeds over one row, the
 empirical frequencies against the kept, renormalised target computed here independently, in
-float64, from the definitions (not from ``kernels.reference``).
+float64, from the definitions (not from ``paged_serve.kernels.reference``).
 
 The target: ``p = softmax(logits / T)``; top-k keeps the tokens whose scaled logit is at least
 the k-th largest (ties kept together); top-p keeps, among those, a token when the probability
@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.triton.sampling import sample
+from paged_serve.kernels.triton.sampling import sample
 
 DRAWS = 2048  # the untempered checks still reject at p < 1e-26 (v1000-T0.7-topk40)
 P_REJECT = 1e-6

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.reference import greedy_ref, invalid_rows, sample_ref, sampling_keep_mask
-from kernels.triton.sampling import sample, sampling_uniforms
+from paged_serve.kernels.reference import greedy_ref, invalid_rows, sample_ref, sampling_keep_mask
+from paged_serve.kernels.triton.sampling import sample, sampling_uniforms
 
 VOCAB = 1024
 # Slack for the keep-set check: near a boundary kernel and reference may round either way.

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import apply_token_bitmask_ref, sample_ref, unpack_token_bitmask
-from kernels.triton.sampling import sample, sampling_uniforms
+from paged_serve.kernels.reference import apply_token_bitmask_ref, sample_ref, unpack_token_bitmask
+from paged_serve.kernels.triton.sampling import sample, sampling_uniforms
 
 
 def pack(allowed: torch.Tensor) -> torch.Tensor:

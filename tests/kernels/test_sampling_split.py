@@ -18,9 +18,9 @@ import functools
 import pytest
 import torch
 
-from kernels.reference import sample_ref, sampling_keep_mask
-from kernels.triton.sampling import sample, sampling_uniforms
-from kernels.triton.sampling_split import split_slices
+from paged_serve.kernels.reference import sample_ref, sampling_keep_mask
+from paged_serve.kernels.triton.sampling import sample, sampling_uniforms
+from paged_serve.kernels.triton.sampling_split import split_slices
 from tests.kernels.test_sampling import _clear_of_boundaries, _keep_args, _params
 
 VOCAB = 777

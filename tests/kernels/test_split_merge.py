@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import mla_attention_ref, paged_attention_ref
-from kernels.triton.attention_checks import AttentionShapes
-from kernels.triton.mla_attention import MlaShapes, mla_attention, mla_launch
-from kernels.triton.paged_attention import attention_launch, paged_attention
-from kernels.triton.runtime import zeroed_tickets
+from paged_serve.kernels.reference import mla_attention_ref, paged_attention_ref
+from paged_serve.kernels.triton.attention_checks import AttentionShapes
+from paged_serve.kernels.triton.mla_attention import MlaShapes, mla_attention, mla_launch
+from paged_serve.kernels.triton.paged_attention import attention_launch, paged_attention
+from paged_serve.kernels.triton.runtime import zeroed_tickets
 
 DECODE_5 = [(1, 1), (1, 40), (1, 97), (1, 16), (1, 130)]
 

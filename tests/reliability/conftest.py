@@ -28,13 +28,13 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response
 
-import server
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.model.loader import LoadedModel
+import paged_serve.server
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.model.loader import LoadedModel
+from paged_serve.server.app import create_app, make_runner
+from paged_serve.server.state import STATE, ServerState
 from perf.load_test import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS
-from server.app import create_app, make_runner
-from server.state import STATE, ServerState
 from tests.server.conftest import (  # noqa: F401  (fixtures, re-registered for this folder)
     Reply,
     ServerThread,
@@ -54,8 +54,9 @@ POLL_S = 0.02
 # One 16-token KV block of the default model (fp32): 30 layers x 3 KV heads x 64 x 4 B x (K, V).
 BLOCK_BYTES = 16 * 30 * 3 * 64 * 4 * 2
 PATHS = ("completions", "chat/completions", "responses")
+SERVER_ROOT = str(Path(paged_serve.server.__file__).resolve().parents[1])
 # Text that must never reach a client: a traceback, or where the code lives.
-LEAK_MARKERS = ("Traceback", 'File "', ".py", "/work/", str(Path(server.__file__).parents[1]))
+LEAK_MARKERS = ("Traceback", 'File "', ".py", "/work/", SERVER_ROOT)
 
 
 # ---------------------------------------------------------------------------- HTTP helpers

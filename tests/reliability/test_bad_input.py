@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine.async_engine import AsyncEngine
+from paged_serve.engine.async_engine import AsyncEngine
 from tests.reliability.conftest import (
     PATHS,
     Reply,

@@ -24,9 +24,9 @@ from collections.abc import Callable
 import aiohttp
 import pytest
 
-from engine.llm_engine import LLMEngine
-from engine.sched.request import Request, RequestStatus
-from engine.sched.scheduler import Scheduler
+from paged_serve.engine.llm_engine import LLMEngine
+from paged_serve.engine.sched.request import Request, RequestStatus
+from paged_serve.engine.sched.scheduler import Scheduler
 from perf.load_test import AbortRecorder, sse_events
 from tests.reliability.conftest import LocalServer, assert_pool_clean
 

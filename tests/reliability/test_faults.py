@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.model.loader import LoadedModel
-from engine.sched.detokenizer import IncrementalDetokenizer
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.engine.model.loader import LoadedModel
+from paged_serve.engine.sched.detokenizer import IncrementalDetokenizer
 from perf.load_test import fetch_metrics
 from tests.reliability.conftest import (
     PATHS,

@@ -18,11 +18,15 @@ import time
 
 import pytest
 
-from engine.errors import InvalidRequestError
-from engine.grammar.compiles import CompileQueueFullError, GrammarCompiles
-from engine.grammar.json_schema_rules import MAX_OBJECT_PROPERTIES
-from engine.grammar.probe import PROBE_NICE, ProbeBudget
-from engine.grammar.structured_output import COMPILE_THREADS, GrammarCompiler, StructuredOutput
+from paged_serve.engine.errors import InvalidRequestError
+from paged_serve.engine.grammar.compiles import CompileQueueFullError, GrammarCompiles
+from paged_serve.engine.grammar.json_schema_rules import MAX_OBJECT_PROPERTIES
+from paged_serve.engine.grammar.probe import PROBE_NICE, ProbeBudget
+from paged_serve.engine.grammar.structured_output import (
+    COMPILE_THREADS,
+    GrammarCompiler,
+    StructuredOutput,
+)
 from tests.reliability.conftest import (
     arequest,
     assert_error_object,
@@ -255,7 +259,7 @@ def test_lines_a_library_prints_on_the_probes_stdout_are_not_answers(compiles):
     noisy = (
         "import runpy, sys; print('a library says hello'); print('{\"not\": \"an answer\"}'); "
         "sys.argv = ['probe', *sys.argv[1:]]; "
-        "runpy.run_module('engine.grammar.probe', run_name='__main__')"
+        "runpy.run_module('paged_serve.engine.grammar.probe', run_name='__main__')"
     )
     compiles.probe.command = [sys.executable, "-c", noisy]
     asyncio.run(compiles.compile(SMALL))

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu import decode_attention as cpu_decode_attention
-from kernels.cpu.decode_attention import CpuDecodeAttention
+from paged_serve.kernels.cpu import decode_attention as cpu_decode_attention
+from paged_serve.kernels.cpu.decode_attention import CpuDecodeAttention
 
 NOBODY = 65534
 CONSTRUCTOR = """

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from engine.model.loader import LoadedModel
+from paged_serve.engine.model.loader import LoadedModel
 from perf.load_test import fetch_metrics, sse_events
 from tests.reliability.conftest import (
     LocalServer,

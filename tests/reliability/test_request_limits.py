@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.async_engine import AsyncEngine
-from server.app import create_app
-from server.cli import build_parser, limits_from_args, main
-from server.limits import ServerLimits
-from server.state import STATE, ServerState
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.server.app import create_app
+from paged_serve.server.cli import build_parser, limits_from_args, main
+from paged_serve.server.limits import ServerLimits
+from paged_serve.server.state import STATE, ServerState
 from tests.reliability.conftest import (
     assert_error_object,
     check_success,

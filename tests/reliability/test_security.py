@@ -9,10 +9,10 @@ import socket
 
 import pytest
 
-import server.app
-from engine.async_engine import AsyncEngine
-from server.app import create_app
-from server.cli import build_parser
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.server import app as server_app
+from paged_serve.server.app import create_app
+from paged_serve.server.cli import build_parser
 from tests.reliability.conftest import (
     Reply,
     arequest,
@@ -76,13 +76,13 @@ def test_a_right_key_passes_on_every_v1_route(keyed_url: str, engine: AsyncEngin
 def test_keys_are_compared_in_constant_time(keyed_url: str, monkeypatch: pytest.MonkeyPatch):
     """hmac.compare_digest against every configured key, whichever matches (no early exit)."""
     calls: list[tuple[str, str]] = []
-    real = server.app.hmac.compare_digest
+    real = server_app.hmac.compare_digest
 
     def spy(a: str, b: str) -> bool:
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(server.app.hmac, "compare_digest", spy)
+    monkeypatch.setattr(server_app.hmac, "compare_digest", spy)
     for authorization in ("Bearer wrong", f"Bearer {API_KEYS[0]}", f"Bearer {API_KEYS[-1]}"):
         calls.clear()
         request("GET", f"{keyed_url}/v1/models", headers={"Authorization": authorization})

@@ -16,10 +16,10 @@ import time
 
 import pytest
 
-from engine.async_engine import AsyncEngine
-from server.app import create_app
-from server.limits import ServerLimits
-from server.state import STATE, ServerState
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.server.app import create_app
+from paged_serve.server.limits import ServerLimits
+from paged_serve.server.state import STATE, ServerState
 from tests.reliability.conftest import assert_no_leak, request
 from tests.server.conftest import ServerThread
 

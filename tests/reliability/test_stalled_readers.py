@@ -21,13 +21,13 @@ from collections.abc import Callable, Iterator
 import pytest
 from aiohttp import web
 
-import server.connections
-from engine.async_engine import AsyncEngine
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.server import connections
+from paged_serve.server.app import create_app
+from paged_serve.server.cli import build_parser, limits_from_args, main
+from paged_serve.server.limits import ServerLimits
+from paged_serve.server.state import STATE, ServerState
 from perf.load_test import AbortRecorder
-from server.app import create_app
-from server.cli import build_parser, limits_from_args, main
-from server.limits import ServerLimits
-from server.state import STATE, ServerState
 from tests.reliability.conftest import request, wait_engine_idle
 from tests.server.conftest import ServerThread
 
@@ -43,14 +43,14 @@ LONG_PROMPT = [1000 + 7 * i for i in range(800)]
 @pytest.fixture
 def small_send_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every connection accepted during the test gets a ``BUFFER_BYTES`` send buffer."""
-    real = server.connections._GuardedConnection.connection_made
+    real = connections._GuardedConnection.connection_made
 
     def connection_made(self, transport) -> None:
         sock = transport.get_extra_info("socket")
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER_BYTES)
         real(self, transport)
 
-    monkeypatch.setattr(server.connections._GuardedConnection, "connection_made", connection_made)
+    monkeypatch.setattr(connections._GuardedConnection, "connection_made", connection_made)
 
 
 @pytest.fixture

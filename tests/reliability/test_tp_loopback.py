@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.parallel import rendezvous as tp_rendezvous
-from engine.parallel.rendezvous import Rendezvous, is_loopback, pin_sockets_to_loopback
+from paged_serve.engine.parallel import rendezvous as tp_rendezvous
+from paged_serve.engine.parallel.rendezvous import Rendezvous, is_loopback, pin_sockets_to_loopback
 from tests.reliability.tp_listeners import listening_sockets
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -77,7 +77,7 @@ def listening_sockets(pids: set[int]) -> list[tuple[str, int, int]]:
 
 
 def main() -> None:
-    from engine import LLM, SamplingParams
+    from paged_serve.engine import LLM, SamplingParams
     from tests.conftest import loaded, tiny_model
 
     try:

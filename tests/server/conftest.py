@@ -20,11 +20,11 @@ import openai
 import pytest
 from aiohttp import web
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.model.loader import LoadedModel
-from server.app import create_app, make_runner
-from server.limits import ServerLimits
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.model.loader import LoadedModel
+from paged_serve.server.app import create_app, make_runner
+from paged_serve.server.limits import ServerLimits
 
 KV_CACHE_BYTES = 64 << 20
 MAX_MODEL_LEN = 1024

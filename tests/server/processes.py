@@ -21,7 +21,8 @@ class ServerProcess:
 
     def __init__(self, args: list[str]):
         script = Path(sys.executable).with_name("paged-serve")
-        command = [str(script)] if script.exists() else [sys.executable, "-m", "server.cli"]
+        module = [sys.executable, "-m", "paged_serve.server.cli"]
+        command = [str(script)] if script.exists() else module
         self.proc = subprocess.Popen(
             command + args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
         )

@@ -7,7 +7,7 @@ import json
 import openai
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from engine.async_engine import AsyncEngine
+from paged_serve.engine.async_engine import AsyncEngine
 from tests.server.conftest import http, parse_sse
 
 MESSAGES = [

@@ -14,7 +14,7 @@ import aiohttp
 import openai
 import pytest
 
-from engine.model.loader import default_gguf_path
+from paged_serve.engine.model.loader import default_gguf_path
 from tests.server.conftest import http, metric_values
 from tests.server.processes import READY, START_DEADLINE_S, ServerProcess
 

@@ -8,7 +8,7 @@ import openai
 import pytest
 from openai.types import Completion
 
-from engine.async_engine import AsyncEngine
+from paged_serve.engine.async_engine import AsyncEngine
 from tests.server.conftest import http, parse_sse
 
 PROMPT = "The capital of France is"

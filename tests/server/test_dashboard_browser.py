@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from engine.async_engine import AsyncEngine
+from paged_serve.engine.async_engine import AsyncEngine
 from tests.server.cdp import Page, find_chromium, open_page
 
 CHROMIUM = find_chromium()

@@ -7,7 +7,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from engine.async_engine import AsyncEngine
+from paged_serve.engine.async_engine import AsyncEngine
 from tests.server.conftest import metric_values, wait_idle
 
 LONG = 256  # tokens a request would run for if nobody aborted it (~20 s on a CPU)

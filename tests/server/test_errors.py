@@ -9,9 +9,9 @@ from dataclasses import replace
 import openai
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineDeadError
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from paged_serve.engine.async_engine import AsyncEngine, EngineDeadError
+from paged_serve.server.errors import APIError
+from paged_serve.server.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from tests.server.conftest import (
     MAX_BODY_BYTES,
     MAX_MODEL_LEN,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from engine.async_engine import AsyncEngine
+from paged_serve.engine.async_engine import AsyncEngine
 
 PROMPT = "Write one word:"
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine.async_engine import AsyncEngine
+from paged_serve.engine.async_engine import AsyncEngine
 from tests.server.conftest import http, parse_sse
 
 

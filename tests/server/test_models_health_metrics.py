@@ -8,10 +8,10 @@ import aiohttp
 import openai
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.observe.metrics import histogram_sum_count
-from engine.sampling_params import SamplingParams
-from server.app import create_app
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.engine.observe.metrics import histogram_sum_count
+from paged_serve.engine.sampling_params import SamplingParams
+from paged_serve.server.app import create_app
 from tests.server.conftest import (
     MAX_MODEL_LEN,
     ServerThread,

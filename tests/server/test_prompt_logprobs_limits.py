@@ -13,11 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 import pytest
 
-import server.logprobs
-from engine.async_engine import AsyncEngine
-from server.app import create_app
-from server.cli import build_parser, limits_from_args, main
-from server.limits import ServerLimits
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.server import logprobs
+from paged_serve.server.app import create_app
+from paged_serve.server.cli import build_parser, limits_from_args, main
+from paged_serve.server.limits import ServerLimits
 from tests.server.conftest import ServerThread, assert_error, http
 
 HOLD_S = 10.0
@@ -94,7 +94,7 @@ def test_health_answers_while_a_prompt_logprobs_reply_is_built(
 ):
     """The build is held at its first token's text; on the loop, ``/health`` would wait."""
     release, entered = threading.Event(), threading.Event()
-    real = server.logprobs.token_text
+    real = logprobs.token_text
 
     def held(tokenizer: object, token_id: int) -> str:
         entered.set()
@@ -102,7 +102,7 @@ def test_health_answers_while_a_prompt_logprobs_reply_is_built(
             raise RuntimeError("the test never released the build")
         return real(tokenizer, token_id)
 
-    monkeypatch.setattr(server.logprobs, "token_text", held)
+    monkeypatch.setattr(logprobs, "token_text", held)
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(http, "POST", f"{base_url}{path}", json=body)
         try:

@@ -10,7 +10,7 @@ import json
 import pytest
 from transformers import PreTrainedModel
 
-from engine.async_engine import AsyncEngine
+from paged_serve.engine.async_engine import AsyncEngine
 from tests.conftest import hf_prompt_logprobs
 from tests.server.conftest import http, parse_sse
 

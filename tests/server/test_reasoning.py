@@ -8,9 +8,9 @@ import json
 import openai
 import pytest
 
-from engine.async_engine import AsyncEngine
-from server.app import create_app
-from server.reasoning import Qwen3ReasoningParser, ReasoningStream
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.server.app import create_app
+from paged_serve.server.reasoning import Qwen3ReasoningParser, ReasoningStream
 from tests.server.conftest import ServerThread, assert_error, http
 
 # (prompt tail, reply, reasoning, content)

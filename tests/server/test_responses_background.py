@@ -13,11 +13,11 @@ import openai
 import pytest
 from openai.types.responses import Response
 
-from engine.async_engine import AsyncEngine
-from server.app import create_app
-from server.background import EventLog
-from server.errors import APIError
-from server.state import STATE
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.server.app import create_app
+from paged_serve.server.background import EventLog
+from paged_serve.server.errors import APIError
+from paged_serve.server.state import STATE
 from tests.server.conftest import (
     API_KEYS,
     ServerThread,

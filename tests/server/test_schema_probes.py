@@ -10,7 +10,7 @@ import json
 import jsonschema
 import pytest
 
-from engine.async_engine import AsyncEngine
+from paged_serve.engine.async_engine import AsyncEngine
 from tests.server.conftest import assert_error, http
 
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]

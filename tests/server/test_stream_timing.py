@@ -17,8 +17,8 @@ import time
 import aiohttp
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.llm_engine import LLMEngine
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.engine.llm_engine import LLMEngine
 
 HOLD_S = 0.3  # long enough for a chunk sent before the prefill to reach the client
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from engine.async_engine import AsyncEngine
+from paged_serve.engine.async_engine import AsyncEngine
 from tests.server.conftest import assert_error, http, parse_sse
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from engine.async_engine import AsyncEngine
+from paged_serve.engine.async_engine import AsyncEngine
 from tests.server.conftest import API_KEYS, MAX_MODEL_LEN, assert_error, http
 
 PROMPT = "The capital of France is Paris. Ünïcödé and emoji 🚀 survive."

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from server.prompts import max_chars
+from paged_serve.server.prompts import max_chars
 from tests.server.conftest import assert_error, http
 
 HOLD_S = 10.0
@@ -60,8 +60,8 @@ def test_health_answers_while_a_prompt_is_tokenized(
 @pytest.fixture(scope="module")
 def big_body_url(engine, server_thread) -> str:
     """A server on the same engine whose body limit admits a text longer than the context."""
-    from server.app import create_app
-    from server.limits import ServerLimits
+    from paged_serve.server.app import create_app
+    from paged_serve.server.limits import ServerLimits
 
     limit = 4 * max_chars(engine) + (1 << 20)
     return server_thread.serve(

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.model.loader import LoadedModel
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.model.loader import LoadedModel
 from tests.conftest import tiny_model
 from tests.server.conftest import http, parse_sse, wait_idle
 from tests.server.test_response_tools import streamed_arguments
@@ -118,7 +118,7 @@ def random_engine(default_model: LoadedModel):
 
 @pytest.fixture(scope="module")
 def random_client(random_engine: AsyncEngine, server_thread) -> openai.OpenAI:
-    from server.app import create_app
+    from paged_serve.server.app import create_app
 
     url = server_thread.serve(lambda: create_app(random_engine))
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)

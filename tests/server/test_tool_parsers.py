@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from server.tool_parsers import (
+from paged_serve.server.tool_parsers import (
     GenericParser,
     HermesParser,
     Llama3JsonParser,
@@ -19,7 +19,7 @@ from server.tool_parsers import (
     ToolParser,
     parser_for_template,
 )
-from server.tools import ToolCallStream, reply_message
+from paged_serve.server.tools import ToolCallStream, reply_message
 
 WEATHER = {"city": "Paris", "days": [1, 2], "unit": {"c": True}, "note": 'a "q" }] é'}
 
@@ -216,7 +216,7 @@ def test_a_cut_off_call_is_text_never_a_call(parser: ToolParser, text: str, call
 
 
 def test_cli_flags_name_the_parsers():
-    from server.cli import build_parser
+    from paged_serve.server.cli import build_parser
 
     args = build_parser().parse_args(
         ["--tool-call-parser", "mistral", "--reasoning-parser", "qwen3"]
@@ -228,7 +228,7 @@ def test_cli_flags_name_the_parsers():
 
 
 def test_first_call_only_without_parallel_calls():
-    from server.tool_parsers import FirstCallOnly
+    from paged_serve.server.tool_parsers import FirstCallOnly
 
     parser = FirstCallOnly(HermesParser())
     text = FIXTURES[1][1]  # two hermes calls
@@ -245,7 +245,7 @@ def test_first_call_only_without_parallel_calls():
 def test_a_growing_json_string_decodes_as_prefixes(text: str, ascii_only: bool):
     """The generic envelope's ``response`` streams as the decoded prefix of its JSON string:
     each cut (inside an escape, between a surrogate pair's halves) gives a prefix of the next."""
-    from server.tool_parsers import string_prefix
+    from paged_serve.server.tool_parsers import string_prefix
 
     encoded, decoded = json.dumps(text, ensure_ascii=ascii_only), ""
     for end in range(1, len(encoded) + 1):

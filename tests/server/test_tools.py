@@ -275,7 +275,7 @@ HERMES_REPLY = (
 def test_tool_call_parser_flag_on_real_token_boundaries(engine, server_thread, model_name):
     """--tool-call-parser hermes on SmolLM2 (whose template has no tools): a regex shapes the
     reply like a Qwen model's, so the parser meets the tokenizer's real token boundaries."""
-    from server.app import create_app
+    from paged_serve.server.app import create_app
 
     url = server_thread.serve(lambda: create_app(engine, tool_call_parser="hermes"))
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine.async_engine import AsyncEngine
+from paged_serve.engine.async_engine import AsyncEngine
 from tests.server.conftest import assert_error, http, parse_sse
 
 PROMPT = "The capital of France is"

@@ -11,14 +11,14 @@ import openai
 import pytest
 from transformers import GenerationConfig
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from server.app import create_app
-from server.cli import build_parser, main
-from server.generation_defaults import SamplingDefaults, load_sampling_defaults
-from server.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
-from server.sampling import output_limit
-from server.vllm_flags import REFUSALS
+from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.engine.config import EngineConfig
+from paged_serve.server.app import create_app
+from paged_serve.server.cli import build_parser, main
+from paged_serve.server.generation_defaults import SamplingDefaults, load_sampling_defaults
+from paged_serve.server.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from paged_serve.server.sampling import output_limit
+from paged_serve.server.vllm_flags import REFUSALS
 from tests.conftest import assert_pool_clean, tiny_model
 from tests.server.conftest import ServerThread, wait_idle
 
@@ -203,8 +203,8 @@ def test_auto_reads_the_generation_config_a_model_folder_ships(tmp_path: Path):
 
 
 def test_speculative_config_parses_as_vllm_writes_it(capsys):
-    from engine.cli import engine_kwargs
-    from engine.spec.config import SpeculativeConfig
+    from paged_serve.engine.cli import engine_kwargs
+    from paged_serve.engine.spec.config import SpeculativeConfig
 
     spec = (
         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, '

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import openai
 
-from engine.async_engine import AsyncEngine
+from paged_serve.engine.async_engine import AsyncEngine
 from tests.conftest import assert_pool_clean
 from tests.server.conftest import http, metric_values, wait_idle
 
@@ -113,7 +113,7 @@ def test_kv_usage_is_the_used_fraction():
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import GaugeMetricFamily
 
-    from engine.observe.vllm_names import VllmNames
+    from paged_serve.engine.observe.vllm_names import VllmNames
 
     class Pool:
         def collect(self):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from engine.async_engine import AsyncEngine
+from paged_serve.engine.async_engine import AsyncEngine
 from tests.server.conftest import API_KEYS, assert_error, http, metric_values, wait_idle
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 12  # several full KV blocks

@@ -10,7 +10,7 @@ the block pool afterwards (``pool_clean``).
 
 from __future__ import annotations
 
-from engine.async_engine import AsyncEngine
+from paged_serve.engine.async_engine import AsyncEngine
 from tests.server.test_chat import test_n_streams_every_choice as test_chat_n_streams
 from tests.server.test_chat import test_stream_and_non_stream_agree as test_chat_streams_agree
 from tests.server.test_completions import (  # noqa: F401  (collected here)

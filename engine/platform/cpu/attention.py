@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.platform.cpu.attention_plan import AttentionPlan
-from kernels.cpu.decode_attention import CpuDecodeAttention
-from kernels.reference import kept_slots, scatter_kv
+from paged_serve.engine.platform.cpu.attention_plan import AttentionPlan
+from paged_serve.kernels.cpu.decode_attention import CpuDecodeAttention
+from paged_serve.kernels.reference import kept_slots, scatter_kv
 
 
 class PlannedTorchAttention:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import causal_conv_rows, l2_normalize
+from paged_serve.kernels.reference import causal_conv_rows, l2_normalize
 
 CHUNK = 64  # tokens per block of the chunked delta rule
 
@@ -37,7 +37,8 @@ def causal_conv1d_cpu(
     has_state: torch.Tensor,
     silu: bool = True,
 ) -> torch.Tensor:
-    """``kernels.reference.causal_conv1d_ref``, decode rows batched (see the module doc)."""
+    """``paged_serve.kernels.reference.causal_conv1d_ref``, decode rows batched (see the module
+    doc)."""
     starts, ends = _rows(cu_seqlens)
     slots, has = state_slots.tolist(), has_state.tolist()
     width = weight.shape[1]
@@ -117,8 +118,8 @@ def gated_delta_rule_cpu(
     max_seqlen_q: int,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """``kernels.reference.gated_delta_rule_ref``: decode rows batched, prefill chunks in WY
-    blocks (see the module doc). Math in ``state``'s dtype."""
+    """``paged_serve.kernels.reference.gated_delta_rule_ref``: decode rows batched, prefill
+    chunks in WY blocks (see the module doc). Math in ``state``'s dtype."""
     del max_seqlen_q  # the split below looks at each sequence's own length
     compute = state.dtype
     group = v.shape[1] // k.shape[1]

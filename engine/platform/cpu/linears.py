@@ -59,9 +59,9 @@ import time
 import torch
 from torch import nn
 
-from engine.model.fused_projections import linear_from
-from engine.model.linear_swap import swap_linears
-from engine.model.packed_weights import PackedWeights, pack, packable, packed_linear
+from paged_serve.engine.model.fused_projections import linear_from
+from paged_serve.engine.model.linear_swap import swap_linears
+from paged_serve.engine.model.packed_weights import PackedWeights, pack, packable, packed_linear
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ model's gate between the two, the routing weights applied before the per-token s
 chose cost nothing: a decode row of a top-2 model reads two experts' weights, not all of them.
 (``torch._grouped_mm`` does the same in one call, but on the CPU it runs one GEMM per expert, chosen
 or not: 16 GEMMs, 744 us a call at 16 experts, top-2 and 1 stream; docs/performance.md, "Mixture of
-experts".) The semantics are ``kernels.reference.fused_moe_ref``'s, which the Triton kernel also
-follows.
+experts".) The semantics are ``paged_serve.kernels.reference.fused_moe_ref``'s, which the Triton
+kernel also follows.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def grouped_moe(
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """As ``kernels.triton.fused_moe.fused_moe``: ``hidden [T, H]``, ``w_gate_up [E, 2I, H]``,
-    ``w_down [E, H, I]`` (views, or ``QuantizedExperts`` under ``--quantization``),
+    """As ``paged_serve.kernels.triton.fused_moe.fused_moe``: ``hidden [T, H]``, ``w_gate_up [E, 2I,
+    H]``, ``w_down [E, H, I]`` (views, or ``QuantizedExperts`` under ``--quantization``),
     ``topk_ids``/``topk_weights [T, k]``; ``[T, H]``."""
     num_tokens, top_k = topk_ids.shape
     num_experts = w_gate_up.shape[0]

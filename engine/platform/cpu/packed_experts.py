@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.model.experts_swap import experts_modules, swap_experts
-from engine.model.packed_weights import pack, packable
+from paged_serve.engine.model.experts_swap import experts_modules, swap_experts
+from paged_serve.engine.model.packed_weights import pack, packable
 
 PACKED_ROWS = {torch.float32: 8}  # the row count each dtype's layout is packed for
 
