@@ -52,14 +52,17 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     prompts = body.prompts()
     check_sequences(state.limits.max_sequences_per_request, len(prompts), body.n)
     prompt_ids = [await tokenize_prompt(state.engine, p, "prompt") for p in prompts]
-    for ids in prompt_ids:
-        output_limit(state.context_limit, len(ids), body.max_tokens, "prompt")
+    default = state.sampling_defaults.max_tokens
+    max_tokens = min(
+        output_limit(state.context_limit, len(ids), body.max_tokens, "prompt", default)
+        for ids in prompt_ids
+    )
     if body.prompt_logprobs is not None:
         limit = state.limits.max_prompt_logprob_entries
         check_prompt_logprobs_size(limit, sum(map(len, prompt_ids)), body.prompt_logprobs, body.n)
     params = body.to_params(
         state.engine.vocab_size,
-        max_tokens=body.max_tokens,
+        max_tokens=max_tokens,
         logprobs=body.logprobs,
         prompt_logprobs=body.engine_prompt_logprobs,
     )

@@ -7,9 +7,9 @@ repetition penalty), and a folder takes them from the ``generation_config.json``
 values that differ from ``GenerationConfig()``'s count, as in vLLM (transformers 5 leaves these
 five unset by default, so every value the file sets counts). A field the request leaves out or
 sends as ``null`` takes the default, as in vLLM. The file's ``max_new_tokens`` caps the output
-of a chat or Responses request that gives no limit of its own (``max_tokens``): the rest of the
-context or ``max_new_tokens``, whichever is smaller, as in vLLM (a completion request's limit
-is OpenAI's 16 when it gives none).
+of every request, as in vLLM: a request runs with the smallest of its own limit (``max_tokens``,
+``max_completion_tokens``, ``max_output_tokens``; a completion that gives none has OpenAI's 16),
+the rest of the context and ``max_new_tokens``.
 """
 
 from __future__ import annotations

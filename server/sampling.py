@@ -281,10 +281,12 @@ def output_limit(
     prompt_param: str,
     default: int | None = None,
 ) -> int:
-    """The max_tokens to run with: the requested one if it fits; without one, the rest of the
-    context, capped at ``default`` (the generation config's ``max_new_tokens``) if given.
+    """The max_tokens to run with, in tokens: the smallest of the requested one, the rest of the
+    context and ``default`` (the generation config's ``max_new_tokens``), each where given, as
+    vLLM takes it on every endpoint.
 
-    Raises APIError (400, ``context_length_exceeded``) with the numbers when it does not fit.
+    Raises APIError (400, ``context_length_exceeded``) with the numbers when the prompt leaves no
+    room or the requested limit does not fit beside it.
     """
     if requested is None:
         if prompt_len >= context_limit:
@@ -294,9 +296,8 @@ def output_limit(
                 prompt_param,
                 "context_length_exceeded",
             )
-        rest = context_limit - prompt_len
-        return rest if default is None else min(rest, default)
-    if prompt_len + requested > context_limit:
+        limit = context_limit - prompt_len
+    elif prompt_len + requested > context_limit:
         raise bad_request(
             f"This model's maximum context length is {context_limit} tokens. However, you "
             f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
@@ -304,7 +305,9 @@ def output_limit(
             prompt_param,
             "context_length_exceeded",
         )
-    return requested
+    else:
+        limit = requested
+    return limit if default is None else min(limit, default)
 
 
 def check_sequences(limit: int, num_prompts: int, n: int) -> None:

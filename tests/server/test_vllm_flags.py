@@ -15,6 +15,7 @@ from paged_serve.engine.async_engine import AsyncEngine
 from paged_serve.engine.config import EngineConfig
 from paged_serve.server.app import create_app
 from paged_serve.server.cli import build_parser, main
+from paged_serve.server.errors import APIError
 from paged_serve.server.generation_defaults import SamplingDefaults, load_sampling_defaults
 from paged_serve.server.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from paged_serve.server.sampling import output_limit
@@ -164,25 +165,34 @@ def test_the_server_applies_the_defaults(engine: AsyncEngine, monkeypatch, tmp_p
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         client.completions.create(model=engine.model_name, prompt="Hi", max_tokens=2)
         client.completions.create(model=engine.model_name, prompt="Hi", max_tokens=2, temperature=0)
-        client.completions.create(model=engine.model_name, prompt="Hi")  # OpenAI's 16
+        client.completions.create(model=engine.model_name, prompt="Hi")  # OpenAI's 16, capped
+        client.completions.create(model=engine.model_name, prompt="Hi", max_tokens=9)
         chat = {"model": engine.model_name, "messages": [{"role": "user", "content": "Hi"}]}
-        client.chat.completions.create(**chat)  # max_new_tokens caps it
+        client.chat.completions.create(**chat)  # max_new_tokens caps the rest of the context
         client.chat.completions.create(**chat, max_tokens=5)
+        client.chat.completions.create(**chat, max_completion_tokens=1)
         client.responses.create(model=engine.model_name, input="Hi")
+        client.responses.create(model=engine.model_name, input="Hi", max_output_tokens=16)
+        client.responses.create(model=engine.model_name, input="Hi", max_output_tokens=2)
     finally:
         thread.close()
     wait_idle(engine)
     assert [(p.temperature, p.top_k) for p in seen[:2]] == [(0.7, 5), (0.0, 5)]
-    assert [p.max_tokens for p in seen] == [2, 2, 16, 3, 5, 3]
+    # The smallest of the request's limit, the rest of the context and max_new_tokens (3).
+    assert [p.max_tokens for p in seen] == [2, 2, 3, 3, 3, 3, 1, 3, 3, 2]
     assert_pool_clean(engine.engine.block_manager)
     assert json.loads((folder / "generation_config.json").read_text())["temperature"] == 0.7
 
 
-def test_max_new_tokens_caps_only_an_output_the_request_leaves_open():
+def test_the_output_limit_is_the_smallest_of_every_limit():
     assert output_limit(100, 10, None, "messages") == 90  # the rest of the context
     assert output_limit(100, 10, None, "messages", 8) == 8
     assert output_limit(100, 95, None, "messages", 8) == 5  # the context is smaller
-    assert output_limit(100, 10, 50, "messages", 8) == 50  # the request's own wins
+    assert output_limit(100, 10, 50, "messages", 8) == 8  # max_new_tokens caps the request's
+    assert output_limit(100, 10, 4, "messages", 8) == 4  # the request's own is smaller
+    assert output_limit(100, 10, 0, "prompt", 8) == 0  # a completion that only scores
+    with pytest.raises(APIError, match="maximum context length is 100"):
+        output_limit(100, 10, 91, "messages", 8)  # a limit that does not fit is still refused
 
 
 def test_auto_reads_the_generation_config_a_model_folder_ships(tmp_path: Path):
