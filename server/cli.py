@@ -40,6 +40,9 @@ from paged_serve.server.vllm_flags import add_refused_args
 
 logger = logging.getLogger("server")
 ENGINE_WATCH_S = 0.5  # how often the server checks that the engine is alive
+# A worker's exit is seen at once; the engine loop's own report of it (naming the rank and its
+# cause) comes when its step fails on the missing rank, a moment later: wait that long for it.
+ENGINE_DEATH_REPORT_S = 5.0
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's: a launch line that relies on it works unchanged
 
 
@@ -310,6 +313,10 @@ def _log_dashboard(url: str, host: str, keyed: bool) -> None:
 async def _watch_engine(engine: AsyncEngine, stop: asyncio.Event) -> None:
     """Set ``stop`` once the engine has died."""
     while engine.is_alive:
+        await asyncio.sleep(ENGINE_WATCH_S)
+    for _ in range(int(ENGINE_DEATH_REPORT_S / ENGINE_WATCH_S)):
+        if engine.dead is not None:
+            break
         await asyncio.sleep(ENGINE_WATCH_S)
     cause = engine.dead or "a tensor-parallel worker exited"
     logger.error("the engine died (%s): shutting down", cause)
