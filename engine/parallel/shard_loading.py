@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,7 +98,7 @@ def checkpoint_files(folder: Path) -> dict[str, Path]:
     return names
 
 
-def stored_as(name: str, files: dict[str, Path]) -> Stored | None:
+def stored_as(name: str, files: Mapping[str, object]) -> Stored | None:
     """Where the checkpoint holds model tensor ``name`` (module docstring), or None."""
     if name in files:
         return name
