@@ -256,6 +256,9 @@ class LLMEngine:
         self.num_steps += 1
         drafts = {s.request.request_id: s.draft for s in batch.requests if s.draft}
         accepted = accepted_lengths(drafts, result.request_ids, result.token_ids)
+        for request_id, (row, _) in result.failed.items():
+            if request_id in accepted:  # a late mask: no draft past that row counts
+                accepted[request_id] = min(accepted[request_id], row)
         for sched in batch.requests:
             req = sched.request
             tokens = req.all_token_ids

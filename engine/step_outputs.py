@@ -90,13 +90,19 @@ class StepOutputs:
         req = live.request
         if req.params.max_tokens == 0:  # scoring only: the prompt is done, nothing to generate
             return self.finish(live, "length", now=now)
-        failure = result.failed.get(req.request_id)
-        if failure is not None:  # its grammar mask outran the budget (engine/sample/token_mask.py)
-            logger.warning("request %s: %s", req.request_id, failure)
-            return self.finish(live, "error", now=now, error=failure)
+        # its grammar mask outran the budget at that row (engine/sample/token_mask.py); a
+        # drafted request emits the rows before it, as it would have without drafts
+        failed_row, failure = result.failed.get(req.request_id, (None, None))
         tokens: list[int] = []
         logprobs: list[TokenLogprob] | None = [] if req.params.logprobs is not None else None
-        for i in rows:
+        for position, i in enumerate(rows):
+            if position == failed_row:
+                logger.warning("request %s: %s", req.request_id, failure)
+                if tokens:
+                    self._timed(req, tokens, now)
+                return self.finish(
+                    live, "error", now=now, tokens=tokens, logprobs=logprobs, error=failure
+                )
             token = result.token_ids[i]
             error = self._refusal(req, token)
             if error is not None:  # the tokens before it stand

@@ -59,8 +59,9 @@ class StepResult:
     top_logprobs: list[list[tuple[int, float]]]
     # Per request id: the prompt tokens this step scored (requests that asked for them only).
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
-    # Per request id: why its row could not sample this step (its token is not to be used).
-    failed: dict[str, str] = field(default_factory=dict)
+    # Per request id: which of its rows could not sample this step (0, or a drafted row's
+    # position: the tokens of the rows before it stand) and why.
+    failed: dict[str, tuple[int, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +74,7 @@ class LaunchedStep:
     logprobs: torch.Tensor | None
     top: tuple[torch.Tensor, torch.Tensor] | None
     prompt_scores: PromptScores | None = None
-    failed: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, tuple[int, str]] = field(default_factory=dict)
 
     def read(self) -> StepResult:
         """Wait for the device and return the step's results as Python values."""
@@ -305,8 +306,9 @@ class ModelRunner:
         sampled = draw.finish(logits)
         if sampled is None:
             return LaunchedStep([], None, None, None, prompt_scores)
-        failed = {rows[i].request_id: message for i, message in sampled.failed.items()}
         ids = [r.request_id for r in rows]
+        first = {request_id: i for i, request_id in reversed(list(enumerate(ids)))}
+        failed = {ids[i]: (i - first[ids[i]], message) for i, message in sampled.failed.items()}
         return LaunchedStep(
             ids, sampled.tokens, sampled.logprobs, sampled.top, prompt_scores, failed
         )

@@ -51,6 +51,9 @@ class Request:
     matcher: object | None = None
     # With structured_output_after: the matcher, held here until that token is sampled.
     deferred_matcher: object | None = None
+    # Its slowest grammar-mask fill of the last step, as a share of --grammar-fill-timeout
+    # (engine/sample/token_mask.py): the speculator drafts less for a slow matcher.
+    mask_fill_share: float = 0.0
     # With prompt_logprobs asked: one entry per prompt token scored so far (None for token 0,
     # which has no context); see engine/runner/prompt_logprobs.py.
     prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -14,7 +14,11 @@ saves. Each sequence then keeps its own pace:
 
 A draft also stops where the sequence must: its ``max_tokens``, the model's length, the step's
 token budget, and its grammar (a drafted token the matcher refuses, or one that would end the
-grammar, ends the draft there; the matcher is rolled back, it has accepted nothing). Pacing
+grammar, ends the draft there; the matcher is rolled back, it has accepted nothing), and its
+matcher's speed: a drafted step fills one mask per row, one after another, so a sequence drafts
+no more tokens than keeps its rows' fills, at their last measured cost, within one row's
+``--grammar-fill-timeout`` (none once a fill takes half of it; none with an xgrammar whose
+matchers cannot ``fork``, which filling drafted rows needs). Pacing
 changes how many tokens a step yields, never which: the target's draw decides each
 (``engine/spec/verify.py``).
 """
@@ -24,12 +28,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from paged_serve.engine.sample.token_mask import can_walk_drafts
 from paged_serve.engine.sched.request import Request
 from paged_serve.engine.spec.config import SpeculativeConfig
 from paged_serve.engine.spec.drafter import Drafter
 
 MIN_ACCEPTANCE = 0.25  # accepted / drafted below which a sequence pauses drafting
 MAX_PAUSE_STEPS = 64
+MAX_DRAFTS_UNTIMED = 1 << 30  # no mask fill measured yet: no limit from the grammar
 
 
 @dataclass(slots=True)
@@ -102,6 +108,8 @@ class Speculator:
         """The most tokens ``request`` may draft now (0: none this step)."""
         if request.deferred_matcher is not None:  # its grammar starts at a token not yet seen
             return 0
+        if request.matcher is not None and not can_walk_drafts(request.matcher):
+            return 0
         pace = self._pace.get(request.request_id)
         if pace is None:
             pace = self._pace[request.request_id] = _Pace(self.config.num_speculative_tokens)
@@ -113,7 +121,15 @@ class Speculator:
             request.params.max_tokens - len(request.output_token_ids),
             self.max_model_len - request.num_tokens,
         )
-        return min(pace.k, room - 1)
+        return min(pace.k, room - 1, self._grammar_room(request))
+
+    @staticmethod
+    def _grammar_room(request: Request) -> int:
+        """The most drafts whose rows' masks, filled one after another, take no longer than
+        one row's budget, at the cost the sequence's slowest fill had at its last step (a slow
+        matcher drafts little or nothing: every drafted row is a fill the step waits for)."""
+        share = request.mask_fill_share
+        return int(1 / share) - 1 if share > 0 else MAX_DRAFTS_UNTIMED
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verified step of ``request_id``: ``accepted`` of its ``drafted`` tokens held."""

@@ -24,45 +24,19 @@ the next step (``BlockManager.trim``).
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Sequence
 
-import torch
-
+from paged_serve.engine.sample.token_mask import DraftedMatcher, DraftWalk
 from paged_serve.engine.sched.request import Request
-
-
-class _DraftedMatcher:
-    """A row's view of its sequence's grammar matcher ``drafted`` tokens ahead: the fill
-    accepts them, fills, and rolls back, under the sequence's lock (its rows may fill on
-    different threads, and every one walks the same matcher)."""
-
-    __slots__ = ("matcher", "drafted", "lock")
-
-    def __init__(self, matcher: object, drafted: Sequence[int], lock: threading.Lock):
-        self.matcher = matcher
-        self.drafted = drafted
-        self.lock = lock
-
-    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
-        with self.lock:
-            for token in self.drafted:
-                if not self.matcher.accept_token(token):
-                    raise RuntimeError("the grammar refused a draft it had accepted")
-            try:
-                self.matcher.fill_next_token_bitmask(bitmask, index)
-            finally:
-                if self.drafted:
-                    self.matcher.rollback(len(self.drafted))
 
 
 def verify_rows(request: Request, draft: Sequence[int]) -> list[Request]:
     """The ``len(draft) + 1`` sampling rows of a drafted sequence: row ``j`` is the request as
     it would be with ``draft[:j]`` appended (same id, seed and parameters)."""
-    lock = threading.Lock() if request.matcher is not None else None
+    walk = None if request.matcher is None else DraftWalk(request.matcher, draft, request)
     rows = []
     for j in range(len(draft) + 1):
-        matcher = None if lock is None else _DraftedMatcher(request.matcher, draft[:j], lock)
+        matcher = None if walk is None else DraftedMatcher(walk, j)
         rows.append(
             dataclasses.replace(
                 request,
