@@ -33,6 +33,7 @@ from paged_serve.engine.observe.engine_state import EngineState, StateWatch
 from paged_serve.engine.observe.metrics import EngineStats, SnapshotCollector
 from paged_serve.engine.outputs import RequestOutput
 from paged_serve.engine.sampling_params import SamplingParams
+from paged_serve.engine.sched.admission import check_cache_salt
 from paged_serve.engine.sched.forks import sample_ids
 from paged_serve.engine.spec.speculator import Speculator
 
@@ -45,6 +46,16 @@ class EngineDeadError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """More requests are waiting than ``max_waiting`` allows."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    """A request in the inbox, validated, on its way to the engine thread."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
 
 
 @dataclass(slots=True)
@@ -116,7 +127,7 @@ class AsyncEngine:
         self._lock = threading.Lock()  # guards the inbox and the streams; held only briefly
         self._wake = threading.Condition(self._lock)
         self._state_lock = threading.Lock()  # held by the engine thread while it steps
-        self._adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._adds: list[_Add] = []
         self._aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
@@ -199,16 +210,20 @@ class AsyncEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Validate and queue a request; iterate the result for its outputs.
 
         With ``params.n > 1`` the outputs of all ``n`` samples arrive on the one iterator
         (``RequestOutput.index`` tells them apart) until every sample has finished.
+        ``cache_salt``: the prefix-cache partition (``LLMEngine.add_request``).
         Raises ValueError (bad request), QueueFullError or EngineDeadError before streaming.
         Leaving the iteration early (or cancelling it) aborts every sample.
         """
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
+        check_cache_salt(cache_salt)
         ids = self.engine.tokenize(prompt)
         self.engine.validate(ids, params)
         request_id = request_id or self.new_request_id()
@@ -229,7 +244,7 @@ class AsyncEngine:
                 )
             for rid in group:
                 self._streams[rid] = stream
-            self._adds.append((request_id, ids, params))
+            self._adds.append(_Add(request_id, ids, params, cache_salt))
             self._wake.notify()
         return self._iterate(group, stream)
 
@@ -359,15 +374,17 @@ class AsyncEngine:
                 pass
 
     def _apply(
-        self, adds: list[tuple[str, list[int], SamplingParams]], aborts: list[str]
+        self, adds: list[_Add], aborts: list[str]
     ) -> list[tuple[str, RequestOutput | BaseException]]:
         """Add and abort requests in the engine (engine thread, state lock held)."""
         replies: list[tuple[str, RequestOutput | BaseException]] = []
-        for request_id, ids, params in adds:
+        for add in adds:
             try:
-                self.engine.add_request(ids, params, request_id)
+                self.engine.add_request(
+                    add.prompt_ids, add.params, add.request_id, cache_salt=add.cache_salt
+                )
             except ValueError as exc:
-                replies.append((request_id, exc))
+                replies.append((add.request_id, exc))
         for request_id in aborts:
             out = self.engine.abort(request_id)
             if out is not None:

@@ -25,7 +25,7 @@ from paged_serve.engine.parallel.workers import TensorParallelWorkers
 from paged_serve.engine.platform.platform import platform_for
 from paged_serve.engine.runner.build import build_runner, context_length, load_for
 from paged_serve.engine.sampling_params import SamplingParams
-from paged_serve.engine.sched.admission import check_request, prompt_token_ids
+from paged_serve.engine.sched.admission import check_cache_salt, check_request, prompt_token_ids
 from paged_serve.engine.sched.block_manager import BlockManager
 from paged_serve.engine.sched.forks import join_forks, make_samples, sample_ids
 from paged_serve.engine.sched.live_request import LiveRequest
@@ -172,6 +172,8 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a request and return its id. Raises ValueError for a request that cannot run.
 
@@ -179,7 +181,10 @@ class LLMEngine:
         blocks (copy-on-write); their ids are ``sample_ids(request_id, params.n)``, and sample ``i``
         draws with seed ``params.seed + i`` when a seed is given, so it equals a single request
         with that seed.
+        ``cache_salt`` (vLLM's): the prefix cache serves this request only blocks computed for
+        requests with the same salt (None: the unsalted blocks); a non-empty string.
         """
+        check_cache_salt(cache_salt)
         ids = self.tokenize(prompt)
         self.validate(ids, params)
         if request_id is None:
@@ -187,7 +192,9 @@ class LLMEngine:
             self._next_id += 1
         if any(rid in self.outputs.live for rid in sample_ids(request_id, params.n)):
             raise ValueError(f"request id {request_id!r} is already in use")
-        samples = make_samples(request_id, ids, params, lambda: self._rng.getrandbits(63))
+        samples = make_samples(
+            request_id, ids, params, lambda: self._rng.getrandbits(63), cache_salt
+        )
         if params.structured_output is not None:
             compiled = self.compile_grammar(params.structured_output)
             deferred = params.structured_output_after is not None

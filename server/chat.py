@@ -53,7 +53,7 @@ from paged_serve.server.reasoning import REASONING_PARSERS, Qwen3ReasoningParser
 from paged_serve.server.reply import ChoiceReply
 from paged_serve.server.sampling import check_sequences, output_limit
 from paged_serve.server.sse import respond
-from paged_serve.server.state import STATE, ServerState
+from paged_serve.server.state import OWNER, STATE, ServerState, tenant_cache_salt
 from paged_serve.server.structured import compile_constraint
 from paged_serve.server.tools import (
     ToolCallStream,
@@ -118,7 +118,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     )
     jobs = [Job(0, prompt_ids, params)]
     reply = ChatReply(state, body, plan, reasoning, f"chatcmpl-{uuid.uuid4().hex}", prompt_ids)
-    with start_generation(state, reply.id, jobs, "messages") as generation:
+    salt = tenant_cache_salt(request.get(OWNER), body.cache_salt)
+    with start_generation(state, reply.id, jobs, "messages", cache_salt=salt) as generation:
         if body.stream:
             return await respond(request, reply.stream(generation))
         return await reply.complete(generation)

@@ -39,7 +39,7 @@ from paged_serve.server.protocol import CompletionRequest, read_request
 from paged_serve.server.reply import ChoiceReply
 from paged_serve.server.sampling import check_sequences, output_limit
 from paged_serve.server.sse import respond
-from paged_serve.server.state import STATE, ServerState
+from paged_serve.server.state import OWNER, STATE, ServerState, tenant_cache_salt
 from paged_serve.server.structured import compile_constraint
 from paged_serve.server.unsupported_fields import COMPLETION_REFUSED, refuse_unsupported
 from paged_serve.server.wire import encode, json_response
@@ -75,7 +75,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         for p, prompt in enumerate(prompts):
             echoes.append(prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids[p]))
     reply = CompletionReply(state, body, f"cmpl-{uuid.uuid4().hex}", prompt_ids, echoes)
-    with start_generation(state, reply.id, jobs, "prompt") as generation:
+    salt = tenant_cache_salt(request.get(OWNER), body.cache_salt)
+    with start_generation(state, reply.id, jobs, "prompt", cache_salt=salt) as generation:
         if body.stream:
             return await respond(request, reply.stream(generation))
         return await reply.complete(generation)

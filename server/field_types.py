@@ -45,3 +45,5 @@ MetadataKey = Annotated[str, msgspec.Meta(max_length=64)]
 MetadataValue = Annotated[str, msgspec.Meta(max_length=512)]
 Metadata = Annotated[dict[MetadataKey, MetadataValue], msgspec.Meta(max_length=16)]
 User = Annotated[str, msgspec.Meta(max_length=64)]
+# vLLM's cache_salt: a prefix-cache partition; an empty one would partition nothing
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1)]

@@ -69,8 +69,14 @@ class Choice:
 class Generation:
     """Started engine requests; iterate ``outputs()`` or await ``collect()``, then close."""
 
-    def __init__(self, state: ServerState, num_choices: int):
+    def __init__(
+        self,
+        state: ServerState,
+        num_choices: int,
+        cache_salt: str | None = None,
+    ):
         self._state = state
+        self._cache_salt = cache_salt  # the engine's salt: tenant and request (state.py)
         self._sample_ids: list[str] = []  # every sample of every started request
         self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
@@ -95,7 +101,9 @@ class Generation:
 
     def start(self, job: Job, request_id: str) -> None:
         """Queue ``job`` in the engine (raises what ``AsyncEngine.add_request`` raises)."""
-        stream = self._state.engine.add_request(job.prompt_ids, job.params, request_id)
+        stream = self._state.engine.add_request(
+            job.prompt_ids, job.params, request_id, cache_salt=self._cache_salt
+        )
         ids = sample_ids(request_id, job.params.n)
         self._sample_ids += ids
         self._cached_tokens[job.first_index] = 0
@@ -168,14 +176,23 @@ class Generation:
 
 
 def start_generation(
-    state: ServerState, id_prefix: str, jobs: list[Job], prompt_param: str
+    state: ServerState,
+    id_prefix: str,
+    jobs: list[Job],
+    prompt_param: str,
+    *,
+    cache_salt: str | None,
 ) -> Generation:
-    """Queue every job in the engine, or none; raises APIError (400/503) for a refused one."""
+    """Queue every job in the engine, or none; raises APIError (400/503) for a refused one.
+
+    ``cache_salt`` is the engine's prefix-cache salt (``state.tenant_cache_salt``): required,
+    so that no endpoint forgets its tenant and serves one key's prefixes to another.
+    """
     if state.shutting_down:
         raise APIError(
             503, "the server is shutting down", type=SERVER_ERROR, code="server_shutting_down"
         )
-    generation = Generation(state, sum(job.params.n for job in jobs))
+    generation = Generation(state, sum(job.params.n for job in jobs), cache_salt)
     try:
         for job in jobs:
             generation.start(job, f"{id_prefix}-{job.first_index}")

@@ -19,6 +19,7 @@ from aiohttp import web
 from paged_serve.engine.sampling_params import SamplingParams
 from paged_serve.server.errors import bad_request, from_decode_error
 from paged_serve.server.field_types import (
+    CacheSalt,
     ChatTopLogprobCount,
     CompletionLogprobCount,
     Metadata,
@@ -269,6 +270,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     text: ResponsesText | None = None
     include: list[str] | None = None
     top_logprobs: ChatTopLogprobCount | None = None
+    cache_salt: CacheSalt | None = None  # vLLM's prefix-cache partition (server.generation)
     # accepted and ignored: caching, abuse-detection and billing hints
     safety_identifier: User | None = None
     prompt_cache_key: str | None = None

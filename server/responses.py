@@ -63,7 +63,7 @@ from paged_serve.server.response_tools import (
 )
 from paged_serve.server.sampling import output_limit
 from paged_serve.server.sse import respond
-from paged_serve.server.state import OWNER, STATE, ServerState
+from paged_serve.server.state import OWNER, STATE, ServerState, tenant_cache_salt
 from paged_serve.server.structured import compile_constraint
 from paged_serve.server.tools import (
     ToolPlan,
@@ -130,7 +130,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     )
     await compile_constraint(state.engine, params, "tools" if plan.constraint else "text.format")
     reply = ResponseReply(state, body, owner, history + new, len(prompt_ids), plan)
-    generation = start_generation(state, reply.id, [Job(0, prompt_ids, params)], "input")
+    salt = tenant_cache_salt(owner, body.cache_salt)
+    job = Job(0, prompt_ids, params)
+    generation = start_generation(state, reply.id, [job], "input", cache_salt=salt)
     if body.background:
         run = runs.start(reply, generation, stream=body.stream)  # the run owns generation now
         if body.stream:

@@ -19,6 +19,7 @@ from paged_serve.server.field_types import (
     MAX_STOP,
     MAX_STOP_TOKEN_IDS,
     MAX_TOKEN_ID_DIGITS,
+    CacheSalt,
     MinP,
     NonNegativeInt,
     NumChoices,
@@ -100,6 +101,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool | None = False
     return_token_ids: bool | None = False  # prompt and completion token ids in the reply
     return_tokens_as_token_ids: bool | None = False  # logprob tokens as "token_id:<id>"
+    cache_salt: CacheSalt | None = None  # a prefix-cache partition (server.generation)
 
     def __post_init__(self) -> None:
         self.n = 1 if self.n is None else self.n

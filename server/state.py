@@ -8,6 +8,7 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 from aiohttp import web
 
 from paged_serve.engine.async_engine import AsyncEngine
@@ -72,8 +73,23 @@ class ServerState:
 
 
 def key_hash(key: str) -> str:
-    """What the server keeps of an API key (to scope stored responses to the key)."""
+    """What the server keeps of an API key (to scope stored responses and the prefix cache to
+    the key)."""
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def tenant_cache_salt(owner: str | None, cache_salt: str | None) -> str | None:
+    """The engine's prefix-cache salt for a request: its tenant (``owner``, the digest of the
+    API key that authenticated it; None without keys) and the request's own ``cache_salt``,
+    joined so that no two pairs give one salt. None when neither is set: the keyless, unsalted
+    requests are one tenant and share the unsalted chain.
+
+    Without this, one key's cached prefix would answer another key's identical prompt with
+    ``cached_tokens`` and a faster first token: an oracle for what others sent.
+    """
+    if owner is None and cache_salt is None:
+        return None
+    return msgspec.json.encode([owner, cache_salt]).decode()
 
 
 STATE = web.AppKey("paged_serve_state", ServerState)

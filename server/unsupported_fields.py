@@ -49,7 +49,6 @@ _SHARED: dict[str, Refused] = {
     "logits_processors": Refused(([],), "custom logits processors are not loaded"),
     "priority": Refused((0,), "requests are scheduled first come, first served"),
     "request_id": Refused((), "the server names each request itself"),
-    "cache_salt": Refused((), "the prefix cache is shared, not salted per request"),
     "kv_transfer_params": Refused(({},), "disaggregated serving is not implemented"),
     "vllm_xargs": Refused(({},), "there are no extensions to pass arguments to"),
     "repetition_detection": Refused(({},), "use repetition_penalty or frequency_penalty"),

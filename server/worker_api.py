@@ -146,7 +146,8 @@ async def health_generate(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.check_engine_alive()
     job = Job(0, [0], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    with start_generation(state, state.engine.new_request_id("health"), [job], "prompt") as gen:
+    request_id = state.engine.new_request_id("health")
+    with start_generation(state, request_id, [job], "prompt", cache_salt=None) as gen:
         try:
             await asyncio.wait_for(gen.collect(), HEALTH_GENERATE_TIMEOUT_S)
         except asyncio.TimeoutError:

@@ -66,3 +66,12 @@ def check_request(
             f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) needs {need} KV blocks;"
             f" the cache has {block_manager.num_blocks}"
         )
+
+
+def check_cache_salt(cache_salt: str | None) -> None:
+    """InvalidRequestError naming ``cache_salt`` unless it is None or a non-empty string (an
+    empty salt would look like a partition and be none; vLLM refuses it too)."""
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise InvalidRequestError(
+            f"cache_salt must be a non-empty string, got {cache_salt!r}", "cache_salt"
+        )

@@ -12,10 +12,14 @@ Pure Python and torch-free: it hands out block ids; the model runner turns them 
   recomputing it; otherwise it is evicted (its hash dropped) when the pool hands it out.
 * Blocks are keyed only when full and computed. The key chains over (parent key, token ids)
   through a keyed BLAKE2b digest (the key drawn per process, so nobody can precompute
-  colliding prefixes). A hit is never taken on the key alone: the block's token ids must match
-  and so must its parent, the block a hit was just confirmed at, in the same *generation* (a
-  block's generation counts its reuses, so a parent evicted and refilled since no longer
-  matches). By induction a hit holds exactly the requested prefix.
+  colliding prefixes). A chain starts at its *root*: empty, or the digest of the request's
+  cache salt (``chain_root``; the server salts with the tenant, so one tenant's prefixes never
+  hit for another). A request keeps its root from ``allocate`` to ``free`` and hands it to its
+  forks, so every block it commits extends the same salted chain. A hit is never taken on the
+  key alone: the block's token ids and root must match, and so must its parent, the block a hit
+  was just confirmed at, in the same *generation* (a block's generation counts its reuses, so a
+  parent evicted and refilled since no longer matches). By induction a hit holds exactly the
+  requested prefix, in the requested chain.
 * A request releases its blocks last-first, so leaves are evicted before their parents.
 * Shared blocks are never written: prefix hits stop before the block holding the last prompt
   token, and a forked request copies its shared partial last block before writing (the copy
@@ -40,6 +44,16 @@ def prefix_key(parent_key: bytes, token_ids: tuple[int, ...]) -> bytes:
     """The cache key of a full block: a digest of its parent block's key and its token ids."""
     payload = parent_key + array("q", token_ids).tobytes()
     return hashlib.blake2b(payload, digest_size=32, key=_PROCESS_KEY).digest()
+
+
+def chain_root(cache_salt: str | None) -> bytes:
+    """Where a request's prefix chain starts: empty without a salt (every unsalted request
+    shares it), else a digest of the salt, domain-separated from block keys by ``person``."""
+    if cache_salt is None:
+        return b""
+    return hashlib.blake2b(
+        cache_salt.encode(), digest_size=32, key=_PROCESS_KEY, person=b"cache-salt"
+    ).digest()
 
 
 # The parent of a block in a prefix chain: (block id, its generation), or None for a first block.
@@ -75,6 +89,7 @@ class _Block:
     token_ids: tuple[int, ...] = ()
     parent: ParentRef = None  # the block before it in the prefix it was cached for
     generation: int = 0  # times the block was handed out: a parent reference dates from one
+    root: bytes = b""  # chain_root of the chain it was cached in (a hit must match it too)
 
     @property
     def ref(self) -> tuple[int, int]:
@@ -110,6 +125,7 @@ class BlockManager:
         self._tables: dict[str, list[int]] = {}
         self._num_tokens: dict[str, int] = {}
         self._hashed: dict[str, int] = {}  # request -> number of its leading blocks hashed
+        self._roots: dict[str, bytes] = {}  # request -> chain_root of its cache salt
         self._cache: dict[bytes, int] = {}  # prefix_key -> block id
         self._num_cached_free = 0  # free blocks that still carry a key (kept for usage())
         # Copy-on-write so far, and the last few (src, dst) pairs (the dashboard flashes them).
@@ -142,8 +158,9 @@ class BlockManager:
     def has(self, request_id: str) -> bool:
         return request_id in self._tables
 
-    def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Block ids of the longest cached run of leading full blocks of ``token_ids``.
+    def cached_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
+        """Block ids of the longest cached run of leading full blocks of ``token_ids``, in the
+        chain of ``cache_salt`` (only blocks committed under the same salt hit).
 
         Stops before the block holding the last token: that token's logits are needed, so it is
         always recomputed, and a shared block is never written.
@@ -151,7 +168,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        key = b""
+        root = key = chain_root(cache_salt)
         parent: ParentRef = None
         for i in range((len(token_ids) - 1) // self.block_size):
             toks = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
@@ -160,7 +177,7 @@ class BlockManager:
             if block_id is None:
                 break
             block = self._blocks[block_id]
-            if block.token_ids != toks or block.parent != parent:
+            if block.token_ids != toks or block.parent != parent or block.root != root:
                 break
             hits.append(block_id)
             parent = block.ref
@@ -179,12 +196,17 @@ class BlockManager:
 
     # ----------------------------------------------------------------- changes
     def allocate(
-        self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()
+        self,
+        request_id: str,
+        num_tokens: int,
+        cached_blocks: Sequence[int] = (),
+        cache_salt: str | None = None,
     ) -> list[int]:
         """Create the table of a new request holding ``num_tokens`` tokens.
 
-        The leading ``cached_blocks`` (from ``cached_prefix``) are shared, the rest are fresh.
-        Raises OutOfBlocksError (changing nothing) if the pool is short.
+        The leading ``cached_blocks`` (from ``cached_prefix`` with the same ``cache_salt``) are
+        shared, the rest are fresh; the blocks the request commits are keyed in the chain of
+        ``cache_salt``. Raises OutOfBlocksError (changing nothing) if the pool is short.
         """
         if request_id in self._tables:
             raise ValueError(f"request {request_id!r} already has blocks")
@@ -204,6 +226,7 @@ class BlockManager:
         self._tables[request_id] = table
         self._num_tokens[request_id] = len(cached_blocks) * self.block_size
         self._hashed[request_id] = len(cached_blocks)
+        self._roots[request_id] = chain_root(cache_salt)
         self.append_slots(request_id, num_tokens)
         if self.state_slots is not None:
             self.state_slots.allocate(request_id)
@@ -277,6 +300,7 @@ class BlockManager:
             return
         table = self._tables[request_id]
         start = self._hashed[request_id]
+        root = self._roots[request_id]
         full = min(num_computed // self.block_size, len(table))
         for i in range(start, full):
             block = self._blocks[table[i]]
@@ -284,9 +308,10 @@ class BlockManager:
                 above = self._blocks[table[i - 1]] if i > 0 else None
                 toks = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
                 # Blocks are keyed in order, so the block above already has its key.
-                block.block_hash = prefix_key(above.block_hash if above else b"", toks)
+                block.block_hash = prefix_key(above.block_hash if above else root, toks)
                 block.token_ids = toks
                 block.parent = above.ref if above else None
+                block.root = root
                 self._cache.setdefault(block.block_hash, block.block_id)
         self._hashed[request_id] = max(start, full)
 
@@ -300,6 +325,7 @@ class BlockManager:
         self._tables[child_id] = table
         self._num_tokens[child_id] = self._num_tokens[parent_id]
         self._hashed[child_id] = self._hashed[parent_id]
+        self._roots[child_id] = self._roots[parent_id]
         if self.state_slots is not None:
             self.state_slots.fork(parent_id, child_id)
 
@@ -312,6 +338,7 @@ class BlockManager:
             self.state_slots.free(request_id)
         del self._num_tokens[request_id]
         del self._hashed[request_id]
+        del self._roots[request_id]
         for block_id in reversed(table):
             block = self._blocks[block_id]
             block.ref_count -= 1
@@ -333,7 +360,7 @@ class BlockManager:
                 continue
             if self._cache.get(block.block_hash) == block_id:
                 del self._cache[block.block_hash]
-            block.block_hash, block.token_ids, block.parent = None, (), None
+            block.block_hash, block.token_ids, block.parent, block.root = None, (), None, b""
             block.num_tokens = 0
             evicted += 1
         self._num_cached_free = 0
@@ -395,6 +422,8 @@ class BlockManager:
                 raise AssertionError(
                     f"cache entry {h} points at block {block_id} with another hash"
                 )
+        if set(self._roots) != set(self._tables):
+            raise AssertionError("chain roots and block tables name different requests")
         if len(self._free) + sum(1 for r in refs if r) != self.num_blocks:
             raise AssertionError("blocks lost: free + used != total")
         cached = sum(1 for b in self._free if self._blocks[b].block_hash is not None)
@@ -436,6 +465,7 @@ class BlockManager:
             block.block_hash = None
             block.token_ids = ()
             block.parent = None
+            block.root = b""
         block.generation += 1
         block.ref_count = 1
         block.num_tokens = 0

@@ -43,10 +43,13 @@ def make_samples(
     prompt_token_ids: list[int],
     params: SamplingParams,
     draw_seed: Callable[[], int],
+    cache_salt: str | None = None,
 ) -> list[Request]:
     """The ``params.n`` samples of a request, the first holding the others as pending forks.
 
-    ``draw_seed`` gives the seed of each sample when ``params.seed`` is None.
+    ``draw_seed`` gives the seed of each sample when ``params.seed`` is None; every sample
+    carries ``cache_salt`` (an heir re-admitted after its parent's abort looks its prefix up in
+    the same chain).
     """
     samples = [
         Request(
@@ -55,6 +58,7 @@ def make_samples(
             params,
             seed=params.seed + index if params.seed is not None else draw_seed(),
             index=index,
+            cache_salt=cache_salt,
         )
         for index, rid in enumerate(sample_ids(request_id, params.n))
     ]

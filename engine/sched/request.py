@@ -24,7 +24,9 @@ class Request:
     ``num_computed_tokens`` counts the tokens whose K/V are in the cache; the tokens still to
     run through the model are ``all_token_ids[num_computed_tokens:]``. After a preemption it
     drops to 0 and the prompt plus the outputs so far are recomputed.
-    Times are ``time.monotonic()`` seconds.
+    Times are ``time.monotonic()`` seconds. ``cache_salt`` names the prefix-cache chain its
+    blocks are looked up and committed in (``BlockManager.cached_prefix``; None: the shared
+    unsalted chain); the samples of one request share it.
     """
 
     request_id: str
@@ -32,6 +34,7 @@ class Request:
     params: SamplingParams
     seed: int
     index: int = 0
+    cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

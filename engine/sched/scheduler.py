@@ -142,13 +142,14 @@ class Scheduler:
             if seats + group_size(request) > self.max_num_seqs:
                 break
             tokens = request.all_token_ids
-            cached = [] if request.needs_prompt_scoring else bm.cached_prefix(tokens)
+            salt = request.cache_salt
+            cached = [] if request.needs_prompt_scoring else bm.cached_prefix(tokens, salt)
             start = len(cached) * bm.block_size
             num_new = min(request.num_tokens - start, budget)
             if not bm.can_allocate(start + num_new, cached):
                 break
             self.waiting.popleft()
-            bm.allocate(request.request_id, start + num_new, cached)
+            bm.allocate(request.request_id, start + num_new, cached, salt)
             self.prefix_query_tokens += request.num_tokens
             self.prefix_hit_tokens += start
             request.num_computed_tokens = start

@@ -118,10 +118,11 @@ class DraftModelDrafter:
         tokens = request.all_token_ids
         state = self._shadows.get(rid)
         if state is None or not bm.has(rid):
-            cached = bm.cached_prefix(tokens)
+            # The target's salt keys the draft's cache too: its hits would time a prompt as well.
+            cached = bm.cached_prefix(tokens, request.cache_salt)
             if not bm.can_allocate(len(tokens), cached):
                 return None
-            bm.allocate(rid, len(cached) * bm.block_size, cached)
+            bm.allocate(rid, len(cached) * bm.block_size, cached, request.cache_salt)
             state = self._shadows[rid] = _Shadow(tokens, len(cached) * bm.block_size)
         else:
             valid = 0

@@ -24,7 +24,6 @@ SHARED_EXAMPLES = {
     "logits_processors": ["my_module.MyLogitsProcessor"],
     "priority": 1,
     "request_id": "my-request-1",
-    "cache_salt": "c2FsdHNhbHRzYWx0",
     "kv_transfer_params": {"do_remote_decode": True},
     "vllm_xargs": {"my_arg": 1},
     "repetition_detection": {"max_pattern_size": 8},
