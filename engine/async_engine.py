@@ -15,6 +15,7 @@ If the engine loop itself dies, every stream in flight ends with ``EngineDeadErr
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -129,6 +130,7 @@ class AsyncEngine:
         self._state_lock = threading.Lock()  # held by the engine thread while it steps
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
+        self._flushes: list[concurrent.futures.Future] = []  # prefix-cache resets asked
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._stopping = False
@@ -327,20 +329,34 @@ class AsyncEngine:
         with self._state_lock:
             self.engine.block_manager.check_integrity()
 
-    def reset_prefix_cache(self) -> int | None:
-        """Evict every cached prefix block between two steps, if no request is live (queued,
-        running or on its way in); returns the blocks evicted, or None when busy (nothing is
-        touched then: a running request's shared blocks keep their keys)."""
-        with self._state_lock:
-            with self._lock:
-                busy = bool(self._adds or self._in_transit or self._streams)
-            if busy or self.engine.has_unfinished:
+    async def reset_prefix_cache(self) -> int | None:
+        """Evict every cached prefix block, if no request is live (queued, running or on its
+        way in); returns the blocks evicted, or None when busy (nothing is touched then: a
+        running request's shared blocks keep their keys). Raises EngineDeadError.
+
+        Never waits on a step: a live request answers None at once, and an idle engine's
+        thread does the eviction between two steps (``_flush``) while the caller awaits it.
+        Taking the state lock here instead would hold the caller's event loop for as long as
+        the step running then (a long prefill: seconds, with every stream and ``/health``).
+        """
+        flush: concurrent.futures.Future[int | None] = concurrent.futures.Future()
+        with self._lock:
+            if self._stopping or self.dead is not None:
+                raise EngineDeadError("the engine loop is not running")
+            if self._adds or self._in_transit or self._streams:
                 return None
-            evicted = self.engine.block_manager.evict_cached()
-            snapshot = self._take_snapshot()  # the cached-blocks gauge, before the next step
-            with self._lock:
-                self._snapshot = snapshot
-            return evicted
+            self._flushes.append(flush)
+            self._wake.notify()
+        return await asyncio.wrap_future(flush)
+
+    def _flush(self, flushes: list[concurrent.futures.Future]) -> None:
+        """Answer the cache resets asked since the last step (engine thread, state lock held,
+        before this step's adds: a reset asked while idle is answered as idle)."""
+        evicted = None if self.engine.has_unfinished else self.engine.block_manager.evict_cached()
+        for flush in flushes:
+            if flush.set_running_or_notify_cancel():  # else its caller went away
+                flush.set_result(evicted)
+            evicted = 0 if evicted is not None else None  # the first reset evicted them all
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort everything in flight and stop the loop thread."""
@@ -395,15 +411,20 @@ class AsyncEngine:
         try:
             while True:
                 with self._lock:
-                    while not (self._adds or self._aborts or self.engine.has_unfinished):
+                    while not (
+                        self._adds or self._aborts or self._flushes or self.engine.has_unfinished
+                    ):
                         if self._stopping:
                             return
                         self._wake.wait()
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
+                    flushes, self._flushes = self._flushes, []
                     self._in_transit = len(adds)
                     stopping = self._stopping
                 with self._state_lock:
+                    if flushes:
+                        self._flush(flushes)
                     replies = self._apply(adds, aborts)
                     if not (stopping and not self.engine.has_unfinished):
                         replies += [(o.request_id, o) for o in self.engine.step()]
@@ -422,6 +443,10 @@ class AsyncEngine:
                 self.dead = exc
                 error = EngineDeadError(f"engine loop died: {exc!r}")
                 self._deliver([(request_id, error) for request_id in list(self._streams)])
+                flushes, self._flushes = self._flushes, []
+            for flush in flushes:
+                if flush.set_running_or_notify_cancel():
+                    flush.set_exception(error)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:

@@ -28,9 +28,10 @@ import importlib.metadata
 import msgspec
 from aiohttp import web
 
+from paged_serve.engine.async_engine import EngineDeadError
 from paged_serve.engine.sampling_params import SamplingParams
 from paged_serve.server.errors import SERVER_ERROR, APIError
-from paged_serve.server.generation import Job, start_generation
+from paged_serve.server.generation import Job, engine_dead, start_generation
 from paged_serve.server.state import STATE, ServerState
 from paged_serve.server.wire import json_response
 
@@ -162,8 +163,13 @@ async def health_generate(request: web.Request) -> web.Response:
 
 async def flush_cache(request: web.Request) -> web.Response:
     """Evict every cached prefix block; refused (400, nothing touched) while a request is live,
-    as SGLang refuses (vLLM's reset fails the same way)."""
-    evicted = request.app[STATE].engine.reset_prefix_cache()
+    as SGLang refuses (vLLM's reset fails the same way). Answered at once either way: the
+    engine's thread evicts between two steps while this handler awaits it."""
+    state = request.app[STATE]
+    try:
+        evicted = await state.engine.reset_prefix_cache()
+    except EngineDeadError as exc:
+        raise engine_dead(exc) from None
     if evicted is None:
         raise APIError(
             400,

@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+
+import aiohttp
 import openai
 import pytest
 
@@ -115,3 +120,77 @@ def test_cache_routes_need_the_key_and_info_routes_do_not(keyed_url: str):
 
 def test_flush_cache_is_post_only(base_url: str):
     assert_error(http("GET", f"{base_url}/flush_cache"), 405)
+
+
+HOLD_S = 3.0  # how long the gated step holds the engine thread (a long prefill)
+
+
+class _LongStep:
+    """Holds the engine thread inside its next step that has a request running (state lock
+    held, as during a long prefill) until ``release``."""
+
+    def __init__(self, engine: AsyncEngine):
+        self._llm = engine.engine
+        self._real = self._llm.step
+        self.holding = threading.Event()
+        self._release = threading.Event()
+        self._llm.step = self._step
+
+    def _step(self) -> list:
+        outputs = self._real()
+        if self._llm.num_running and not self.holding.is_set():
+            self.holding.set()
+            self._release.wait(60)
+        return outputs
+
+    def release(self) -> None:
+        """Let the step return and unwrap ``step`` (idempotent)."""
+        if not self._release.is_set():
+            self._release.set()
+            del self._llm.step
+
+
+def test_a_flush_during_a_long_step_answers_at_once_and_health_stays_fast(
+    base_url: str, engine: AsyncEngine
+):
+    async def scenario() -> tuple[float, float, int, float]:
+        gate = _LongStep(engine)
+        timeout = aiohttp.ClientTimeout(total=60)
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                body = {"prompt": PROMPT, "max_tokens": 2, "stream": True, "ignore_eos": True}
+                async with session.post(f"{base_url}/v1/completions", json=body) as stream:
+                    assert stream.status == 200
+                    assert await asyncio.to_thread(gate.holding.wait, 30)
+                    started = time.monotonic()
+
+                    async def flush() -> tuple[int, float]:
+                        async with session.post(f"{base_url}/flush_cache") as reply:
+                            await reply.read()
+                            return reply.status, time.monotonic() - started
+
+                    async def poll_health() -> float:
+                        slowest = 0.0
+                        while time.monotonic() - started < HOLD_S:
+                            asked = time.monotonic()
+                            async with session.get(f"{base_url}/health") as reply:
+                                assert reply.status == 200
+                            slowest = max(slowest, time.monotonic() - asked)
+                            await asyncio.sleep(0.05)
+                        return slowest
+
+                    (status, flushed_after), slowest = await asyncio.gather(flush(), poll_health())
+                    held = time.monotonic() - started
+                    gate.release()
+                    await stream.read()  # the request runs to its end once the step returns
+        finally:
+            gate.release()
+        return flushed_after, slowest, status, held
+
+    flushed_after, slowest, status, held = asyncio.run(scenario())
+    assert held >= HOLD_S
+    assert status == 400  # busy: refused at once, not after the step
+    assert flushed_after < HOLD_S / 3, flushed_after
+    assert slowest < HOLD_S / 3, slowest
+    wait_idle(engine)
+    assert http("POST", f"{base_url}/flush_cache").status == 200  # idle: flushed
