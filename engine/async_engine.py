@@ -36,6 +36,7 @@ from paged_serve.engine.outputs import RequestOutput
 from paged_serve.engine.sampling_params import SamplingParams
 from paged_serve.engine.sched.admission import check_cache_salt
 from paged_serve.engine.sched.forks import sample_ids
+from paged_serve.engine.sched.request import RequestStatus
 from paged_serve.engine.spec.speculator import Speculator
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class _Add:
     prompt_ids: list[int]
     params: SamplingParams
     cache_salt: str | None
+    probe: bool
 
 
 @dataclass(slots=True)
@@ -131,6 +133,7 @@ class AsyncEngine:
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
         self._flushes: list[concurrent.futures.Future] = []  # prefix-cache resets asked
+        self._probes: set[str] = set()  # live health-probe requests (outside max_waiting)
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._stopping = False
@@ -214,12 +217,15 @@ class AsyncEngine:
         request_id: str | None = None,
         *,
         cache_salt: str | None = None,
+        probe: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Validate and queue a request; iterate the result for its outputs.
 
         With ``params.n > 1`` the outputs of all ``n`` samples arrive on the one iterator
         (``RequestOutput.index`` tells them apart) until every sample has finished.
-        ``cache_salt``: the prefix-cache partition (``LLMEngine.add_request``).
+        ``cache_salt``: the prefix-cache partition (``LLMEngine.add_request``). ``probe``: a
+        health probe, never refused for a full waiting queue and never counted among the
+        waiting requests ``max_waiting`` bounds (its caller keeps probes few: one at a time).
         Raises ValueError (bad request), QueueFullError or EngineDeadError before streaming.
         Leaving the iteration early (or cancelling it) aborts every sample.
         """
@@ -239,16 +245,33 @@ class AsyncEngine:
                 raise EngineDeadError("the engine loop is not running")
             if any(rid in self._streams for rid in group):
                 raise ValueError(f"request id {request_id!r} is already in use")
-            waiting = self.engine.num_waiting + len(self._adds)
-            if self.max_waiting is not None and waiting >= self.max_waiting:
-                raise QueueFullError(
-                    f"{waiting} requests are already waiting (limit {self.max_waiting})"
-                )
+            if not probe and self.max_waiting is not None:
+                waiting = self._num_waiting_counted()
+                if waiting >= self.max_waiting:
+                    raise QueueFullError(
+                        f"{waiting} requests are already waiting (limit {self.max_waiting})"
+                    )
             for rid in group:
                 self._streams[rid] = stream
-            self._adds.append(_Add(request_id, ids, params, cache_salt))
+            if probe:
+                self._probes.update(group)
+            self._adds.append(_Add(request_id, ids, params, cache_salt, probe))
             self._wake.notify()
         return self._iterate(group, stream)
+
+    def _num_waiting_counted(self) -> int:
+        """The waiting requests ``max_waiting`` bounds (lock held): the engine's queue and the
+        inbox, less the health probes among them. A probe the engine holds counts as waiting
+        while its request's status says so (an attribute read, safe across threads)."""
+        waiting = self.engine.num_waiting + len(self._adds)
+        if self._probes:
+            waiting -= sum(1 for add in self._adds if add.probe)
+            live = self.engine.outputs.live
+            for rid in self._probes:
+                entry = live.get(rid)
+                if entry is not None and entry.request.status is RequestStatus.WAITING:
+                    waiting -= 1
+        return waiting
 
     async def _iterate(self, group: list[str], stream: _Stream) -> AsyncIterator[RequestOutput]:
         unfinished = set(group)
@@ -382,6 +405,7 @@ class AsyncEngine:
                 continue
             if isinstance(item, BaseException) or item.finished:
                 del self._streams[request_id]
+                self._probes.discard(request_id)
             batches.setdefault(stream.loop, []).append((stream.queue, item))
         for loop, items in batches.items():
             try:
@@ -435,6 +459,7 @@ class AsyncEngine:
                     self._deliver(replies)
                     for request_id in aborts:  # aborted before the engine knew it
                         self._streams.pop(request_id, None)
+                        self._probes.discard(request_id)
                 if stopping and not self.engine.has_unfinished:
                     return
         except BaseException as exc:  # the loop is dead: fail every stream rather than hang

@@ -18,10 +18,11 @@ body over ``client_max_size`` 413) and anything unexpected (500 with a generic m
 traceback goes to the log, never to the client). Then the browser guard refuses what a web page
 could make a visitor's browser send - a rebound Host, a cross-site Origin, a body that is not JSON
 (``paged_serve.server.browser_guard``). With API keys set, every ``/v1`` route needs
-``Authorization: Bearer <key>``, and so do the tokenizer routes and the two cache resets;
-``/health``, ``/metrics`` and the routers' read-only worker routes stay open. Then the body
-middleware reads the whole body within ``ServerLimits.body_timeout_s`` (408 and the connection
-closed otherwise) and marks the connection busy for the connection guard while the handler runs
+``Authorization: Bearer <key>``, and so do the tokenizer routes, the two cache resets and
+``/health_generate`` (it runs the model); ``/health``, ``/metrics`` and the routers' read-only
+worker routes stay open. Then the body middleware reads the whole body within
+``ServerLimits.body_timeout_s`` (408 and the connection closed otherwise) and marks the
+connection busy for the connection guard while the handler runs
 (``paged_serve.server.connections``).
 
 The runner cancels a handler whose client disconnects (``handler_cancellation``), which aborts
@@ -66,7 +67,7 @@ from paged_serve.server.sse import internal_error
 from paged_serve.server.state import OWNER, STATE, ServerState, key_hash
 from paged_serve.server.tokenize import TOKENIZER_PATHS, add_tokenizer_routes
 from paged_serve.server.wire import json_response
-from paged_serve.server.worker_api import CACHE_PATHS, add_worker_routes
+from paged_serve.server.worker_api import KEYED_PATHS, add_worker_routes
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     hashes = request.app[STATE].api_key_hashes
     path = request.path
-    if hashes and (path.startswith("/v1") or path in TOKENIZER_PATHS or path in CACHE_PATHS):
+    if hashes and (path.startswith("/v1") or path in TOKENIZER_PATHS or path in KEYED_PATHS):
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
         given = key_hash(key.strip()) if scheme.lower() == "bearer" else ""
         # compare against every key so the time taken does not say which one matched

@@ -74,9 +74,11 @@ class Generation:
         state: ServerState,
         num_choices: int,
         cache_salt: str | None = None,
+        probe: bool = False,
     ):
         self._state = state
         self._cache_salt = cache_salt  # the engine's salt: tenant and request (state.py)
+        self._probe = probe  # a health probe: outside --max-waiting (AsyncEngine.add_request)
         self._sample_ids: list[str] = []  # every sample of every started request
         self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
@@ -102,7 +104,7 @@ class Generation:
     def start(self, job: Job, request_id: str) -> None:
         """Queue ``job`` in the engine (raises what ``AsyncEngine.add_request`` raises)."""
         stream = self._state.engine.add_request(
-            job.prompt_ids, job.params, request_id, cache_salt=self._cache_salt
+            job.prompt_ids, job.params, request_id, cache_salt=self._cache_salt, probe=self._probe
         )
         ids = sample_ids(request_id, job.params.n)
         self._sample_ids += ids
@@ -182,17 +184,19 @@ def start_generation(
     prompt_param: str,
     *,
     cache_salt: str | None,
+    probe: bool = False,
 ) -> Generation:
     """Queue every job in the engine, or none; raises APIError (400/503) for a refused one.
 
     ``cache_salt`` is the engine's prefix-cache salt (``state.tenant_cache_salt``): required,
-    so that no endpoint forgets its tenant and serves one key's prefixes to another.
+    so that no endpoint forgets its tenant and serves one key's prefixes to another. ``probe``
+    marks ``/health_generate``'s request, which ``--max-waiting`` neither refuses nor counts.
     """
     if state.shutting_down:
         raise APIError(
             503, "the server is shutting down", type=SERVER_ERROR, code="server_shutting_down"
         )
-    generation = Generation(state, sum(job.params.n for job in jobs), cache_salt)
+    generation = Generation(state, sum(job.params.n for job in jobs), cache_salt, probe)
     try:
         for job in jobs:
             generation.start(job, f"{id_prefix}-{job.first_index}")

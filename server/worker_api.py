@@ -12,8 +12,11 @@ The routers users put in front of several servers (SGLang's model gateway, ``sgl
 
 (``/get_server_info`` and ``/get_model_info`` are the older names of the two info routes, as
 SGLang's own server keeps them.) ``/health`` stays the cheap liveness probe routers poll; the
-info and load routes are read-only figures, open as ``/metrics`` is; the two cache routes
-change the engine's state and need the API key when the server has one.
+info and load routes are read-only figures, open as ``/metrics`` is. ``/health_generate`` runs
+the model and the two cache routes change the engine's state: with API keys those three need
+one (``KEYED_PATHS``). Concurrent ``/health_generate`` callers share one in-flight probe
+(``SharedProbe``): a loop of them costs one engine request at a time, which ``--max-waiting``
+neither refuses nor counts, so probes never take a queue slot from a client.
 
 ``/get_load``'s ``num_tokens`` is the KV cache in use, in tokens (blocks held by live requests
 times the block size), which ``power_of_two`` routing compares between workers.
@@ -36,7 +39,8 @@ from paged_serve.server.state import STATE, ServerState
 from paged_serve.server.wire import json_response
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # seconds a one-token health generation may take
-CACHE_PATHS = frozenset({"/flush_cache", "/reset_prefix_cache"})  # need the API key
+CACHE_PATHS = frozenset({"/flush_cache", "/reset_prefix_cache"})
+KEYED_PATHS = CACHE_PATHS | {"/health_generate"}  # need the API key when the server has keys
 
 
 @functools.cache
@@ -141,14 +145,33 @@ async def get_load(request: web.Request) -> web.Response:
     return json_response([load])
 
 
-async def health_generate(request: web.Request) -> web.Response:
-    """200 once a one-token greedy generation of a one-token prompt came back: the engine
-    steps, not only its thread lives. It is an ordinary request (counted in the metrics)."""
-    state = request.app[STATE]
-    state.check_engine_alive()
+class SharedProbe:
+    """The one-token generation ``/health_generate`` answers from, shared by every caller that
+    arrives while it runs. Event loop only.
+
+    The probe runs in a task of its own, so a caller that goes away (its handler cancelled)
+    neither aborts it for the others nor leaves it half done; each caller waits on it shielded.
+    """
+
+    def __init__(self) -> None:
+        self._task: asyncio.Task | None = None
+        self.num_started = 0  # probes run so far (each one engine request)
+
+    async def wait(self, state: ServerState) -> None:
+        """Return once a probe started now or earlier (still running) generated its token;
+        APIError (503) when it failed or took over ``HEALTH_GENERATE_TIMEOUT_S``."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(_probe(state))
+            # a failure nobody waits for any more is still retrieved (no "never retrieved" log)
+            self._task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self.num_started += 1
+        await asyncio.shield(self._task)
+
+
+async def _probe(state: ServerState) -> None:
     job = Job(0, [0], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     request_id = state.engine.new_request_id("health")
-    with start_generation(state, request_id, [job], "prompt", cache_salt=None) as gen:
+    with start_generation(state, request_id, [job], "prompt", cache_salt=None, probe=True) as gen:
         try:
             await asyncio.wait_for(gen.collect(), HEALTH_GENERATE_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -158,6 +181,15 @@ async def health_generate(request: web.Request) -> web.Response:
                 type=SERVER_ERROR,
                 code="engine_unresponsive",
             ) from None
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """200 once a one-token greedy generation of a one-token prompt came back: the engine
+    steps, not only its thread lives. It is an ordinary request (counted in the metrics),
+    except that callers share it while it runs and ``--max-waiting`` does not apply to it."""
+    state = request.app[STATE]
+    state.check_engine_alive()
+    await request.app[HEALTH_PROBE].wait(state)
     return web.Response(status=200)
 
 
@@ -179,7 +211,11 @@ async def flush_cache(request: web.Request) -> web.Response:
     return json_response(FlushResult(message="Cache flushed.", evicted_blocks=evicted))
 
 
+HEALTH_PROBE = web.AppKey("paged_serve_health_probe", SharedProbe)
+
+
 def add_worker_routes(app: web.Application) -> None:
+    app[HEALTH_PROBE] = SharedProbe()
     app.router.add_get("/health_generate", health_generate)
     for path in ("/server_info", "/get_server_info"):
         app.router.add_get(path, server_info)

@@ -6,13 +6,25 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 
 from paged_serve.engine.async_engine import AsyncEngine
-from tests.server.conftest import API_KEYS, assert_error, http, metric_values, wait_idle
+from paged_serve.server.app import create_app
+from paged_serve.server.state import ServerState
+from paged_serve.server.worker_api import HEALTH_PROBE
+from tests.server.conftest import (
+    API_KEYS,
+    ServerThread,
+    assert_error,
+    http,
+    metric_values,
+    wait_idle,
+)
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 12  # several full KV blocks
 CACHED = "paged_serve_kv_blocks_cached"
@@ -109,12 +121,14 @@ def test_flush_cache_evicts_prefixes_and_refuses_while_busy(
     assert _cached_tokens(client, model_name) == 0
 
 
-def test_cache_routes_need_the_key_and_info_routes_do_not(keyed_url: str):
+def test_cache_and_generating_routes_need_the_key_and_info_routes_do_not(keyed_url: str):
     assert_error(http("POST", f"{keyed_url}/flush_cache"), 401, code="invalid_api_key")
     assert_error(http("POST", f"{keyed_url}/reset_prefix_cache"), 401, code="invalid_api_key")
+    assert_error(http("GET", f"{keyed_url}/health_generate"), 401, code="invalid_api_key")
     keyed = {"Authorization": f"Bearer {API_KEYS[1]}"}
     assert http("POST", f"{keyed_url}/flush_cache", headers=keyed).status == 200
-    for path in ("/server_info", "/model_info", "/get_load", "/health_generate"):
+    assert http("GET", f"{keyed_url}/health_generate", headers=keyed).status == 200
+    for path in ("/server_info", "/model_info", "/get_load"):
         assert http("GET", f"{keyed_url}{path}").status == 200, path
 
 
@@ -194,3 +208,103 @@ def test_a_flush_during_a_long_step_answers_at_once_and_health_stays_fast(
     assert slowest < HOLD_S / 3, slowest
     wait_idle(engine)
     assert http("POST", f"{base_url}/flush_cache").status == 200  # idle: flushed
+
+
+def test_concurrent_health_generate_callers_share_one_probe(
+    engine: AsyncEngine, server_thread: ServerThread
+):
+    apps: list[web.Application] = []
+    url = server_thread.serve(lambda: apps.append(create_app(engine)) or apps[-1])
+    probe = apps[0][HEALTH_PROBE]
+    arrived = 0
+    real_wait = probe.wait
+
+    async def counting_wait(state: ServerState) -> None:
+        nonlocal arrived
+        arrived += 1
+        await real_wait(state)
+
+    probe.wait = counting_wait
+    callers = 20
+    tokens_before = engine.stats.generation_tokens_total
+
+    async def call_all() -> list[int]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+            async def one() -> int:
+                async with session.get(f"{url}/health_generate") as reply:
+                    return reply.status
+
+            return await asyncio.gather(*(one() for _ in range(callers)))
+
+    with ThreadPoolExecutor(1) as pool:
+        with engine.between_steps():  # the probe cannot finish before every caller is in
+            statuses = pool.submit(asyncio.run, call_all())
+            deadline = time.monotonic() + 30
+            while arrived < callers and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert statuses.result(timeout=60) == [200] * callers
+    assert probe.num_started == 1
+    assert engine.stats.generation_tokens_total == tokens_before + 1
+
+
+async def _post_completion(session: aiohttp.ClientSession, url: str) -> int:
+    body = {"prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    async with session.post(f"{url}/v1/completions", json=body) as reply:
+        await reply.read()
+        return reply.status
+
+
+async def _get_status(session: aiohttp.ClientSession, url: str) -> int:
+    async with session.get(url) as reply:
+        await reply.read()
+        return reply.status
+
+
+async def _until_waiting(engine: AsyncEngine, count: int) -> None:
+    """Until ``count`` requests wait (the inbox and the held step's arrivals included), within
+    30 s."""
+    deadline = time.monotonic() + 30
+    while engine.snapshot().num_waiting < count:
+        assert time.monotonic() < deadline, engine.snapshot()
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("probe_first", [True, False], ids=["not-counted", "not-refused"])
+def test_health_probes_are_outside_max_waiting(
+    probe_first: bool, base_url: str, engine: AsyncEngine
+):
+    """With ``--max-waiting 2`` and the engine held in a step: a waiting probe leaves both
+    places to clients (probe first), and a full queue does not refuse the probe."""
+
+    async def scenario() -> list[int]:
+        gate = _LongStep(engine)
+        timeout = aiohttp.ClientTimeout(total=120)
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                body = {"prompt": "Hello", "max_tokens": 3, "stream": True, "ignore_eos": True}
+                async with session.post(f"{base_url}/v1/completions", json=body) as running:
+                    assert await asyncio.to_thread(gate.holding.wait, 30)
+                    engine.max_waiting = 2
+                    # the held step's own arrivals count as waiting in the snapshot until it ends
+                    held = engine.snapshot().num_waiting
+                    loop = asyncio.get_running_loop()
+                    order = ["probe", "client", "client"]
+                    started = []
+                    for kind in order if probe_first else order[::-1]:
+                        if kind == "probe":
+                            call = _get_status(session, f"{base_url}/health_generate")
+                        else:
+                            call = _post_completion(session, base_url)
+                        started.append(loop.create_task(call))
+                        await _until_waiting(engine, held + len(started))
+                    refused = await _post_completion(session, base_url)  # the queue is full
+                    gate.release()
+                    statuses = await asyncio.gather(*started)
+                    await running.read()
+        finally:
+            engine.max_waiting = None
+            gate.release()
+        return [*statuses, refused]
+
+    assert asyncio.run(scenario()) == [200, 200, 200, 503]
