@@ -193,7 +193,10 @@ def create_app(
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
     )
-    app[BACKGROUND] = BackgroundRuns()
+    app[BACKGROUND] = BackgroundRuns(
+        max_runs=limits.max_background_responses,
+        max_runs_per_key=limits.max_background_responses_per_key,
+    )
     app.router.add_get("/v1/models", list_models)
     # Hugging Face ids, the default served names, contain "/" ("org/name")
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)

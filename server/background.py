@@ -18,6 +18,11 @@ reader that goes away just stops reading. The log holds at most ``max_bytes`` of
 dropped first, and lives only while the run does: once it has finished, the stored Response is
 what ``GET`` returns.
 
+The runs are bounded: at most ``max_runs`` unfinished at once (``--max-background-responses``,
+503 beyond) and, with API keys, ``max_runs_per_key`` per key
+(``--max-background-responses-per-key``, 429 beyond), checked before the run's engine
+requests are queued. The engine's ``--max-waiting`` bounds them too when it is set.
+
 The events are the foreground stream's (``paged_serve.server.response_stream``), so
 ``response.created`` reports ``in_progress``, not ``queued``: the run's task produces it as it
 starts. A cancelled run's stream ends without a terminal event (the reference has no
@@ -29,13 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from paged_serve.server.errors import APIError, bad_request
+from paged_serve.server.errors import SERVER_ERROR, APIError, bad_request
 from paged_serve.server.generation import Generation
 from paged_serve.server.response_objects import ErrorEvent, Response, ResponseEvent
 from paged_serve.server.sse import frame, internal_error
@@ -226,24 +231,61 @@ class BackgroundRun:
 class BackgroundRuns:
     """The runs that have not finished, by response id. Event loop only.
 
-    Bounded by the engine: each run holds an engine request, and a full engine queue refuses
-    new ones (503) before a run exists.
+    At most ``max_runs`` at once, and ``max_runs_per_key`` for each API key (``owner``, the
+    key's digest; requests without a key are not counted per key): ``check_room`` refuses the
+    next one, and a run is counted from ``start`` until its task has ended.
     """
 
-    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES):
+    def __init__(
+        self,
+        max_runs: int = 128,
+        max_runs_per_key: int = 32,
+        max_event_bytes: int = MAX_EVENT_BYTES,
+    ):
+        self.max_runs = max_runs
+        self.max_runs_per_key = max_runs_per_key
         self.max_event_bytes = max_event_bytes
         self._runs: dict[str, BackgroundRun] = {}
+        self._per_owner: Counter[str | None] = Counter()
 
     def __len__(self) -> int:
         return len(self._runs)
 
+    def check_room(self, owner: str | None) -> None:
+        """Raise APIError unless one more run fits: 429 when ``owner`` (an API key) holds its
+        share, 503 when the server holds its total."""
+        if owner is not None and self._per_owner[owner] >= self.max_runs_per_key:
+            raise APIError(
+                429,
+                f"this API key has {self._per_owner[owner]} background responses unfinished, "
+                f"the most one key may have (--max-background-responses-per-key); wait for one "
+                "to finish or cancel one",
+                code="too_many_background_responses",
+            )
+        if len(self._runs) >= self.max_runs:
+            raise APIError(
+                503,
+                f"the server has {len(self._runs)} background responses unfinished, its limit "
+                "(--max-background-responses); retry later",
+                type=SERVER_ERROR,
+                code="too_many_background_responses",
+            )
+
     def start(self, reply: ResponseReply, generation: Generation, *, stream: bool) -> BackgroundRun:
-        """Start a run that owns ``generation`` (from here on nothing else may close it)."""
+        """Start a run that owns ``generation`` (from here on nothing else may close it). The
+        caller checked ``check_room`` with no await since."""
         run = BackgroundRun(reply, generation, stream=stream, max_event_bytes=self.max_event_bytes)
         self._runs[run.id] = run
+        self._per_owner[run.owner] += 1
         # runs after the run's own callback, which has recorded its end by then
-        run.start().add_done_callback(lambda _: self._runs.pop(run.id, None))
+        run.start().add_done_callback(lambda _: self._forget(run))
         return run
+
+    def _forget(self, run: BackgroundRun) -> None:
+        if self._runs.pop(run.id, None) is not None:
+            self._per_owner[run.owner] -= 1
+            if not self._per_owner[run.owner]:
+                del self._per_owner[run.owner]
 
     def get(self, response_id: str, owner: str | None) -> BackgroundRun | None:
         """The unfinished run if ``owner`` started it (else None, as the store does)."""

@@ -227,6 +227,20 @@ def _add_limit_args(parser: argparse.ArgumentParser) -> None:
         "over its choices (400 beyond; default %(default)s)",
     )
     group.add_argument(
+        "--max-background-responses",
+        type=int,
+        default=default.max_background_responses,
+        help="unfinished background Responses runs, all keys together (503 beyond; default "
+        "%(default)s)",
+    )
+    group.add_argument(
+        "--max-background-responses-per-key",
+        type=int,
+        default=default.max_background_responses_per_key,
+        help="unfinished background Responses runs one API key may hold (429 beyond; default "
+        "%(default)s)",
+    )
+    group.add_argument(
         "--allowed-hosts",
         type=_host_list,
         default=default.allowed_hosts,
@@ -255,6 +269,8 @@ LIMIT_FLAGS = {
     "max_unsent_bytes": "--max-unsent-bytes",
     "max_prompt_logprob_entries": "--max-prompt-logprob-entries",
     "max_logprobs": "--max-logprobs",
+    "max_background_responses": "--max-background-responses",
+    "max_background_responses_per_key": "--max-background-responses-per-key",
     "allowed_hosts": "--allowed-hosts",
 }
 

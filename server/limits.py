@@ -44,6 +44,13 @@ class ServerLimits:
     max_logprobs: the most alternatives per token a request may ask for in ``logprobs``,
         ``top_logprobs`` or ``prompt_logprobs`` (400 naming the field beyond), 0 to 20
         (vLLM's ``--max-logprobs``).
+    max_background_responses: background Responses runs (``background: true``) not yet
+        finished, all keys together (503 beyond). Each holds an engine request and, streamed,
+        up to 16 MiB of events (``server.background.MAX_EVENT_BYTES``); 128 keeps twice the
+        engine's default batch (``--max-num-seqs`` 64) in flight.
+    max_background_responses_per_key: unfinished background runs one API key may hold (429
+        beyond); with API keys only (without, all requests are one tenant, bounded by the
+        total). A quarter of the default total, so no key can fill it alone.
     allowed_hosts: host names (no port) a request's Host header may carry besides the loopback
         ones, when the server listens on loopback only; and Origin hosts trusted besides the
         server's own. ``"*"`` turns the Host and Origin checks off
@@ -61,6 +68,8 @@ class ServerLimits:
     max_unsent_bytes: int = 4 << 20
     max_prompt_logprob_entries: int = 1 << 18
     max_logprobs: int = MAX_LOGPROBS
+    max_background_responses: int = 128
+    max_background_responses_per_key: int = 32
     allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

@@ -82,6 +82,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     refuse_unsupported(await request.read(), RESPONSES_REFUSED)
     owner = request.get(OWNER)
     runs = request.app[BACKGROUND]
+    if body.background:
+        runs.check_room(owner)  # early, before tokenizing; again where the run starts
     history: list[dict] = []
     if body.previous_response_id is not None:
         running = runs.get(body.previous_response_id, owner)
@@ -131,6 +133,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     await compile_constraint(state.engine, params, "tools" if plan.constraint else "text.format")
     reply = ResponseReply(state, body, owner, history + new, len(prompt_ids), plan)
     salt = tenant_cache_salt(owner, body.cache_salt)
+    if body.background:  # other requests may have started runs while this one awaited
+        runs.check_room(owner)
     job = Job(0, prompt_ids, params)
     generation = start_generation(state, reply.id, [job], "input", cache_salt=salt)
     if body.background:

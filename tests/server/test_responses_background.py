@@ -16,10 +16,13 @@ from openai.types.responses import Response
 from paged_serve.engine.async_engine import AsyncEngine
 from paged_serve.server.app import create_app
 from paged_serve.server.background import EventLog
+from paged_serve.server.cli import build_parser, limits_from_args
 from paged_serve.server.errors import APIError
+from paged_serve.server.limits import ServerLimits
 from paged_serve.server.state import STATE
 from tests.server.conftest import (
     API_KEYS,
+    Reply,
     ServerThread,
     assert_error,
     http,
@@ -33,6 +36,7 @@ STORY = "Tell a long story about a dragon."
 STREAMED = 40  # tokens of the streamed response: long enough to be running when it is resumed
 GENERATED = "paged_serve_generation_tokens_total"
 DEADLINE_S = 60.0
+QUEUED = ("queued", "in_progress")
 
 
 def _poll(client: openai.OpenAI, response_id: str):
@@ -268,6 +272,69 @@ def test_shutdown_cancels_background_responses(
     assert entry is not None and entry.status == "cancelled" and entry.background
     assert json.loads(entry.response)["status"] == "cancelled"
     wait_idle(engine)
+
+
+def test_a_flood_of_background_responses_stops_at_the_caps(
+    engine: AsyncEngine, server_thread: ServerThread, model_name: str
+):
+    """Per key 4, in all 6: Alice floods 12 at once (4 start, the rest 429), Bob asks for 3
+    (2 start, then 503). The engine is held between steps meanwhile, so no run ends early; the
+    server keeps answering, every run started finishes, and the places come back."""
+    limits = ServerLimits(max_background_responses=6, max_background_responses_per_key=4)
+    url = server_thread.serve(lambda: create_app(engine, api_keys=API_KEYS, limits=limits))
+    alice, bob = ({"Authorization": f"Bearer {key}"} for key in API_KEYS)
+    body = {"model": model_name, "input": "Hi", "max_output_tokens": 2, "background": True}
+
+    async def post_many(headers: dict, count: int) -> list[Reply]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+            async def one() -> Reply:
+                async with session.post(f"{url}/v1/responses", json=body, headers=headers) as r:
+                    return Reply(r.status, dict(r.headers), await r.read())
+
+            return await asyncio.gather(*(one() for _ in range(count)))
+
+    def wait_ended(reply: Reply, headers: dict) -> None:
+        end = time.monotonic() + DEADLINE_S
+        url_of_run = f"{url}/v1/responses/{reply.json()['id']}"
+        while http("GET", url_of_run, headers=headers).json()["status"] in QUEUED:
+            assert time.monotonic() < end, "a background response never ended"
+            time.sleep(0.05)
+
+    with engine.between_steps():
+        flood = asyncio.run(post_many(alice, 12))
+        more = asyncio.run(post_many(bob, 3))
+        assert http("GET", f"{url}/health").status == 200  # the server keeps serving
+    assert sorted(r.status for r in flood) == [200] * 4 + [429] * 8
+    assert sorted(r.status for r in more) == [200, 200, 503]
+    for reply in flood + more:
+        if reply.status != 200:
+            assert_error(reply, reply.status, code="too_many_background_responses")
+    for reply, headers in [(r, alice) for r in flood] + [(r, bob) for r in more]:
+        if reply.status == 200:
+            assert reply.json()["status"] == "queued"
+            wait_ended(reply, headers)
+    wait_idle(engine)
+    engine.check_integrity()
+    again = asyncio.run(post_many(alice, 4))  # the runs have ended: the places are back
+    assert [r.status for r in again] == [200] * 4
+    for reply in again:
+        wait_ended(reply, alice)
+
+
+def test_background_caps_are_flags():
+    args = build_parser().parse_args(
+        ["--max-background-responses=10", "--max-background-responses-per-key=3"]
+    )
+    limits = limits_from_args(args)
+    assert (limits.max_background_responses, limits.max_background_responses_per_key) == (10, 3)
+    default = ServerLimits()
+    assert (default.max_background_responses, default.max_background_responses_per_key) == (
+        128,
+        32,
+    )
+    with pytest.raises(ValueError, match="--max-background-responses-per-key"):
+        limits_from_args(build_parser().parse_args(["--max-background-responses-per-key=0"]))
 
 
 # ---------------------------------------------------------------- the event log alone
