@@ -19,6 +19,7 @@ from functools import cache
 from typing import TYPE_CHECKING, TypeVar
 
 import jinja2
+import jinja2.defaults
 
 from paged_serve.engine.async_engine import AsyncEngine
 from paged_serve.server.errors import bad_request
@@ -107,17 +108,25 @@ def chat_message(role: str, content: str | list[ContentPart] | None, param: str)
     return {"role": ROLES[role], "content": message_text(content, f"{param}.content")}
 
 
-# Arguments of apply_chat_template that chat_template_kwargs may not set.
+# Names chat_template_kwargs may not set. A kwarg becomes a template variable, and a variable
+# shadows the template environment's global of the same name: {"strftime_now": null} breaks
+# every template that dates its system prompt (Llama 3.x), {"raise_exception": ...} silences a
+# template's own validation. So: apply_chat_template's parameters (transformers 5.x; one of them,
+# sanitize_control_tokens, guards against control tokens in message text), what
+# render_jinja_template passes the template itself, the globals transformers' chat-template
+# environment adds (transformers.utils.chat_template_utils._compile_jinja_template), and Jinja's
+# own default globals.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {
+        # apply_chat_template's parameters
         "conversation",
-        "messages",
         "tools",
         "documents",
         "chat_template",
         "add_generation_prompt",
         "continue_final_message",
         "tokenize",
+        "sanitize_control_tokens",
         "padding",
         "truncation",
         "max_length",
@@ -125,6 +134,12 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         "return_dict",
         "return_assistant_tokens_mask",
         "tokenizer_kwargs",
+        # the template's render arguments
+        "messages",
+        # the chat-template environment's globals
+        "raise_exception",
+        "strftime_now",
+        *jinja2.defaults.DEFAULT_NAMESPACE,  # range, dict, namespace, lipsum, cycler, joiner
     }
 )
 
@@ -137,6 +152,14 @@ def check_template_flags(add_generation_prompt: bool, continue_final_message: bo
             "continue_final_message needs add_generation_prompt set to false",
             "continue_final_message",
         )
+
+
+class _TemplateFailed(Exception):
+    """The chat template raised while rendering (carries what it raised)."""
+
+    def __init__(self, cause: Exception):
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 async def chat_prompt_ids(
@@ -168,16 +191,28 @@ async def chat_prompt_ids(
         extra["tools"] = tools
 
     def render_and_tokenize() -> list[int]:
-        text = tokenizer.apply_chat_template(
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tokenize=False,
-            **extra,
-        )
+        try:
+            text = tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **extra,
+            )
+        except MemoryError:
+            raise
+        except Exception as exc:
+            # The template runs on the request's messages and kwargs: whatever it raises
+            # (raise_exception's TemplateError, a TypeError from a kwarg of the wrong type, a
+            # ValueError from transformers' checks) is the request's fault, never a 500.
+            raise _TemplateFailed(exc) from None
         return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     try:
         return await off_loop(render_and_tokenize)
-    except (ValueError, jinja2.TemplateError) as exc:
-        raise bad_request(f"the chat template rejected the messages: {exc}", param) from None
+    except _TemplateFailed as failed:
+        exc = failed.cause
+        what = str(exc) if isinstance(exc, (ValueError, jinja2.TemplateError)) else repr(exc)
+        raise bad_request(f"the chat template rejected the messages: {what}", param) from None
+    except ValueError as exc:  # tokenizing the rendered text
+        raise bad_request(f"the rendered conversation did not tokenize: {exc}", param) from None
