@@ -68,7 +68,10 @@ def install_paged_experts(model: PreTrainedModel) -> int:
     (0: a dense model, left as it is). Experts of another shape (no gate/up pair, a norm after
     each expert) keep HF's own forward."""
     modules = experts_modules(model)
-    if not modules or not all(m.has_gate and not m.has_post_expert_norm for m in modules):
+    # transformers 5.17 has no post-expert norms (nor the attribute)
+    if not modules or not all(
+        m.has_gate and not getattr(m, "has_post_expert_norm", False) for m in modules
+    ):
         return 0
     model.set_experts_implementation(EXPERTS_NAME)
     return len(modules)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -186,15 +187,26 @@ def load_model(model: str | None, *, dtype: torch.dtype, device: torch.device) -
     _check_local(path)
     # Placed on ``device`` as it loads (each safetensors shard read straight to it), not built
     # on the host and moved: on a GPU the host never holds the whole model.
+    quantized = quantized_checkpoint_options(path)
     hf_model, info = AutoModelForCausalLM.from_pretrained(
         path,
         dtype=dtype,
         device_map={"": device},
         output_loading_info=True,
-        **quantized_checkpoint_options(path),
+        **quantized,
     )
     check_loading_info(path, info)  # what transformers renamed, and hub ids, end here
+    if quantized:
+        _parameters_in(hf_model, dtype)
     return _loaded(hf_model.eval(), path, name, start)
+
+
+def _parameters_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating parameters a dequantising load left in another dtype (transformers 5.17
+    dequantises MXFP4 experts to bf16 whatever the load dtype) to ``dtype``, in place."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def _check_local(path: str) -> None:
