@@ -244,8 +244,8 @@ def test_unexpected_exception_is_a_generic_500(
 def _fail_after_first_output(monkeypatch: pytest.MonkeyPatch, engine: AsyncEngine) -> None:
     real = engine.add_request
 
-    def add_request(prompt, params, request_id=None) -> AsyncIterator:
-        stream = real(prompt, params, request_id)
+    def add_request(prompt, params, request_id=None, **kwargs) -> AsyncIterator:
+        stream = real(prompt, params, request_id, **kwargs)
 
         async def fail() -> AsyncIterator:
             try:
@@ -286,8 +286,8 @@ def _fail_request_in_engine(monkeypatch: pytest.MonkeyPatch, engine: AsyncEngine
     """The engine's fault isolation: a request that fails ends with finish_reason "error"."""
     real = engine.add_request
 
-    def add_request(prompt, params, request_id=None) -> AsyncIterator:
-        stream = real(prompt, params, request_id)
+    def add_request(prompt, params, request_id=None, **kwargs) -> AsyncIterator:
+        stream = real(prompt, params, request_id, **kwargs)
 
         async def fail() -> AsyncIterator:
             try:
