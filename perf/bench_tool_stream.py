@@ -1,5 +1,5 @@
 """Event-loop cost of parsing a streamed reply for tool calls
-(``paged_serve.server.tools.ToolCallStream``).
+(``paged_serve.server.tool_stream.ToolCallStream``).
 
     python -m perf.bench_tool_stream [--words 5000] [--piece 5]
 
@@ -22,7 +22,7 @@ from paged_serve.server.tool_parsers import (
     RequiredParser,
     ToolParser,
 )
-from paged_serve.server.tools import ToolCallStream
+from paged_serve.server.tool_stream import ToolCallStream
 
 
 def cases(words: int) -> dict[str, tuple[ToolParser, str]]:

@@ -55,8 +55,8 @@ from paged_serve.server.sampling import check_sequences, output_limit
 from paged_serve.server.sse import respond
 from paged_serve.server.state import OWNER, STATE, ServerState, tenant_cache_salt
 from paged_serve.server.structured import compile_constraint
+from paged_serve.server.tool_stream import ToolCallStream, call_delta_batches
 from paged_serve.server.tools import (
-    ToolCallStream,
     ToolPlan,
     conversation,
     finish_reason,
@@ -154,7 +154,8 @@ class ChatReply(ChoiceReply):
         calls: list | UnsetType = UNSET
         if self.plan.parser is not None:
             content, found = reply_message(self.plan.parser, text)
-            calls = found or UNSET
+            # a forced reply always has its list, empty when max_tokens cut its only call
+            calls = found if self.plan.forced else (found or UNSET)
         if self.echo:
             content = self.echo + (content or "")
         return AssistantMessage(
@@ -242,9 +243,12 @@ class ChatReply(ChoiceReply):
             if self.reasoning is not None:
                 split = thinking[index].feed(text, final=out.finished)
                 text, reasoning = split.content, split.reasoning
+            more: list[ChatDelta] = []  # chunks after this one: a call's next deltas
             if calls:
                 content, deltas = calls[index].feed(text, final=out.finished)
-                delta = ChatDelta(content=content or UNSET, tool_calls=deltas or UNSET)
+                first, *rest = call_delta_batches(deltas) or [[]]
+                delta = ChatDelta(content=content or UNSET, tool_calls=first or UNSET)
+                more = [ChatDelta(tool_calls=batch) for batch in rest]
                 finish = finish_reason(finish, calls[index].has_calls)
             else:
                 delta = ChatDelta(content=text) if text else ChatDelta()
@@ -252,6 +256,11 @@ class ChatReply(ChoiceReply):
                 delta.reasoning_content = reasoning
             if delta == ChatDelta() and not (logprobs or finish):
                 continue
+            if more:  # the token's logprobs go with its first chunk, the finish with its last
+                yield self._chunk(generation, index, delta, logprobs)
+                for extra in more[:-1]:
+                    yield self._chunk(generation, index, extra)
+                delta, logprobs = more[-1], None
             yield self._chunk(generation, index, delta, logprobs, finish)
         if self.include_usage:
             yield self.usage_chunk(ChatCompletionChunk, generation)

@@ -37,7 +37,7 @@ from paged_serve.server.response_objects import (
     TextDoneEvent,
 )
 from paged_serve.server.response_tools import FunctionCallItem, new_item_id
-from paged_serve.server.tools import ToolCallStream
+from paged_serve.server.tool_stream import ToolCallStream
 
 if TYPE_CHECKING:
     from paged_serve.server.responses import ResponseReply
@@ -102,7 +102,13 @@ class ResponseStream:
             if out.finished:
                 finish_reason = out.finish_reason
         response = reply.finish(
-            text, [], finish_reason, cached, generation.completion_tokens, logprobs=logprobs
+            text,
+            [],
+            finish_reason,
+            cached,
+            generation.completion_tokens,
+            with_message=True,
+            logprobs=logprobs,
         )
         [message] = response.output
         [part] = message.content
@@ -119,8 +125,11 @@ class ResponseStream:
 
     async def _tool_frames(self, generation: Generation) -> AsyncGenerator[bytes, None]:
         """A stream whose reply is parsed for calls: a message item opens with the first
-        content, a function_call item with each call (its arguments as
-        ``response.function_call_arguments.delta`` events); all close at the end."""
+        content, a function_call item with each call, whose argument fragments follow as
+        ``response.function_call_arguments.delta`` events as the model writes them
+        (``ToolCallStream``); all close at the end. A call that never became whole closes with
+        status ``incomplete`` and no ``function_call_arguments.done``, and the final response
+        leaves it out, as a whole reply does."""
         reply = self.reply
         assert reply.plan.parser is not None
         started = reply.response("in_progress", [], None)
@@ -128,14 +137,15 @@ class ResponseStream:
         yield self.frame(ResponseEvent(type="response.in_progress", response=started))
         parsed = ToolCallStream(reply.plan.parser)
         message_index: int | None = None
-        calls: dict[int, tuple[int, FunctionCallItem]] = {}  # call index -> (output index, item)
+        items: dict[int, tuple[int, FunctionCallItem]] = {}  # call index -> (output index, item)
         finish_reason, cached, next_index = None, 0, 0
         async for _, out in generation.outputs():
             cached = out.num_cached_tokens
             if out.finished:
                 finish_reason = out.finish_reason
             content, deltas = parsed.feed(out.new_text, final=out.finished)
-            if content or (out.finished and message_index is None and not calls):
+            ends_empty = out.finished and not (items or deltas or reply.plan.forced)
+            if content or (ends_empty and message_index is None):
                 if message_index is None:
                     message_index, next_index = next_index, next_index + 1
                     for data in self._open_message(message_index):
@@ -150,7 +160,7 @@ class ResponseStream:
                         )
                     )
             for d in deltas:
-                if d.index not in calls:
+                if d.index not in items:  # the call's opening delta
                     item = FunctionCallItem(
                         id=new_item_id(),
                         call_id=str(d.id),
@@ -158,26 +168,31 @@ class ResponseStream:
                         arguments="",
                         status="in_progress",
                     )
-                    calls[d.index] = (next_index, item)
+                    items[d.index] = (next_index, item)
                     yield self.frame(
                         OutputItemEvent(
                             type="response.output_item.added", output_index=next_index, item=item
                         )
                     )
                     next_index += 1
-                if d.function.arguments:  # a call comes whole: its arguments follow at once
-                    index, item = calls[d.index]
+                if d.function.arguments:
+                    index, item = items[d.index]
                     item.arguments += str(d.function.arguments)
                     yield self.frame(
                         FunctionCallArgumentsDelta(
                             item_id=item.id, output_index=index, delta=str(d.function.arguments)
                         )
                     )
-        items = [item for _, item in calls.values()]
-        for item in items:
-            item.status = "completed"
+        whole = {call.index for call in parsed.calls if call.whole}
+        for call_index, (_, item) in items.items():
+            item.status = "completed" if call_index in whole else "incomplete"
         response = reply.finish(
-            parsed.content, items, finish_reason, cached, generation.completion_tokens
+            parsed.content,
+            [item for i, (_, item) in items.items() if i in whole],
+            finish_reason,
+            cached,
+            generation.completion_tokens,
+            with_message=message_index is not None,
         )
         if message_index is not None:
             message = response.output[0]
@@ -203,12 +218,16 @@ class ResponseStream:
                     type="response.output_item.done", output_index=message_index, item=message
                 )
             )
-        for index, item in calls.values():
-            yield self.frame(
-                FunctionCallArgumentsDone(
-                    item_id=item.id, output_index=index, name=item.name, arguments=item.arguments
+        for index, item in items.values():
+            if item.status == "completed":
+                yield self.frame(
+                    FunctionCallArgumentsDone(
+                        item_id=item.id,
+                        output_index=index,
+                        name=item.name,
+                        arguments=item.arguments,
+                    )
                 )
-            )
             yield self.frame(
                 OutputItemEvent(type="response.output_item.done", output_index=index, item=item)
             )

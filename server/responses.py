@@ -5,7 +5,9 @@ The prompt is ``instructions`` (as a system message), then the stored conversati
 ``input``, through the chat template. The output is one assistant message with one
 ``output_text`` part; with function tools (``paged_serve.server.response_tools``), text before the
 calls is that message and each call a ``function_call`` item. A response that hit
-``max_output_tokens`` has status ``incomplete``.
+``max_output_tokens`` has status ``incomplete`` (``incomplete_details.reason``
+``max_output_tokens``); a call it cut off is no item (under ``auto`` its text is the message's,
+a forced reply's output is empty).
 
 ``stream: true`` sends the response as typed, numbered events
 (``paged_serve.server.response_stream``). The response is stored (``store``, default true) for
@@ -388,10 +390,13 @@ class ResponseReply:
         finish_reason: str | None,
         cached_tokens: int,
         output_tokens: int,
+        *,
+        with_message: bool,
         logprobs: list[ChatTokenLogprob] | None = None,
     ) -> Response:
-        """The final Response object (a message unless the reply is only calls, then the
-        calls); stores it when asked to. ``logprobs``: the message text's tokens."""
+        """The final Response object: the message (``with_message``: the reply has one, which
+        holds ``content``), then the calls; stored when asked to. ``logprobs``: the message
+        text's tokens."""
         status = "incomplete" if finish_reason == "length" else "completed"
         usage = ResponseUsage(
             input_tokens=self.prompt_tokens,
@@ -400,7 +405,7 @@ class ResponseReply:
             total_tokens=self.prompt_tokens + output_tokens,
         )
         output: list[OutputMessage | FunctionCallItem] = []
-        if content or not calls:
+        if with_message:
             part = OutputText(text=content, logprobs=logprobs or [])
             output.append(self.message(status, [part]))
         output += calls
@@ -429,5 +434,12 @@ class ResponseReply:
             choice.finish_reason,
             choice.num_cached_tokens,
             generation.completion_tokens,
+            with_message=self.has_message(content, bool(calls)),
             logprobs=self.token_logprobs(choice.logprobs),
         )
+
+    def has_message(self, content: str, has_calls: bool) -> bool:
+        """Whether the output holds a message: with text, or as the whole reply when there
+        are no calls; never for a forced reply (``required``, a named function), whose
+        unfinished call ``max_tokens`` cut leaves the output empty."""
+        return bool(content) or not (has_calls or self.plan.forced)

@@ -18,9 +18,12 @@ system message, past calls and results as JSON, and the reply held to a JSON env
   construction, whatever the model.
 
 Every choice's grammar comes from one ``paged_serve.server.tool_grammar.ToolGrammar``, so a schema
-with ``$defs``/``$ref`` means the same under each. A call reaches the client only once its JSON is
+with ``$defs``/``$ref`` means the same under each. A whole reply holds only the calls whose JSON is
 whole (``paged_serve.server.tool_parsers``): a reply that ``max_tokens`` cuts off mid-call ends with
-``finish_reason: "length"`` and the unfinished call as text in the content.
+``finish_reason: "length"``, the unfinished call as text in the content under ``auto``, and
+nothing of it under ``required`` and a named choice (empty content, an empty ``tool_calls``
+list). A stream sends a call's argument fragments as the model writes them
+(``paged_serve.server.tool_stream``).
 """
 
 from __future__ import annotations
@@ -36,12 +39,7 @@ import msgspec
 
 from paged_serve.engine.grammar.structured_output import StructuredOutput
 from paged_serve.engine.sampling_params import SamplingParams
-from paged_serve.server.completion_objects import (
-    FunctionCall,
-    FunctionDelta,
-    ToolCall,
-    ToolCallDelta,
-)
+from paged_serve.server.completion_objects import FunctionCall, ToolCall
 from paged_serve.server.errors import bad_request
 from paged_serve.server.prompts import ROLES, message_text
 from paged_serve.server.tool_grammar import ToolGrammar, ToolSchemaError, checked_parameters
@@ -106,6 +104,11 @@ class ToolPlan:
     parser: ToolParser | None
     constraint: StructuredOutput | None
     parallel: bool
+
+    @property
+    def forced(self) -> bool:
+        """The reply must be calls (``required`` or a named function): it has no text."""
+        return self.parser is not None and self.parser.forced
 
 
 def new_call_id() -> str:
@@ -301,42 +304,3 @@ def reply_message(parser: ToolParser, text: str) -> tuple[str | None, list[ToolC
         for c in parsed.calls
     ]
     return (parsed.content or None) if calls else parsed.content, calls
-
-
-class ToolCallStream:
-    """One choice's stream: the text so far, re-parsed on every token, sent as deltas of its
-    content and its calls. A call goes out once its JSON is whole, as one delta with its id,
-    name and arguments, so every call a client has seen is valid JSON and the deltas add up to
-    what ``reply_message`` returns, even for a reply that ``max_tokens`` cuts off."""
-
-    def __init__(self, parser: ToolParser):
-        self.parser = parser
-        self.text = ""
-        self.content = ""
-        self.calls_sent = 0
-
-    @property
-    def has_calls(self) -> bool:
-        return self.calls_sent > 0
-
-    def feed(self, new_text: str, *, final: bool) -> tuple[str, list[ToolCallDelta]]:
-        """The content delta and call deltas that ``new_text`` (and, if final, the end) adds."""
-        self.text += new_text
-        parsed = self.parser.parse(self.text, final=final)
-        content = _extension(self.content, parsed.content)
-        self.content += content
-        deltas = [
-            ToolCallDelta(
-                index=index,
-                id=new_call_id(),
-                type="function",
-                function=FunctionDelta(name=call.name, arguments=call.arguments),
-            )
-            for index, call in enumerate(parsed.calls[self.calls_sent :], self.calls_sent)
-        ]
-        self.calls_sent = len(parsed.calls)
-        return content, deltas
-
-
-def _extension(sent: str, now: str) -> str:
-    return now[len(sent) :] if now.startswith(sent) else ""

@@ -106,6 +106,30 @@ def model_name(engine: AsyncEngine) -> str:
     return engine.model_name
 
 
+def random_model(tokenizer, eos_token_ids: tuple[int, ...]) -> LoadedModel:
+    """The tests' tiny random-weight Llama over the default model's vocabulary."""
+    from tests.conftest import tiny_model
+
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    return LoadedModel(model, tokenizer, "random-llama", eos_token_ids, 1024, 0.0)
+
+
+@pytest.fixture(scope="module")
+def random_engine(default_model: LoadedModel) -> Iterator[AsyncEngine]:
+    """An engine on ``random_model``, where nothing but a grammar keeps the output valid (and
+    fast: 2 small layers)."""
+    loaded = random_model(default_model.tokenizer, default_model.eos_token_ids)
+    engine = AsyncEngine(EngineConfig(kv_cache_memory=16 << 20), loaded=loaded)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def random_client(random_engine: AsyncEngine, server_thread: ServerThread) -> openai.OpenAI:
+    url = server_thread.serve(lambda: create_app(random_engine))
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 def wait_idle(engine: AsyncEngine, deadline_s: float = IDLE_DEADLINE_S) -> None:
     """Poll (bounded) until no request is live and no block is used."""
     end = time.monotonic() + deadline_s

@@ -1,8 +1,10 @@
 """Tool-call ``arguments`` are the JSON text of a whole object on every path, or there is no
 call: a list of calls cut off by ``max_tokens``, a tool without parameters, a call cut off in
-its arguments, chat and Responses, streamed and whole. Then a property test over generated tool
-schemas and ``max_tokens`` on a tiny random-weight model with the default model's tokenizer,
-where nothing but the grammar keeps the output valid; the block pool is intact after each."""
+its arguments, chat and Responses, streamed and whole (a stream's call cut off while its
+fragments went out stays unfinished there, after the whole ones). Then a property test over
+generated tool schemas and ``max_tokens`` on a tiny random-weight model with the default
+model's tokenizer, where nothing but the grammar keeps the output valid; the block pool is
+intact after each."""
 
 from __future__ import annotations
 
@@ -15,9 +17,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paged_serve.engine.async_engine import AsyncEngine
-from paged_serve.engine.config import EngineConfig
-from paged_serve.engine.model.loader import LoadedModel
-from tests.conftest import tiny_model
 from tests.server.conftest import http, parse_sse, wait_idle
 from tests.server.test_response_tools import streamed_arguments
 
@@ -30,6 +29,24 @@ CITY = {
 }
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
 ASK = [{"role": "user", "content": "Weather in Berlin? Also ping."}]
+
+
+def is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def check_unfinished(whole: list, streamed: list[tuple[str, str]], finish: str) -> None:
+    """The stream's calls are the whole reply's, then at most the one ``max_tokens`` cut off
+    after it opened, whose arguments are not JSON yet."""
+    whole = [(c.function.name, c.function.arguments) for c in whole]
+    assert streamed[: len(whole)] == whole
+    unfinished = streamed[len(whole) :]
+    assert len(unfinished) <= (finish == "length")
+    assert not any(is_json(arguments) for _, arguments in unfinished)
 
 
 def streamed_chat(client: openai.OpenAI, **body) -> tuple[str, list[tuple[str, str]], str]:
@@ -63,24 +80,29 @@ def test_a_list_of_calls_holds_only_whole_calls(
             assert arguments == {}
         else:
             jsonschema.validate(arguments, CITY)
-    content, streamed, finish = streamed_chat(client, **body)  # the content: what was cut off
-    assert (content, finish) == (reply.message.content or "", reply.finish_reason)
-    assert streamed == [(c.function.name, c.function.arguments) for c in calls]
+    assert reply.message.content is None  # a forced reply has no text, even when cut off
+    content, streamed, finish = streamed_chat(client, **body)
+    assert (content, finish) == ("", reply.finish_reason)
+    check_unfinished(calls, streamed, finish)
 
 
-def test_a_call_cut_off_in_its_arguments_is_no_call(client: openai.OpenAI, model_name: str):
+def test_a_forced_call_cut_off_in_its_arguments_is_no_call(client: openai.OpenAI, model_name: str):
+    """An empty list and empty content (not null and the partial JSON): clients count
+    ``tool_calls``. Streamed, the call opened and its fragments stay a prefix of the
+    arguments the uncut reply gets."""
     named = {"type": "function", "function": {"name": "get_weather"}}
     body = dict(model=model_name, messages=ASK, tools=[WEATHER], tool_choice=named)
     reply = client.chat.completions.create(max_tokens=3, temperature=0, **body).choices[0]
-    assert reply.finish_reason == "length" and reply.message.tool_calls is None
-    assert reply.message.content.startswith("{")
+    assert reply.finish_reason == "length" and reply.message.tool_calls == []
+    assert reply.message.content == ""
     whole = client.chat.completions.create(max_tokens=40, temperature=0, **body).choices[0]
     assert whole.finish_reason == "tool_calls" and whole.message.content is None
-    assert streamed_chat(client, max_tokens=3, temperature=0, **body) == (
-        reply.message.content,
-        [],
-        "length",
-    )
+    content, streamed, finish = streamed_chat(client, max_tokens=3, temperature=0, **body)
+    assert (content, finish) == ("", "length")
+    check_unfinished([], streamed, finish)
+    for name, arguments in streamed:
+        assert name == "get_weather"
+        assert whole.message.tool_calls[0].function.arguments.startswith(arguments)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -102,28 +124,6 @@ def test_responses_arguments_are_whole_json(base_url: str, model_name: str, choi
 
 
 # ---------------------------------------------------------------- the property test
-def random_model(tokenizer, eos_token_ids: tuple[int, ...]) -> LoadedModel:
-    """The tests' tiny random-weight Llama over the default model's vocabulary."""
-    model = tiny_model("llama", vocab_size=len(tokenizer))
-    return LoadedModel(model, tokenizer, "random-llama", eos_token_ids, 1024, 0.0)
-
-
-@pytest.fixture(scope="module")
-def random_engine(default_model: LoadedModel):
-    loaded = random_model(default_model.tokenizer, default_model.eos_token_ids)
-    engine = AsyncEngine(EngineConfig(kv_cache_memory=16 << 20), loaded=loaded)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def random_client(random_engine: AsyncEngine, server_thread) -> openai.OpenAI:
-    from paged_serve.server.app import create_app
-
-    url = server_thread.serve(lambda: create_app(random_engine))
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def leaf_schemas() -> st.SearchStrategy[dict]:
     short = st.text("abcxyz", min_size=1, max_size=3)
     return st.one_of(
@@ -224,8 +224,13 @@ def test_arguments_are_never_invalid_json(
         bool(calls) and reply.finish_reason != "length"
     )
     content, streamed, finish = streamed_chat(random_client, **body)
-    assert streamed == [(c.function.name, c.function.arguments) for c in calls]
-    assert (content, finish) == (reply.message.content or "", reply.finish_reason)
+    assert finish == reply.finish_reason
+    check_unfinished(calls, streamed, finish)
+    # a call cut off after it opened is not sent again as content (the whole reply's, under auto)
+    cut_off = len(streamed) > len(calls)
+    assert content == ("" if cut_off else reply.message.content or "")
+    if choice != "auto":
+        assert reply.message.content in (None, "") and reply.message.tool_calls is not None
     wait_idle(random_engine)
     random_engine.check_integrity()
     assert random_engine.snapshot().kv_blocks_used == 0

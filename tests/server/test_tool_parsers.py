@@ -1,13 +1,15 @@
 """The tool-call parsers against text fixtures of each family: the whole reply, and the same
 text streamed one character at a time (so every token boundary is a split point), which must
-add up to the whole reply, never leak part of a call marker into the content, and never send a
-call whose arguments are not a whole JSON object (a cut-off call stays text)."""
+add up to the whole reply, never leak part of a call marker into the content, and stream a
+call's arguments as fragments that are at every point a prefix of the whole reply's arguments
+(a cut-off call is no call in the whole reply, and stays unfinished in the stream)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from msgspec import UNSET
 
 from paged_serve.server.tool_parsers import (
     GenericParser,
@@ -19,7 +21,8 @@ from paged_serve.server.tool_parsers import (
     ToolParser,
     parser_for_template,
 )
-from paged_serve.server.tools import ToolCallStream, reply_message
+from paged_serve.server.tool_stream import ToolCallStream
+from paged_serve.server.tools import reply_message
 
 WEATHER = {"city": "Paris", "days": [1, 2], "unit": {"c": True}, "note": 'a "q" }] é'}
 
@@ -98,21 +101,36 @@ FIXTURES = [
 
 def stream(parser: ToolParser, text: str) -> tuple[str, dict[int, dict]]:
     """Feed ``text`` one character at a time; the content and calls the deltas add up to.
-    Each call comes as one delta with its id, name and arguments, a whole JSON object."""
+    A call's first delta has its index (the next one), id, type and name and empty arguments,
+    the later ones only its index and an argument fragment; ``fragments`` counts those."""
     state = ToolCallStream(parser)
     content, calls = "", {}
     for i, char in enumerate(text):
         piece, deltas = state.feed(char, final=i == len(text) - 1)
         content += piece
         for d in deltas:
-            assert d.index == len(calls) and d.id and d.function.name
-            assert isinstance(json.loads(d.function.arguments), dict)
-            calls[d.index] = {
-                "id": d.id,
-                "name": d.function.name,
-                "arguments": d.function.arguments,
-            }
+            if d.index not in calls:
+                assert d.index == len(calls) and d.id and d.type == "function"
+                assert d.function.name and d.function.arguments == ""
+                calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
+                calls[d.index]["fragments"] = 0
+                continue
+            assert d.id is UNSET and d.function.name is UNSET and d.function.arguments
+            calls[d.index]["arguments"] += d.function.arguments
+            calls[d.index]["fragments"] += 1
     return content, calls
+
+
+def whole_calls(calls: dict[int, dict]) -> list[tuple[str, str]]:
+    """The streamed calls whose arguments are whole JSON (an unfinished one's are not)."""
+    out = []
+    for call in calls.values():
+        try:
+            json.loads(call["arguments"])
+        except ValueError:
+            continue
+        out.append((call["name"], call["arguments"]))
+    return out
 
 
 @pytest.mark.parametrize(("parser", "text", "content", "calls"), FIXTURES)
@@ -125,12 +143,15 @@ def test_whole_reply(parser: ToolParser, text: str, content: str | None, calls: 
 
 @pytest.mark.parametrize(("parser", "text", "content", "calls"), FIXTURES)
 def test_streamed_reply_adds_up_to_the_whole(parser, text, content, calls):
-    whole_content, whole_calls = reply_message(parser, text)
+    whole_content, whole = reply_message(parser, text)
     got_content, got_calls = stream(parser, text)
     assert got_content == (whole_content or "")
     assert [(c["name"], c["arguments"]) for c in got_calls.values()] == [
-        (c.function.name, c.function.arguments) for c in whole_calls
+        (c.function.name, c.function.arguments) for c in whole
     ]
+    for call in got_calls.values():  # WEATHER's arguments arrive in pieces as they are written
+        if json.loads(call["arguments"]) == WEATHER:
+            assert call["fragments"] > 5
 
 
 def test_no_partial_tag_reaches_the_content():
@@ -141,11 +162,44 @@ def test_no_partial_tag_reaches_the_content():
         assert "<" not in piece
 
 
-def test_a_call_is_sent_the_moment_its_json_closes():
-    text = '<tool_call>{"name": "w", "arguments": {"a": [1, 2]}}</tool_call> trailing'
+def test_a_call_streams_its_arguments_as_they_are_written():
+    """The call opens once its name is whole and its arguments object has opened; each
+    fragment is what the arguments gained that no later character can change: ``1`` only
+    once the comma shows it whole, a closing quote or bracket only once it is written."""
+    text = '<tool_call>{"name": "w", "arguments": {"a": [1, 22], "b": "x"}}</tool_call> end'
     state = ToolCallStream(HermesParser())
-    sent_at = [i for i, ch in enumerate(text) if state.feed(ch, final=False)[1]]
-    assert sent_at == [text.index("</tool_call>") + len("</tool_call>") - 1]
+    sent: list[tuple[str, str]] = []  # (the text so far, what its deltas carried)
+    for i, char in enumerate(text):
+        _, deltas = state.feed(char, final=i == len(text) - 1)
+        sent += [(text[: i + 1], d.function.arguments) for d in deltas if d.function.arguments]
+    assert sent == [
+        ('<tool_call>{"name": "w", "arguments": {', "{"),
+        ('<tool_call>{"name": "w", "arguments": {"a": [', '"a": ['),
+        ('<tool_call>{"name": "w", "arguments": {"a": [1,', "1"),
+        ('<tool_call>{"name": "w", "arguments": {"a": [1, 22]', ", 22]"),
+        ('<tool_call>{"name": "w", "arguments": {"a": [1, 22], "b": "', ', "b": "'),
+        ('<tool_call>{"name": "w", "arguments": {"a": [1, 22], "b": "x', "x"),
+        ('<tool_call>{"name": "w", "arguments": {"a": [1, 22], "b": "x"', '"'),
+        ('<tool_call>{"name": "w", "arguments": {"a": [1, 22], "b": "x"}', "}"),
+    ]
+    [call] = state.calls
+    assert call.whole and call.arguments == '{"a": [1, 22], "b": "x"}'
+
+
+def test_an_open_string_streams_all_but_an_unfinished_escape():
+    state = ToolCallStream(NamedParser("write"))
+    _, deltas = state.feed('{"path": "a.t', final=False)
+    assert [d.function.arguments for d in deltas] == ["", '{"path": "a.t']
+    for piece, fragment in [("xt\\u", "xt"), ("00e9\\ud83d", "é"), ("\\ude00", "😀")]:
+        _, deltas = state.feed(piece, final=False)
+        assert [d.function.arguments for d in deltas] == [fragment]
+    _, deltas = state.feed('", "n": 12', final=False)  # 12 may still become 123
+    assert [d.function.arguments for d in deltas] == ['"']
+    _, deltas = state.feed("3}", final=True)
+    assert [d.function.arguments for d in deltas] == [', "n": 123}']
+    assert state.calls[0].arguments == json.dumps(
+        {"path": "a.txté😀", "n": 123}, ensure_ascii=False
+    )
 
 
 @pytest.mark.parametrize(
@@ -162,57 +216,78 @@ def test_parser_from_template(template: str, family: str):
 
 
 CUT_OFF = [
-    # (parser, text cut off by max_tokens, whole calls before the cut, content)
+    # (parser, text cut off by max_tokens, whole calls before the cut, content, the streamed
+    # content, the unfinished call the stream opened: (name, arguments sent) or None)
     (
         HermesParser(),
         'Hm <tool_call>{"name": "w", "arguments": {"city": "Par',
         [],
         'Hm\n<tool_call>{"name": "w", "arguments": {"city": "Par',
+        "Hm",
+        ("w", '{"city": "Par'),
     ),
     (
         GenericParser(),
         '{"tool_calls": [{"name": "w", "arguments": {"a": 1}}, {"name": "v", "ar',
         [("w", {"a": 1})],
         '{"name": "v", "ar',
+        '{"name": "v", "ar',
+        None,
     ),
     (
         RequiredParser(),
         '[{"name": "w", "arguments": {"a": [1, 2',
         [],
-        '{"name": "w", "arguments": {"a": [1, 2',
+        "",
+        "",
+        ("w", '{"a": [1'),
     ),
     (
         RequiredParser(),
         '[{"name": "ping", "arguments": {}}, {"name": "ping", "arguments": {}}, {"na',
         [("ping", {}), ("ping", {})],
-        '{"na',
+        None,
+        "",
+        None,
     ),
-    (NamedParser("w"), '{"city": "Berl', [], '{"city": "Berl'),
+    (NamedParser("w"), '{"city": "Berl', [], "", "", ("w", '{"city": "Berl')),
+    (NamedParser("w"), "{", [], "", "", ("w", "{")),
+    (NamedParser("w"), "", [], "", "", None),
     (
         MistralParser(),
         '[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[ARGS]{"x',
         [("a", {})],
         '[TOOL_CALLS]b[ARGS]{"x',
+        "",
+        ("b", "{"),
     ),
     (
         Llama3JsonParser(),
         '{"name": "a", "parameters": {}}; {"name": "b", "para',
         [("a", {})],
         '{"name": "b", "para',
+        '{"name": "b", "para',
+        None,
     ),
 ]
 
 
-@pytest.mark.parametrize(("parser", "text", "calls", "content"), CUT_OFF)
-def test_a_cut_off_call_is_text_never_a_call(parser: ToolParser, text: str, calls, content):
+@pytest.mark.parametrize(("parser", "text", "calls", "content", "streamed", "unfinished"), CUT_OFF)
+def test_a_cut_off_call_is_no_call(
+    parser: ToolParser, text: str, calls, content, streamed, unfinished
+):
+    """Whole, a cut-off call is text under ``auto`` and nothing under a forced choice;
+    streamed, it stays the unfinished call it was (not repeated as content) once it opened."""
     got_content, got_calls = reply_message(parser, text)
     assert [(c.function.name, json.loads(c.function.arguments)) for c in got_calls] == calls
     assert got_content == content
     streamed_content, streamed_calls = stream(parser, text)
-    assert streamed_content == content
-    assert [(c["name"], c["arguments"]) for c in streamed_calls.values()] == [
+    assert streamed_content == streamed
+    assert whole_calls(streamed_calls) == [
         (c.function.name, c.function.arguments) for c in got_calls
     ]
+    opened = [(c["name"], c["arguments"]) for c in streamed_calls.values()][len(got_calls) :]
+    assert opened == ([unfinished] if unfinished else [])
 
 
 def test_cli_flags_name_the_parsers():
