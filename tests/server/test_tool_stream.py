@@ -25,6 +25,7 @@ import pytest
 from paged_serve.engine.async_engine import AsyncEngine
 from tests.server.conftest import http, parse_sse, wait_idle
 from tests.server.test_response_tools import agents_model, streamed_arguments
+from tests.server.test_tool_arguments import is_json
 
 FIELDS = ("path", "title", "body", "tags")
 NOTE = {
@@ -114,14 +115,6 @@ def post_responses(base_url: str, body: dict) -> dict | list[tuple[str, dict]]:
     if body.get("stream"):
         return [(event, json.loads(data)) for event, data in parse_sse(reply.body)]
     return reply.json()
-
-
-def is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")
