@@ -244,7 +244,8 @@ def _linear_attention_source(cfg: Config):
 def _sampling_source(cfg: Config):
     from triton.compiler import ASTSource
 
-    from paged_serve.kernels.triton.sampling import _NUM_WARPS, _sample_kernel, _tile_shape
+    from paged_serve.kernels.triton.sampling import _sample_kernel, _tile_shape
+    from paged_serve.kernels.triton.sampling_passes import _NUM_WARPS
 
     block_b, block_v = _tile_shape(cfg.vocab)
     constants = dict(BLOCK_B=block_b, BLOCK_V=block_v, HAS_MASK=cfg.token_mask)
@@ -268,7 +269,7 @@ def _sampling_split_source(cfg: Config):
     import triton
     from triton.compiler import ASTSource
 
-    from paged_serve.kernels.triton.sampling import _NUM_WARPS
+    from paged_serve.kernels.triton.sampling_passes import _NUM_WARPS
     from paged_serve.kernels.triton.sampling_split import (
         _MAX_BLOCK_V,
         SLICE,

@@ -39,7 +39,7 @@ import torch
 
 import triton
 import triton.language as tl
-from paged_serve.kernels.triton.sampling import (
+from paged_serve.kernels.triton.sampling_passes import (
     _NUM_WARPS,
     _digit_histogram,
     _div,
