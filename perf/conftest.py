@@ -1,23 +1,24 @@
 """pytest configuration for ``perf/``: GPU microbenchmarks that run only where CUDA is present.
 
-Without a CUDA device, ``pytest perf/`` collects nothing from this folder (so a benchmark module
-that needs Triton or a GPU at import time cannot turn into a collection error) and says why in
-the header and the summary; pytest then exits with code 5, "no tests collected". The
-``bench_*.py`` and ``*_test.py`` files are command-line programs (``python -m perf.bench_e2e``,
-``python -m perf.load_test``) and are never collected as tests. With ``TRITON_INTERPRET=1``
-set the benchmarks are skipped the same way: timing the interpreter would be meaningless.
+``pytest perf/`` collects the kernel benchmarks of ``perf/kernels/`` (``test_*.py``). Without a
+CUDA device it collects nothing (so a benchmark module that needs Triton or a GPU at import time
+cannot turn into a collection error) and says why in the header and the summary; pytest then
+exits with code 5, "no tests collected". The ``bench_*.py`` and ``*_test.py`` files are
+command-line programs (``python -m perf.engine.bench_e2e``, ``python -m perf.serving.load_test``)
+and are never collected as tests. With ``TRITON_INTERPRET=1`` set the benchmarks are skipped the
+same way: timing the interpreter would be meaningless.
 
 With CUDA, this file also provides the benchmarks' shared pieces:
 
 * ``copy_bandwidth_gbps`` (session): the device's copy bandwidth, measured once with a large
   device-to-device copy; every GB/s figure is also reported as a percentage of it.
-* ``perf_report`` (session): the :class:`perf.report.PerfReport` the benchmarks add rows to; it
-  is printed as a compact table at the end of the session and written as JSON to the file named
-  by ``$PAGED_SERVE_PERF_JSON`` if set.
+* ``perf_report`` (session): the :class:`perf.kernels.report.PerfReport` the benchmarks add rows
+  to; it is printed as a compact table at the end of the session and written as JSON to the file
+  named by ``$PAGED_SERVE_PERF_JSON`` if set.
 * a stand-in ``benchmark`` fixture (``extra_info`` + ``pedantic``) when pytest-benchmark is not
   installed, so the figures and the table still come out.
 * memory hygiene: CUDA memory is released after every benchmark (some allocate tens of GB).
-* ordering: the cases with targets (``perf.report.Target``) run first.
+* ordering: the cases with targets (``perf.kernels.report.Target``) run first.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from perf.report import PerfReport
+from perf.kernels.report import PerfReport
 
 SKIP_REASON = "perf/: no CUDA device, GPU benchmarks skipped"
 INTERPRET_SKIP_REASON = "perf/: TRITON_INTERPRET=1 is set, GPU benchmarks skipped"
@@ -54,7 +55,7 @@ REPORT = PerfReport()
 # otherwise match pytest's default pattern and import the load test's server dependencies.
 collect_ignore_glob = ["bench_*.py", "*_test.py"]
 if not CUDA_AVAILABLE or INTERPRETING:
-    collect_ignore_glob += ["test_*.py"]
+    collect_ignore_glob += ["kernels/test_*.py"]
 
 
 def _skip_reason() -> str | None:
@@ -110,7 +111,7 @@ def copy_bandwidth_gbps(perf_report: PerfReport) -> float:
     """Device-to-device copy bandwidth, GB/s (read + write bytes), measured once per session."""
     import torch
 
-    from perf.cuda_timing import device_copy_bandwidth_gbps, l2_cache_bytes
+    from perf.kernels.cuda_timing import device_copy_bandwidth_gbps, l2_cache_bytes
 
     bandwidth = device_copy_bandwidth_gbps()
     props = torch.cuda.get_device_properties(torch.cuda.current_device())

@@ -1,4 +1,5 @@
-"""Wall-clock medians for host-side microbenchmarks (no device sync; see perf/cuda_timing.py)."""
+"""Wall-clock medians for host-side microbenchmarks (no device sync, unlike
+perf/kernels/cuda_timing.py)."""
 
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ from paged_serve.kernels.triton.mla_attention import (
     mla_launch,
     mla_workspace_numel,
 )
-from perf.cuda_timing import CudaTimer, free_device_bytes, measure, run_with_benchmark
-from perf.report import PerfReport
+from perf.kernels.cuda_timing import CudaTimer, free_device_bytes, measure, run_with_benchmark
+from perf.kernels.report import PerfReport
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16

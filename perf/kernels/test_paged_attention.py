@@ -46,7 +46,7 @@ from paged_serve.kernels.triton.paged_attention import (
     paged_attention,
     workspace_numel,
 )
-from perf.cuda_timing import (
+from perf.kernels.cuda_timing import (
     CudaTimer,
     Timing,
     cold_copies,
@@ -55,7 +55,7 @@ from perf.cuda_timing import (
     measure,
     run_with_benchmark,
 )
-from perf.report import PerfReport, Target
+from perf.kernels.report import PerfReport, Target
 
 HEADS = {  # name -> (num_q_heads, num_kv_heads, head_dim)
     "llama3-8b": (32, 8, 128),

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from paged_serve.kernels.triton.fused_moe import fused_moe
-from perf.cuda_timing import CudaTimer, measure, run_with_benchmark
-from perf.report import PerfReport
+from perf.kernels.cuda_timing import CudaTimer, measure, run_with_benchmark
+from perf.kernels.report import PerfReport
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from paged_serve.kernels.triton.delta_rule import gated_delta_rule
-from perf.cuda_timing import CudaTimer, measure, run_with_benchmark
-from perf.report import PerfReport
+from perf.kernels.cuda_timing import CudaTimer, measure, run_with_benchmark
+from perf.kernels.report import PerfReport
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16

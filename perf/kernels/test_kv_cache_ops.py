@@ -29,7 +29,7 @@ import torch
 from paged_serve.kernels.reference import copy_blocks_ref
 from paged_serve.kernels.triton.block_copy import copy_blocks
 from paged_serve.kernels.triton.kv_write import write_kv
-from perf.cuda_timing import (
+from perf.kernels.cuda_timing import (
     CudaTimer,
     cold_copies,
     free_device_bytes,
@@ -37,7 +37,7 @@ from perf.cuda_timing import (
     measure,
     run_with_benchmark,
 )
-from perf.report import PerfReport, Target
+from perf.kernels.report import PerfReport, Target
 
 DTYPE = torch.bfloat16
 DEVICE = "cuda"  # a module constant so the builders can be exercised on CPU tensors

@@ -24,8 +24,14 @@ import torch
 
 from paged_serve.kernels.reference import sampling_keep_mask
 from paged_serve.kernels.triton.sampling import sample
-from perf.cuda_timing import CudaTimer, cold_copies, l2_cache_bytes, measure, run_with_benchmark
-from perf.report import PerfReport, Target
+from perf.kernels.cuda_timing import (
+    CudaTimer,
+    cold_copies,
+    l2_cache_bytes,
+    measure,
+    run_with_benchmark,
+)
+from perf.kernels.report import PerfReport, Target
 
 DEVICE = "cuda"  # a module constant so the builders can be exercised on CPU tensors
 BATCHES = (1, 8, 64, 256)
