@@ -135,11 +135,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from paged_serve.engine.model.loader import load_model
-    from perf.bench_serving import source_revision
     from perf.e2e_workload import agreement
     from perf.hf_baselines import hf_generate_padded
-    from perf.serving_check import hf_references
-    from perf.serving_workloads import decode_heavy, long_prompt
+    from perf.serving.bench_serving import source_revision
+    from perf.serving.check import hf_references
+    from perf.serving.workloads import decode_heavy, long_prompt
 
     args = parse_args(argv)
     dtype, cpu = getattr(torch, args.dtype), torch.device("cpu")

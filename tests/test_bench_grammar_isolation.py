@@ -1,10 +1,10 @@
-"""perf.bench_grammar_isolation's pieces: the bodies it sends and the CPU it reads."""
+"""perf.serving.bench_grammar_isolation's pieces: the bodies it sends and the CPU it reads."""
 
 from __future__ import annotations
 
 import os
 
-from perf.bench_grammar_isolation import costly_bodies, tree_cpu_seconds
+from perf.serving.bench_grammar_isolation import costly_bodies, tree_cpu_seconds
 
 
 def test_the_bodies_carry_the_costly_constraints():

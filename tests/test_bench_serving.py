@@ -1,4 +1,4 @@
-"""perf.bench_serving's parts: the workloads are deterministic and shaped as documented, the
+"""perf.serving.bench_serving's parts: the workloads are deterministic and shaped as documented, the
 metrics math, the streaming client against a scripted server, and the correctness check
 failing on wrong outputs (a scripted server) and passing on the real paged-serve server.
 
@@ -20,10 +20,10 @@ from paged_serve.engine.async_engine import AsyncEngine
 from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.model.loader import LoadedModel
 from paged_serve.server.app import create_app, make_runner
-from perf import bench_serving
-from perf.bench_serving import timing_order
-from perf.serving_check import check_replies, hf_references, matched_tokens, sample_indices
-from perf.serving_client import (
+from perf.serving import bench_serving
+from perf.serving.bench_serving import timing_order
+from perf.serving.check import check_replies, hf_references, matched_tokens, sample_indices
+from perf.serving.client import (
     Reply,
     RequestRecord,
     complete_all,
@@ -33,7 +33,7 @@ from perf.serving_client import (
     run_open_loop,
     served_model,
 )
-from perf.serving_report import (
+from perf.serving.metrics import (
     inter_token_gaps,
     median_table,
     percentile,
@@ -41,8 +41,8 @@ from perf.serving_report import (
     tpot,
     ttft,
 )
-from perf.serving_systems import parse_system
-from perf.serving_workloads import (
+from perf.serving.systems import parse_system
+from perf.serving.workloads import (
     SYSTEM_PROMPT,
     WORKLOADS,
     ServingWorkload,

@@ -1,8 +1,9 @@
-"""perf.bench_tool_stream runs (a tiny case): the script the documented figures came from."""
+"""perf.serving.bench_tool_stream runs (a tiny case): the script the documented figures came
+from."""
 
 from __future__ import annotations
 
-from perf.bench_tool_stream import cases, stream_seconds
+from perf.serving.bench_tool_stream import cases, stream_seconds
 
 
 def test_every_case_streams_and_reports_seconds():

@@ -34,7 +34,7 @@ from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.model.loader import LoadedModel
 from paged_serve.server.app import create_app, make_runner
 from paged_serve.server.state import STATE, ServerState
-from perf.load_test import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS
+from perf.serving.load_test import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS
 from tests.server.conftest import (  # noqa: F401  (fixtures, re-registered for this folder)
     Reply,
     ServerThread,
@@ -263,7 +263,7 @@ def tight(
     server_thread: ServerThread,  # noqa: F811  (the fixture imported above)
     default_model: LoadedModel,
 ) -> Iterator[LocalServer]:
-    """The load test's server (``perf.load_test``'s defaults): a KV pool of 40 blocks (640
+    """The load test's server (``perf.serving.load_test``'s defaults): a KV pool of 40 blocks (640
     tokens), far too small for its load, so requests get preempted."""
     local = serve_engine(
         server_thread,

@@ -27,7 +27,7 @@ import pytest
 from paged_serve.engine.llm_engine import LLMEngine
 from paged_serve.engine.sched.request import Request, RequestStatus
 from paged_serve.engine.sched.scheduler import Scheduler
-from perf.load_test import AbortRecorder, sse_events
+from perf.serving.load_test import AbortRecorder, sse_events
 from tests.reliability.conftest import LocalServer, assert_pool_clean
 
 A_IDS = [1000 + 7 * i for i in range(95)]

@@ -19,7 +19,7 @@ import pytest
 from paged_serve.engine.async_engine import AsyncEngine
 from paged_serve.engine.model.loader import LoadedModel
 from paged_serve.engine.sched.detokenizer import IncrementalDetokenizer
-from perf.load_test import fetch_metrics
+from perf.serving.load_test import fetch_metrics
 from tests.reliability.conftest import (
     PATHS,
     LocalServer,

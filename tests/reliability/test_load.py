@@ -2,14 +2,14 @@
 up (right after the headers, after a few tokens, or at a preemption): every client that stayed
 gets its whole answer with the right ending, and afterwards nothing is live or leaked.
 
-The same workload, longer, is ``python -m perf.load_test`` (figures in docs/reliability.md).
+The same workload, longer, is ``python -m perf.serving.load_test`` (figures in docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from perf.load_test import AbortRecorder, broken_guarantees, make_plans, run_load
+from perf.serving.load_test import AbortRecorder, broken_guarantees, make_plans, run_load
 from tests.reliability.conftest import LocalServer, assert_pool_clean, check_success, post
 
 NUM_CLIENTS = 100

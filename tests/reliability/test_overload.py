@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from paged_serve.engine.model.loader import LoadedModel
-from perf.load_test import fetch_metrics, sse_events
+from perf.serving.load_test import fetch_metrics, sse_events
 from tests.reliability.conftest import (
     LocalServer,
     ServerThread,

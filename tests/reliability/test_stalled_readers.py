@@ -27,7 +27,7 @@ from paged_serve.server.app import create_app
 from paged_serve.server.cli import build_parser, limits_from_args, main
 from paged_serve.server.limits import ServerLimits
 from paged_serve.server.state import STATE, ServerState
-from perf.load_test import AbortRecorder
+from perf.serving.load_test import AbortRecorder
 from tests.reliability.conftest import request, wait_engine_idle
 from tests.server.conftest import ServerThread
 

@@ -1,20 +1,20 @@
 """Serving benchmark: streaming completions through each system's own OpenAI server.
 
-    python -m perf.bench_serving [--system paged-serve:float32] [--system llama-cpp-f32] ...
+    python -m perf.serving.bench_serving [--system paged-serve:float32] [--system llama-cpp-f32] ...
         [--workload decode-heavy|long-prompt|shared-prefix|concurrency-1|concurrency-8|all]
         [--num-requests N] [--request-rate R] [--repeats N] [--check-requests 4] [--no-check]
         [--temperature T [--top-p P]]
-    python -m perf.bench_serving --system external --base-url http://127.0.0.1:8000 ...
+    python -m perf.serving.bench_serving --system external --base-url http://127.0.0.1:8000 ...
 
-Systems (``perf.serving_systems``): ``paged-serve[:DTYPE]`` started from this checkout,
+Systems (``perf.serving.systems``): ``paged-serve[:DTYPE]`` started from this checkout,
 ``llama-cpp-f32`` / ``llama-cpp-q4_1`` (llama.cpp's ``llama-server``, built by
-``python -m perf.llama_cpp build``), or an ``external`` server at ``--base-url``; a system may
-carry flags of its own (``--system "paged-serve:float32 --quantization int8"``). Workloads:
-``perf.serving_workloads``. The same token-id prompts go to every system.
+``python -m perf.serving.llama_cpp build``), or an ``external`` server at ``--base-url``; a system
+may carry flags of its own (``--system "paged-serve:float32 --quantization int8"``). Workloads:
+``perf.serving.workloads``. The same token-id prompts go to every system.
 
 First each system's correctness check, then the timed runs:
 
-1. the correctness check (``perf.serving_check``) on one server: every request of every
+1. the correctness check (``perf.serving.check``) on one server: every request of every
    workload sent greedy and non-streamed; each must return exactly ``max_tokens`` tokens, and a
    sample is compared with Hugging Face greedy ``generate`` (computed before any server starts,
    so it never competes with one for the CPU). paged-serve in float32 must equal HF fp32 token
@@ -23,7 +23,7 @@ First each system's correctness check, then the timed runs:
    the systems taking turns (repeat by repeat, workload by workload: ``timing_order``),
    after two short untimed warm-up requests: streaming requests, all sent at once (or at Poisson
    arrivals with ``--request-rate``; the ``concurrency-N`` workloads are a closed loop of N
-   streams), measured per SSE chunk at the client (``perf.serving_report``). Greedy, or with
+   streams), measured per SSE chunk at the client (``perf.serving.metrics``). Greedy, or with
    ``--temperature`` sampled: the request's index is its seed, and top_k 0, min_p 0 and
    ``--top-p`` go with it, since llama-server otherwise applies its own default filters.
 
@@ -53,23 +53,23 @@ from typing import Any, TypeVar
 
 import torch
 
-from perf.serving_check import (
+from perf.serving.check import (
     CheckResult,
     check_replies,
     hf_references,
     llama_cpp_eog_ids,
     sample_indices,
 )
-from perf.serving_client import (
+from perf.serving.client import (
     complete_all,
     new_session,
     run_closed_loop,
     run_open_loop,
     served_model,
 )
-from perf.serving_report import markdown_table, median_table, summarize
-from perf.serving_systems import REPO_ROOT, Server, System, parse_system
-from perf.serving_workloads import WORKLOADS, ServingWorkload, arrival_offsets
+from perf.serving.metrics import markdown_table, median_table, summarize
+from perf.serving.systems import REPO_ROOT, Server, System, parse_system
+from perf.serving.workloads import WORKLOADS, ServingWorkload, arrival_offsets
 
 WARMUP_PROMPT_TOKENS, WARMUP_MAX_TOKENS = 8, 4
 
@@ -327,13 +327,13 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     passed."""
     started, clock = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()), time.perf_counter()
     report: dict[str, Any] = {
-        "bench": "perf.bench_serving",
+        "bench": "perf.serving.bench_serving",
         "label": args.label,
         "started_utc": started,
         "source": source_revision(),
         "load_average_start": load_average(),
         "machine": machine(),
-        "command": " ".join(["python -m perf.bench_serving", *sys.argv[1:]]),
+        "command": " ".join(["python -m perf.serving.bench_serving", *sys.argv[1:]]),
     }
     print(
         f"commit {report['source']['commit']} ({report['source']['uncommitted_files']} "
@@ -413,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         table += f"\n\nMedians over the {args.repeats} repeats:\n\n" + median_table(report["runs"])
     label = f" ({args.label})" if args.label else ""
     head = (
-        f"perf.bench_serving{label}, commit {report['source']['commit']}, load average "
+        f"perf.serving.bench_serving{label}, commit {report['source']['commit']}, load average "
         f"{report['load_average_start']} -> {report['load_average_end']}, "
         f"{report['elapsed_s']} s in all"
     )

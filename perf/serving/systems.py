@@ -1,4 +1,4 @@
-"""The servers ``perf.bench_serving`` measures, and starting and stopping them.
+"""The servers ``perf.serving.bench_serving`` measures, and starting and stopping them.
 
 A system is named on the command line:
 
@@ -9,7 +9,7 @@ started
 * ``llama-cpp-f32``: llama.cpp's ``llama-server`` on the shipped Q4_1 weights turned into an F32
   GGUF (the weights paged-serve runs in float32); ``llama-cpp-q4_1``: on the shipped Q4_1 file.
   Both are compared with HF float32, with llama.cpp's banned end-of-generation tokens
-  suppressed (``perf.serving_check``);
+  suppressed (``perf.serving.check``);
 * ``external``: a server already running at ``--base-url`` (compared with HF float32).
 
 ``Server`` starts a system on a free 127.0.0.1 port, waits until ``GET /v1/models`` answers,
@@ -108,7 +108,7 @@ def server_command(
             *system.extra_args,
         ]
     if system.kind == "llama-cpp":
-        from perf.llama_cpp import binary, gguf_for
+        from perf.serving.llama_cpp import binary, gguf_for
 
         return [
             str(binary("llama-server")), "-m", str(gguf_for(system.name.split()[0])),

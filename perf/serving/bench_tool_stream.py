@@ -1,7 +1,7 @@
 """Event-loop cost of parsing a streamed reply for tool calls
 (``paged_serve.server.tool_stream.ToolCallStream``).
 
-    python -m perf.bench_tool_stream [--words 5000] [--piece 5]
+    python -m perf.serving.bench_tool_stream [--words 5000] [--piece 5]
 
 Each case is one long reply of a parser family (a call whose arguments hold ``--words`` words,
 or the generic envelope's text answer), fed ``--piece`` characters at a time as tokens arrive.

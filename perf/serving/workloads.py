@@ -1,4 +1,4 @@
-"""The request mixes ``perf.bench_serving`` sends through an OpenAI-compatible server.
+"""The request mixes ``perf.serving.bench_serving`` sends through an OpenAI-compatible server.
 
 Every prompt is a list of token ids, made with the model's tokenizer and sent as such, so each
 server sees exactly the same tokens (paged-serve and llama.cpp's ``llama-server`` both accept

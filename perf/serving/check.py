@@ -1,6 +1,6 @@
-"""The correctness check ``perf.bench_serving`` runs on a server before timing it.
+"""The correctness check ``perf.serving.bench_serving`` runs on a server before timing it.
 
-Every request of the mix is sent greedy and non-streamed (``perf.serving_client.complete_all``):
+Every request of the mix is sent greedy and non-streamed (``perf.serving.client.complete_all``):
 
 1. each reply must report exactly its ``max_tokens`` output tokens in ``usage`` (EOS is
    ignored), and no request may fail;
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from perf.serving_client import Reply
-from perf.serving_workloads import ServingWorkload
+from perf.serving.client import Reply
+from perf.serving.workloads import ServingWorkload
 
 
 def sample_indices(num_requests: int, k: int) -> list[int]:

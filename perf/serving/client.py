@@ -1,4 +1,5 @@
-"""The client side of ``perf.bench_serving``: greedy ``/v1/completions`` requests over aiohttp.
+"""The client side of ``perf.serving.bench_serving``: greedy ``/v1/completions`` requests over
+aiohttp.
 
 ``stream_request`` sends one streaming request (``stream_options.include_usage``) and stamps
 every SSE chunk that carries text with ``time.perf_counter()`` on arrival: the time to first
@@ -22,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from perf.serving_workloads import ServingWorkload
+from perf.serving.workloads import ServingWorkload
 
 TIMEOUT = aiohttp.ClientTimeout(total=3600, sock_read=600)
 
