@@ -7,9 +7,9 @@
 #   3. kernels[other]  pytest tests/kernels -m "not cuda"   the rest of the kernel tests, on CUDA
 #   4. engine[cuda]    pytest tests -m cuda (engine files)  decode CUDA graphs, no host sync
 #   5. perf            pytest perf/                         microbenchmarks and their table
-#   6. e2e             python -m perf.bench_e2e --device cuda --model-shape qwen3-0.6b (scaled),
-#                      graphs on and off (--compare-eager)
-#   7. tp              python -m perf.bench_tp --device cuda --tp 1 2 (needs >= 2 GPUs, else
+#   6. e2e             python -m perf.engine.bench_e2e --device cuda --model-shape qwen3-0.6b
+#                      (scaled), graphs on and off (--compare-eager)
+#   7. tp              python -m perf.engine.bench_tp --device cuda --tp 1 2 (needs >= 2 GPUs, else
 #                      "not measured"): per-step time in NCCL collectives, TP=2 tokens = TP=1
 # Steps 2-4 leave out the gpu_hazard tests, which step 1 runs.
 # each under its own time limit, then a summary table, printed last (GPU, driver, versions,
@@ -94,7 +94,7 @@ if ! command -v "$PY" >/dev/null 2>&1; then
   say "no Python at '$PY' (set PYTHON to a Python that has torch, triton, transformers, pytest)"
   exit 1
 fi
-for path in tests/kernels $ENGINE_TESTS $HAZARD_TESTS perf/conftest.py perf/bench_e2e.py perf/model_shapes.py ci/gpu_check.py; do
+for path in tests/kernels $ENGINE_TESTS $HAZARD_TESTS perf/conftest.py perf/engine/bench_e2e.py perf/engine/model_shapes.py ci/gpu_check.py; do
   if [ ! -e "$path" ]; then say "missing $path (run from a paged-serve checkout)"; problems=1; fi
 done
 awk -v s="$SCALE" 'BEGIN { exit !(s + 0 > 0 && s + 0 <= 1) }' \
@@ -109,7 +109,7 @@ fi
 [ "$problems" = 0 ] || exit 1
 
 # The full e2e workload (256 requests, prompt and output lengths uniform in [100, 1024]: the
-# workload the GPU speed goal, perf.bench_e2e.E2E_GOALS, refers to) scaled:
+# workload the GPU speed goal, perf.engine.bench_e2e.E2E_GOALS, refers to) scaled:
 # requests and output lengths shrink by SCALE (decode dominates the time); prompts stay as given.
 E2E_REQUESTS=$(awk -v s="$SCALE" 'BEGIN { n = int(256 * s + 0.5); print (n < 1 ? 1 : n) }')
 E2E_MIN_TOKENS=$(awk -v s="$SCALE" 'BEGIN { n = int(100 * s + 0.5); print (n < 1 ? 1 : n) }')
@@ -128,7 +128,7 @@ if "$PY" -c "import pytest_benchmark" >/dev/null 2>&1; then
   BENCH_ARGS=(--benchmark-json="$LOG_DIR/benchmark.json" --benchmark-columns=min,median,rounds
               --benchmark-sort=fullname)
 fi
-E2E_CMD=("$PY" -m perf.bench_e2e --device cuda --model-shape qwen3-0.6b
+E2E_CMD=("$PY" -m perf.engine.bench_e2e --device cuda --model-shape qwen3-0.6b
          --num-requests "$E2E_REQUESTS" --min-prompt 100 --max-prompt 1024
          --min-tokens "$E2E_MIN_TOKENS" --max-tokens "$E2E_MAX_TOKENS"
          --max-num-seqs 256 --max-num-batched-tokens 8192
@@ -136,11 +136,11 @@ E2E_CMD=("$PY" -m perf.bench_e2e --device cuda --model-shape qwen3-0.6b
 # manager, not generate_batch: generate_batch stops its manager with a 5 s join timeout, and on
 # the H200 (transformers 5.17, 2026-11-30) the warm-up's thread outlived it; the timed call then
 # crashed in HF's worker thread and waited until the step's limit. Our manager loop waits for
-# the thread (perf/hf_baselines.py) and stops when it dies.
+# the thread (perf/engine/hf_baselines.py) and stops when it dies.
 # Tensor parallelism: eager steps (collectives inside a replayed graph are invisible to the
 # timers), then decode graphs captured per rank; --check fails the step unless every run's greedy
 # tokens equal TP=1 eager's.
-TP_CMD=("$PY" -m perf.bench_tp --device cuda --tp 1 2 --modes eager graphs --check)
+TP_CMD=("$PY" -m perf.engine.bench_tp --device cuda --tp 1 2 --modes eager graphs --check)
 
 print_steps() {
   say "steps (each under its own limit; the whole script under ${BUDGET_S} s):"

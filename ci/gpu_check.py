@@ -16,10 +16,10 @@ and stderr are echoed and kept as ``NAME.out`` / ``NAME.err`` (``NAME.<shard>.lo
 
 ``summary`` prints the table ``gpu-check.sh`` ends with: machine and versions, each step's
 status and test counts (from the junit XML), the performance targets from ``pytest perf/``
-(``perf.json``) and the end-to-end ratios (the JSON ``perf.bench_e2e`` prints).
+(``perf.json``) and the end-to-end ratios (the JSON ``perf.engine.bench_e2e`` prints).
 Only the standard library is imported up front, so this runs before anything is known to be
 installed. The one exception: rebuilding the report of an e2e run that was stopped imports
-``perf.bench_e2e`` for its speed goal, which that run has just shown to be importable.
+``perf.engine.bench_e2e`` for its speed goal, which that run has just shown to be importable.
 """
 
 from __future__ import annotations
@@ -363,25 +363,27 @@ def read_steps(log_dir: Path) -> list[StepResult]:
     return [recorded.get(n, StepResult(n, None, None, "", None)) for n in STEPS]
 
 
-E2E_PROGRESS_PREFIX = "bench_e2e progress: "  # perf.bench_e2e.PROGRESS_PREFIX (stdlib only here)
+# perf.engine.bench_e2e.PROGRESS_PREFIX (stdlib only here)
+E2E_PROGRESS_PREFIX = "bench_e2e progress: "
 REPO = Path(__file__).resolve().parents[1]
 
 
 def e2e_goal() -> float:
-    """paged-serve's speed goal over the best HF system on a GPU: ``perf.bench_e2e.E2E_GOALS``.
+    """paged-serve's speed goal over the best HF system on a GPU:
+    ``perf.engine.bench_e2e.E2E_GOALS``.
 
-    Imported on demand: ``perf.bench_e2e`` needs torch and transformers, which a machine that
-    fails the preflight may lack; only a stopped e2e run's report needs the goal here.
+    Imported on demand: ``perf.engine.bench_e2e`` needs torch and transformers, which a machine
+    that fails the preflight may lack; only a stopped e2e run's report needs the goal here.
     """
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from perf.bench_e2e import E2E_GOALS
+    from perf.engine.bench_e2e import E2E_GOALS
 
     return E2E_GOALS.cuda
 
 
 def e2e_report(path: Path) -> dict[str, Any] | None:
-    """The JSON object ``perf.bench_e2e`` prints (from ``{`` to ``}`` on lines of their own).
+    """The JSON object ``perf.engine.bench_e2e`` prints (from ``{`` to ``}`` on lines of their own).
 
     A run stopped before its end printed no report: then the systems it finished are rebuilt
     from its progress lines (the last line of each system wins), with ``"partial": true``.

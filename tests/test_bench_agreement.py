@@ -1,12 +1,13 @@
-"""perf.bench_agreement's teacher forcing: the engine is fed the reference tokens, and its own
-greedy picks are counted against them, on a tiny fp32 model (whose tokens are HF's exactly)."""
+"""perf.engine.bench_agreement's teacher forcing: the engine is fed the reference tokens, and its
+own greedy picks are counted against them, on a tiny fp32 model (whose tokens are HF's
+exactly)."""
 
 from __future__ import annotations
 
 import torch
 
 from paged_serve.engine.llm import LLM
-from perf.bench_agreement import forced_agreement
+from perf.engine.bench_agreement import forced_agreement
 from tests.conftest import (
     TINY_VOCAB,
     assert_pool_clean,

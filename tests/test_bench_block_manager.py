@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from perf.bench_block_manager import main
+from perf.engine.bench_block_manager import main
 
 SEED_ARGS = ["--block-size", "16", "--total-blocks", "64", "--request-tokens", "9,17,33,5,41,12"]
 

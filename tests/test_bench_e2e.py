@@ -1,4 +1,4 @@
-"""perf.bench_e2e's pure parts: the speed goals, which systems the flags select, and the
+"""perf.engine.bench_e2e's pure parts: the speed goals, which systems the flags select, and the
 ratios the report compares with the goal. Nothing here runs a model."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from perf.bench_e2e import E2E_GOALS, chosen_systems, parse_args, speed_ratios
-from perf.e2e_workload import SystemResult, agreement
+from perf.engine.bench_e2e import E2E_GOALS, chosen_systems, parse_args, speed_ratios
+from perf.engine.e2e_workload import SystemResult, agreement
 
 
 def test_speed_goals_are_pinned():

@@ -1,10 +1,11 @@
-"""perf.bench_logit_adjustments runs (a tiny case): the script the documented figures came from."""
+"""perf.engine.bench_logit_adjustments runs (a tiny case): the script the documented figures
+came from."""
 
 from __future__ import annotations
 
 import torch
 
-from perf.bench_logit_adjustments import time_case
+from perf.engine.bench_logit_adjustments import time_case
 
 
 def test_time_case_runs_and_reports_milliseconds():

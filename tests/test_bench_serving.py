@@ -81,7 +81,7 @@ def test_workloads_are_deterministic_and_shaped(
 
 def test_decode_heavy_is_bench_e2e_generator(default_tokenizer):
     # the decode-heavy mix: bench_e2e's generator with prompts of 10-120 tokens
-    from perf.e2e_workload import make_workload
+    from perf.engine.e2e_workload import make_workload
 
     w = decode_heavy(default_tokenizer)
     ref = make_workload(

@@ -66,7 +66,7 @@ def test_dry_run_prints_every_step(dry_run):
     )
     assert "-m pytest -q -p no:cacheprovider perf" in out
     assert "--compare-eager" in out
-    assert "-m perf.bench_e2e --device cuda --model-shape qwen3-0.6b" in out
+    assert "-m perf.engine.bench_e2e --device cuda --model-shape qwen3-0.6b" in out
     assert "--num-requests 64" in out  # the default scale, 0.25 of 256
     assert "scale 0.25" in out
 
@@ -200,7 +200,7 @@ def test_summary_reads_results(helper, tmp_path):
 
 
 def test_a_stopped_e2e_run_still_reports_the_systems_it_finished(helper, tmp_path):
-    from perf.bench_e2e import PROGRESS_PREFIX
+    from perf.engine.bench_e2e import PROGRESS_PREFIX
 
     assert PROGRESS_PREFIX == helper.E2E_PROGRESS_PREFIX
     progress = [
@@ -220,7 +220,8 @@ def test_a_stopped_e2e_run_still_reports_the_systems_it_finished(helper, tmp_pat
 def test_the_tp_step_is_planned_and_not_measured_is_no_failure(dry_run, helper, tmp_path):
     """Step 7 (tensor parallelism) needs two GPUs: skipped elsewhere, it never fails the check."""
     assert "7. tp" in dry_run.stdout
-    assert "-m perf.bench_tp --device cuda --tp 1 2 --modes eager graphs --check" in dry_run.stdout
+    tp_cmd = "-m perf.engine.bench_tp --device cuda --tp 1 2 --modes eager graphs --check"
+    assert tp_cmd in dry_run.stdout
     rows = [(name, "0", "1.0", "") for name in helper.STEPS if name != "tp"]
     (tmp_path / "steps.tsv").write_text("".join("\t".join(r) + "\tcmd\n" for r in rows))
     helper.record_step(tmp_path, "tp", None, 0.0, "not measured: needs >= 2 GPUs", [])

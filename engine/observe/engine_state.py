@@ -20,7 +20,7 @@ the engine thread's time (a pool of hundreds of thousands of blocks is taken eve
 instead). The integrity check is most of a take's pool work: 0.31 ms against 0.19 ms for
 ``pool_map`` and ``usage()`` together at 3,000 blocks, 20.8 against 10.4 ms at 100,000 (timeit,
 pools half held, on the 2-core box with a test run beside it).
-perf/bench_engine_state.py measures both; the JSON is documented in docs/api.md
+perf/engine/bench_engine_state.py measures both; the JSON is documented in docs/api.md
 ("The dashboard: GET / and GET /v1/engine/state").
 """
 

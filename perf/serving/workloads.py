@@ -6,8 +6,8 @@ token ids as a ``/v1/completions`` prompt). Every request is greedy with ``ignor
 runs to its ``max_tokens``. Fixed seeds make every mix the same on every run.
 
 * ``decode-heavy``: 24 requests, prompts of 10-120 random ordinary tokens, ``max_tokens``
-  uniform in 8-96, all sent at once (``perf.e2e_workload.make_workload``, seed 0);
-* ``long-prompt``: the same generator with ``perf.bench_e2e``'s defaults (prompts 10-400);
+  uniform in 8-96, all sent at once (``perf.engine.e2e_workload.make_workload``, seed 0);
+* ``long-prompt``: the same generator with ``perf.engine.bench_e2e``'s defaults (prompts 10-400);
 * ``shared-prefix``: a chat mix, one long system prompt (about 330 tokens) before 24 different
   user turns of 8-40 words, through the model's chat template; ``max_tokens`` 16-64;
 * ``concurrency-1``, ``concurrency-8``: closed loop, that many streams each sending its next
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from perf.e2e_workload import make_workload
+from perf.engine.e2e_workload import make_workload
 
 # A fixed system prompt long enough that its KV blocks dominate each request's prefill.
 SYSTEM_PROMPT = (
@@ -110,7 +110,7 @@ def decode_heavy(tokenizer: Any, num_requests: int = 24, seed: int = 0) -> Servi
 
 
 def long_prompt(tokenizer: Any, num_requests: int = 24, seed: int = 0) -> ServingWorkload:
-    """``perf.bench_e2e``'s default mix (the figures in docs/performance.md)."""
+    """``perf.engine.bench_e2e``'s default mix (the figures in docs/performance.md)."""
     w = make_workload(
         tokenizer,
         tokenizer.vocab_size,

@@ -1,7 +1,7 @@
 """What structured outputs cost: decode-step time with every row constrained against none, the
 host's mask filling alone, and grammar compile times (first, and a cache hit).
 
-    python -m perf.bench_structured [--batch-sizes 1,16,64] [--steps 12] [--dtype float32]
+    python -m perf.engine.bench_structured [--batch-sizes 1,16,64] [--steps 12] [--dtype float32]
 
 One run of the default model (CPU unless CUDA is there). For each batch size ``B``, ``B``
 requests of the same prompt decode ``--steps`` tokens: once free (``ignore_eos``) and once under

@@ -1,7 +1,7 @@
 """Host and device cost of penalties and logit bias per step
 (``paged_serve.engine.sample.logit_adjustments``).
 
-    python -m perf.bench_logit_adjustments [--device cpu] [--vocab 49152] [--repeats 5]
+    python -m perf.engine.bench_logit_adjustments [--device cpu] [--vocab 49152] [--repeats 5]
 
 Every row asks for repetition 1.2, frequency 0.5 and a 3-token logit bias; rows have
 ``prompt`` prompt tokens and 100 generated ones. Prints milliseconds per ``adjust_logits``

@@ -5,7 +5,7 @@ Allocates each request's tokens with the real
 its usage metrics next to the baseline a non-paged server would have: every request reserves a
 contiguous slot as long as the longest request, so a short request wastes the rest of its slot.
 
-    python -m perf.bench_block_manager --block-size 16 --total-blocks 64 \
+    python -m perf.engine.bench_block_manager --block-size 16 --total-blocks 64 \
         --request-tokens 9,17,33,5,41,12
 
 prints one JSON object. Token counts are KV slots (one slot holds one token's K and V).

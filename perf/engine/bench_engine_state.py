@@ -1,7 +1,7 @@
 """What the dashboard's engine state costs the engine, with and without a watcher.
 
-    python -m perf.bench_engine_state           # the engine-thread costs, no model needed
-    python -m perf.bench_engine_state --e2e     # plus steps of the default model on this machine
+    python -m perf.engine.bench_engine_state        # the engine-thread costs, no model needed
+    python -m perf.engine.bench_engine_state --e2e  # plus steps of the default model here
 
 prints one JSON object:
 

@@ -1,6 +1,6 @@
 """Prefix caching and n > 1 sharing, measured on the engine (the default model, CPU by default).
 
-    python -m perf.bench_prefix [--requests 32] [--system-tokens 512] [--question-tokens 32]
+    python -m perf.engine.bench_prefix [--requests 32] [--system-tokens 512] [--question-tokens 32]
 
 1. A shared-prefix workload: ``--requests`` requests share one ``--system-tokens`` prompt and
    each adds its own ``--question-tokens`` question; all arrive at once after one warm-up

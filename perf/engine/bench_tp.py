@@ -11,8 +11,8 @@ On the CPU the point is the overhead, not speed: the ranks share the host's core
 CUDA the same command measures NCCL all-reduces (``--device cuda``); a replayed decode graph's
 collectives never reach the Python wrappers, so read the collective columns of ``--modes eager``.
 
-    python -m perf.bench_tp --tp 1 2 --threads 1 --check   # random Llama, 8 layers, hidden 512
-    python -m perf.bench_tp --tp 1 2 --device cuda --modes eager graphs --check
+    python -m perf.engine.bench_tp --tp 1 2 --threads 1 --check  # random Llama, 8 layers, 512 wide
+    python -m perf.engine.bench_tp --tp 1 2 --device cuda --modes eager graphs --check
 
 ``--check`` exits 1 unless every run's greedy tokens equal those of the first (TP=1, eager).
 """

@@ -1,7 +1,7 @@
 """End to end throughput: paged-serve against Hugging Face transformers on one workload.
 
-    python -m perf.bench_e2e [--num-requests 24] [--device cpu] ...
-    python -m perf.bench_e2e --device cuda --model-shape qwen3-0.6b ...   # no download
+    python -m perf.engine.bench_e2e [--num-requests 24] [--device cpu] ...
+    python -m perf.engine.bench_e2e --device cuda --model-shape qwen3-0.6b ...   # no download
 
 One synthetic workload (fixed seed) runs, in the same process, through:
 
@@ -10,7 +10,7 @@ One synthetic workload (fixed seed) runs, in the same process, through:
   CUDA graphs (``--compare-eager``);
 * ``hf_static``, ``hf_cb``, ``hf_generate_batch``: Hugging Face transformers' padded static
   batch, its continuous batching with per-request limits, and its one-call ``generate_batch``
-  (``perf.hf_baselines`` says how each counts its output).
+  (``perf.engine.hf_baselines`` says how each counts its output).
 
 All are greedy with EOS ignored, so every system produces exactly the requested token counts.
 Prompts are random ids from the tokenizer's ordinary (non-special) vocabulary. Each timed run is
@@ -46,8 +46,8 @@ from paged_serve.engine import LLM
 from paged_serve.engine.model.loader import LoadedModel, load_model
 from paged_serve.engine.platform.dtype_choice import resolve_dtype
 from paged_serve.engine.sampling_params import SamplingParams
-from perf.e2e_workload import SystemResult, Workload, agreement, finish, make_workload, timed
-from perf.hf_baselines import (
+from perf.engine.e2e_workload import SystemResult, Workload, agreement, finish, make_workload, timed
+from perf.engine.hf_baselines import (
     HF_SYSTEMS,
     hf_cb_config,
     hf_cb_page_size,
@@ -56,7 +56,7 @@ from perf.hf_baselines import (
     run_hf_generate_batch,
     run_hf_static,
 )
-from perf.model_shapes import MODEL_SHAPES, random_weight_model
+from perf.engine.model_shapes import MODEL_SHAPES, random_weight_model
 
 PROGRESS_PREFIX = "bench_e2e progress: "  # then one system's summary as JSON, on one line
 

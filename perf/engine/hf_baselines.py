@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
-from perf.e2e_workload import SystemResult, Workload, finish, timed
+from perf.engine.e2e_workload import SystemResult, Workload, finish, timed
 
 HF_SYSTEMS = ("hf_static", "hf_cb", "hf_generate_batch")
 

@@ -1,6 +1,6 @@
 """How often batched greedy decoding agrees with Hugging Face alone, read two ways.
 
-    python -m perf.bench_agreement [--dtype bfloat16] [--quantization int4]
+    python -m perf.engine.bench_agreement [--dtype bfloat16] [--quantization int4]
         [--workload decode-heavy] [--num-requests 24] [--hf-batch 24 --hf-batch 8]
         [--no-cpu-decode-kernel]
 
@@ -10,8 +10,8 @@ beside it), so a batched system can pick another token where two logits nearly t
 readings:
 
 * **free-running**: each system generates its own tokens; the share of reference tokens before
-  the first difference (``perf.e2e_workload.agreement``). One near-tie flip counts every later
-  token as a disagreement, since a greedy sequence that differs once continues differently.
+  the first difference (``perf.engine.e2e_workload.agreement``). One near-tie flip counts every
+  later token as a disagreement, since a greedy sequence that differs once continues differently.
   Reported for paged-serve (every request in one ``LLM.generate``) and for HF's own padded
   static batches of ``--hf-batch`` requests, which shows what batching alone does to HF.
 * **teacher-forced**: paged-serve runs the same batch, but every step is fed the reference's
@@ -135,8 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from paged_serve.engine.model.loader import load_model
-    from perf.e2e_workload import agreement
-    from perf.hf_baselines import hf_generate_padded
+    from perf.engine.e2e_workload import agreement
+    from perf.engine.hf_baselines import hf_generate_padded
     from perf.serving.bench_serving import source_revision
     from perf.serving.check import hf_references
     from perf.serving.workloads import decode_heavy, long_prompt
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _markdown(report: dict) -> str:
     lines = [
-        f"perf.bench_agreement, commit {report['commit']}, {report['workload']['name']}, "
+        f"perf.engine.bench_agreement, commit {report['commit']}, {report['workload']['name']}, "
         f"reference: {report['reference']}",
         "",
         "| reading | system | share of tokens | requests exact |",

@@ -16,8 +16,8 @@ load overhead is the peak minus the resident set before minus the parameters kep
 cost beyond the result. (``VmHWM`` counts mapped file pages: safetensors maps the files it
 reads.)
 
-    python -m perf.bench_shard_load                 # 1.7 GiB in bf16, 500 MB files
-    python -m perf.bench_shard_load --layers 4      # smaller and quicker
+    python -m perf.engine.bench_shard_load                 # 1.7 GiB in bf16, 500 MB files
+    python -m perf.engine.bench_shard_load --layers 4      # smaller and quicker
 """
 
 from __future__ import annotations
@@ -110,9 +110,10 @@ def main() -> None:
         )
         print("| load | RSS before (MiB) | peak (MiB) | kept (MiB) | overhead (MiB) |")
         print("|---|---|---|---|---|")
+        child = [sys.executable, "-m", "perf.engine.bench_shard_load", "--child"]
         for mode in MODES:
             out = subprocess.run(
-                [sys.executable, "-m", "perf.bench_shard_load", "--child", str(folder), mode],
+                [*child, str(folder), mode],
                 check=True,
                 capture_output=True,
                 text=True,

@@ -1,6 +1,6 @@
 """Random-weight models with a real model's shapes, built on the spot (no download).
 
-``python -m perf.bench_e2e --model-shape qwen3-0.6b`` measures the engine on Qwen3-0.6B's
+``python -m perf.engine.bench_e2e --model-shape qwen3-0.6b`` measures the engine on Qwen3-0.6B's
 architecture where the checkpoint cannot be fetched (a GPU machine without internet). Speed
 depends on the shapes, not on the weight values; greedy outputs of random weights are
 meaningless text but still comparable token for token between systems.
