@@ -228,10 +228,10 @@ def test_write_kv_refuses_what_it_cannot_take(kernel):
 
 
 def test_the_benchmark_checks_and_reports(tmp_path, capsys):
-    from perf import bench_cpu_attention
+    from perf.cpu import bench_attention
 
     argv = ["--rows", "2", "--contexts", "20", "--layers", "2", "--rounds", "1"]
-    bench_cpu_attention.main([*argv, "--cache-dir", str(tmp_path)])
+    bench_attention.main([*argv, "--cache-dir", str(tmp_path)])
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 + 2  # the header lines, then fp32 and bf16
     assert lines[-1].split()[:3] == ["bfloat16", "2", "20"]

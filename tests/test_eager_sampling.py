@@ -151,9 +151,9 @@ def test_the_nucleus_head_and_its_fallback_equal_the_reference(monkeypatch):
 
 
 def test_the_benchmark_checks_and_prints(capsys):
-    from perf import bench_cpu_sampling
+    from perf.cpu import bench_sampling
 
-    bench_cpu_sampling.main(["--vocab", "300", "--batches", "2", "--rounds", "1"])
+    bench_sampling.main(["--vocab", "300", "--batches", "2", "--rounds", "1"])
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 2 + len(bench_cpu_sampling.MIXES)
+    assert len(lines) == 2 + len(bench_sampling.MIXES)
     assert all(line.strip().endswith("x") for line in lines[2:])

@@ -16,7 +16,7 @@ straight from its cache blocks, sequences spread over torch's OpenMP threads::
 and ``write_kv_rows`` copies token rows to their slots (what ``write_kv_ref``'s two indexed
 assignments do, without their dispatch), for every step.
 
-Measured on the 2-core CPU (``python -m perf.bench_cpu_attention``: one layer of SmolLM2-135M's
+Measured on the 2-core CPU (``python -m perf.cpu.bench_attention``: one layer of SmolLM2-135M's
 shape, 9 query heads over 3 KV heads of 64, blocks of 16, 30 layers' caches read in turn, 2
 threads), against the torch path (gather and SDPA), at a 128-token context: fp32 1 row 47
 against 148 us, 24 rows 377 against 763 us; bf16 24 rows 321 against 759 us. The engine's

@@ -1,7 +1,7 @@
 """A DeepSeek-V3 (multi-head latent attention) decode step on the CPU: paged-serve against Hugging
 Face, same model.
 
-``python -m perf.bench_mla_cpu [--streams 1 8] [--context 512] [--hidden 1024]`` builds a
+``python -m perf.cpu.bench_mla [--streams 1 8] [--context 512] [--hidden 1024]`` builds a
 random-weight ``DeepseekV3ForCausalLM`` (``--layers`` layers, the first dense and the rest a
 mixture of ``--experts`` routed experts and one shared one; ``--heads`` heads with a
 ``--kv-lora-rank`` latent, 32-lane rope part, 64-lane nope and value heads, a 384-rank query)
@@ -29,7 +29,7 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from paged_serve.engine.runner.kv_cache import KVCache, cache_layout, per_head_elements_per_token
-from perf.bench_moe import hf_step_ms, paged_step_ms
+from perf.cpu.bench_moe import hf_step_ms, paged_step_ms
 
 
 def build_model(args: argparse.Namespace) -> DeepseekV3ForCausalLM:
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
-    args.quantization = None  # what perf.bench_moe's paged step reads
+    args.quantization = None  # what perf.cpu.bench_moe's paged step reads
     if args.threads:
         torch.set_num_threads(args.threads)
     model = build_model(args)

@@ -1,6 +1,6 @@
 """A mixture-of-experts decode step on the CPU: paged-serve against Hugging Face, same model.
 
-``python -m perf.bench_moe [--streams 1 8] [--experts 16] [--top-k 2] [--hidden 1024]`` builds a
+``python -m perf.cpu.bench_moe [--streams 1 8] [--experts 16] [--top-k 2] [--hidden 1024]`` builds a
 random-weight Qwen3-MoE (``--layers`` layers, every MLP a mixture of ``--experts`` experts of
 width ``--moe-intermediate``, top-k routing, fp32 or ``--dtype``) and times, per decode step
 (median over ``--steps`` steps after a ``--context``-token prompt per stream, in ms):

@@ -1,7 +1,7 @@
 """The torch sampler's draw on the CPU: ``paged_serve.engine.sample.eager_sampling`` against
 ``sample_ref``.
 
-``python -m perf.bench_cpu_sampling [--vocab 49152] [--batches 1 8 24] [--rounds 9]``
+``python -m perf.cpu.bench_sampling [--vocab 49152] [--batches 1 8 24] [--rounds 9]``
 
 ``reference.sample_ref`` (the oracle the draw is proved against) sorts every row twice and
 searches every token's place whatever the row asks for; ``engine/sample/eager_sampling.py`` computes

@@ -1,7 +1,7 @@
 """A hybrid linear-attention (Qwen3-Next, Qwen3.5) decode step on the CPU: paged-serve against
 Hugging Face, same model.
 
-``python -m perf.bench_hybrid_cpu [--model qwen3_next] [--streams 1 8] [--context 512]`` builds
+``python -m perf.cpu.bench_hybrid [--model qwen3_next] [--streams 1 8] [--context 512]`` builds
 a random-weight model of ``--layers`` layers, three gated DeltaNet layers to one full-attention
 layer (Qwen3-Next's pattern: ``--linear-k-heads`` key heads and ``--linear-v-heads`` value heads
 of ``--linear-head-dim`` lanes, a 4-wide convolution; gated attention with ``--heads`` query and
@@ -35,7 +35,7 @@ from transformers import (
 
 from paged_serve.engine.runner.kv_cache import KVCache, attention_layer_ids, cache_layout
 from paged_serve.engine.runner.state_cache import linear_state_shape
-from perf.bench_moe import hf_decoder, median_ms, paged_decoder
+from perf.cpu.bench_moe import hf_decoder, median_ms, paged_decoder
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
-    args.quantization = None  # what perf.bench_moe's paged step reads
+    args.quantization = None  # what perf.cpu.bench_moe's paged step reads
     if args.threads:
         torch.set_num_threads(args.threads)
     model = build_model(args)

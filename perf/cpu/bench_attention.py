@@ -1,7 +1,7 @@
 """Decode attention on the CPU: the C kernel (``kernels/cpu/decode_attention.py``) against the
 torch path (the plan's gather and SDPA, ``engine/platform/cpu/attention.py``).
 
-``python -m perf.bench_cpu_attention [--rows 1 8 24] [--contexts 128 512] [--rounds 9]``
+``python -m perf.cpu.bench_attention [--rows 1 8 24] [--contexts 128 512] [--rounds 9]``
 
 One layer's decode attention for ``rows`` sequences of ``context`` cached tokens each, in
 SmolLM2-135M's shape by default (9 query heads over 3 KV heads of 64, blocks of 16), fp32 and

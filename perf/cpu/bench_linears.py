@@ -2,7 +2,7 @@
 engine/platform/cpu/linears.py forced in turn over the default model's projection shapes, and
 the ones the engine would choose.
 
-``python -m perf.bench_cpu_linears [--rows 1 2 3 4 8] [--layers 30]`` builds ``--layers`` layers of
+``python -m perf.cpu.bench_linears [--rows 1 2 3 4 8] [--layers 30]`` builds ``--layers`` layers of
 random fp32 weights with SmolLM2-135M's fused projection shapes (q/k/v 960x576, o 576x576, gate/up
 3072x576, down 576x1536; about 14 MB a layer, so 30 layers stream from memory, not cache) and times
 one pass of ``rows`` rows through all of them per kernel (``linear``: ``F.linear`` on the plain
@@ -61,7 +61,7 @@ def cpu_name() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m perf.bench_cpu_linears", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m perf.cpu.bench_linears", description=__doc__)
     p.add_argument("--rows", nargs="+", type=int, default=[1, 2, 3, 4, 8])
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--passes", type=int, default=15)

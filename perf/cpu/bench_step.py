@@ -1,6 +1,6 @@
 """Where a CPU decode step's time goes, per engine mode: the model body against the rest.
 
-``python -m perf.bench_cpu_step [--streams 1 8] [--modes float32 bfloat16 ...]`` runs the engine
+``python -m perf.cpu.bench_step [--streams 1 8] [--modes float32 bfloat16 ...]`` runs the engine
 alone (``LLMEngine.step`` in a loop, no server) on the default model with ``streams`` requests
 decoding together, and reports per decode step (p50 over the steps, in ms): the whole step, the
 forward (``ModelRunner.forward``: the model body and the LM head) and the rest (scheduling,
@@ -105,7 +105,7 @@ def measure(mode: str, streams: int, threads: int | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m perf.bench_cpu_step", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m perf.cpu.bench_step", description=__doc__)
     p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES))
     p.add_argument("--streams", nargs="+", type=int, default=[1, 8])
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
         for _ in range(args.rounds):
             for mode in args.modes:
-                cmd = [sys.executable, "-m", "perf.bench_cpu_step", "--one", f"{mode}:{streams}"]
+                cmd = [sys.executable, "-m", "perf.cpu.bench_step", "--one", f"{mode}:{streams}"]
                 if args.threads is not None:
                     cmd += ["--threads", str(args.threads)]
                 out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
