@@ -3,10 +3,10 @@
 ``pytest perf/`` collects the kernel benchmarks of ``perf/kernels/`` (``test_*.py``). Without a
 CUDA device it collects nothing (so a benchmark module that needs Triton or a GPU at import time
 cannot turn into a collection error) and says why in the header and the summary; pytest then
-exits with code 5, "no tests collected". The ``bench_*.py`` and ``*_test.py`` files are
-command-line programs (``python -m perf.engine.bench_e2e``, ``python -m perf.serving.load_test``)
-and are never collected as tests. With ``TRITON_INTERPRET=1`` set the benchmarks are skipped the
-same way: timing the interpreter would be meaningless.
+exits with code 5, "no tests collected". The other folders (``cpu/``, ``engine/``,
+``serving/``) hold command-line programs (``python -m perf.engine.bench_e2e``, ``python -m
+perf.serving.load_test``) and are never collected as tests. With ``TRITON_INTERPRET=1`` set the
+benchmarks are skipped the same way: timing the interpreter would be meaningless.
 
 With CUDA, this file also provides the benchmarks' shared pieces:
 
@@ -51,9 +51,11 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_PYTEST_BENCHMARK = importlib.util.find_spec("pytest_benchmark") is not None
 REPORT = PerfReport()
 
-# Command-line programs (bench_*.py, load_test.py) are never test modules: ``*_test.py`` would
-# otherwise match pytest's default pattern and import the load test's server dependencies.
-collect_ignore_glob = ["bench_*.py", "*_test.py"]
+# Only kernels/ holds test modules. The other folders hold command-line programs, and
+# serving/load_test.py would match pytest's ``*_test.py`` pattern and import the load test's
+# server dependencies.
+collect_ignore = ["cpu", "engine", "serving"]
+collect_ignore_glob: list[str] = []
 if not CUDA_AVAILABLE or INTERPRETING:
     collect_ignore_glob += ["kernels/test_*.py"]
 
