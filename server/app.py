@@ -41,7 +41,6 @@ import hmac
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
-import msgspec
 from aiohttp import web
 
 from paged_serve.engine.async_engine import AsyncEngine
@@ -51,11 +50,13 @@ from paged_serve.server.chat import create_chat_completion
 from paged_serve.server.completions import create_completion
 from paged_serve.server.connections import ConnectionGuard, GuardedRunner
 from paged_serve.server.dashboard import add_dashboard
-from paged_serve.server.errors import APIError, error_response, from_http_exception
+from paged_serve.server.errors import error_response, from_http_exception
 from paged_serve.server.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from paged_serve.server.limits import ServerLimits
 from paged_serve.server.metrics import metrics
 from paged_serve.server.models import list_models, retrieve_model
+from paged_serve.server.protocol.errors import APIError
+from paged_serve.server.protocol.ops import HealthStatus
 from paged_serve.server.response_store import ResponseStore
 from paged_serve.server.responses import (
     cancel_response,
@@ -129,10 +130,6 @@ async def body_middleware(request: web.Request, handler: Handler) -> web.StreamR
         return response
     with state.connections.busy(request.protocol):
         return await handler(request)
-
-
-class HealthStatus(msgspec.Struct):
-    status: str = "ok"
 
 
 async def health(request: web.Request) -> web.Response:

@@ -36,17 +36,15 @@ import asyncio
 import logging
 from collections import Counter, deque
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from paged_serve.server.errors import SERVER_ERROR, APIError, bad_request
 from paged_serve.server.generation import Generation
-from paged_serve.server.response_objects import ErrorEvent, Response, ResponseEvent
+from paged_serve.server.protocol.errors import SERVER_ERROR, APIError, bad_request
+from paged_serve.server.protocol.responses import ErrorEvent, Response, ResponseEvent
+from paged_serve.server.response_reply import ResponseReply
+from paged_serve.server.response_stream import ResponseStream
 from paged_serve.server.sse import frame, internal_error
-
-if TYPE_CHECKING:
-    from paged_serve.server.responses import ResponseReply
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +156,7 @@ class BackgroundRun:
     ):
         self.reply = reply
         self.generation = generation
+        self.events = ResponseStream(reply)  # numbers the events, the last one included
         self.log = EventLog(max_event_bytes) if stream else None
         self.started = False
         self.final: Response | None = None  # set once the task has ended
@@ -193,7 +192,7 @@ class BackgroundRun:
         reply = self.reply
         if self.log is None:
             return await reply.complete(self.generation)
-        async for data in reply.events.frames(self.generation):
+        async for data in self.events.frames(self.generation):
             self.log.append(data)
         assert reply.final is not None  # the stream stored it before its last event
         return reply.final
@@ -211,7 +210,7 @@ class BackgroundRun:
             self.final = self.reply.ended("failed", exc)
             if self.log is not None:
                 failed = ResponseEvent(type="response.failed", response=self.final)
-                self.log.append(self.reply.events.frame(failed))
+                self.log.append(self.events.frame(failed))
         else:
             self.final = task.result()
         if self.log is not None:

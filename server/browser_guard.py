@@ -36,7 +36,7 @@ from aiohttp import hdrs, web
 from yarl import URL
 
 from paged_serve.server.connections import is_loopback_address
-from paged_serve.server.errors import APIError
+from paged_serve.server.protocol.errors import APIError
 from paged_serve.server.state import STATE
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -32,26 +32,23 @@ from aiohttp import web
 from msgspec import UNSET, UnsetType
 
 from paged_serve.engine.outputs import TokenLogprob
-from paged_serve.server.completion_objects import (
+from paged_serve.server.bodies import read_request
+from paged_serve.server.generation import Generation, Job, start_generation
+from paged_serve.server.logprobs import chat_logprobs, check_prompt_logprobs_size, prompt_logprobs
+from paged_serve.server.prompts import chat_prompt_ids, message_text, off_loop
+from paged_serve.server.protocol.chat import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
+    ChatCompletionRequest,
     ChatDelta,
 )
-from paged_serve.server.generation import Generation, Job, start_generation
-from paged_serve.server.logprobs import (
-    ChatLogprobs,
-    chat_logprobs,
-    check_prompt_logprobs_size,
-    prompt_logprobs,
-)
-from paged_serve.server.prompts import chat_prompt_ids, message_text, off_loop
-from paged_serve.server.protocol import ChatCompletionRequest, read_request
+from paged_serve.server.protocol.logprobs import ChatLogprobs
 from paged_serve.server.reasoning import REASONING_PARSERS, Qwen3ReasoningParser, ReasoningStream
 from paged_serve.server.reply import ChoiceReply
-from paged_serve.server.sampling import check_sequences, output_limit
+from paged_serve.server.sampling import check_sequences, output_limit, sampling_params
 from paged_serve.server.sse import respond
 from paged_serve.server.state import OWNER, STATE, ServerState, tenant_cache_salt
 from paged_serve.server.structured import compile_constraint
@@ -102,7 +99,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     if body.prompt_logprobs is not None:
         limit = state.limits.max_prompt_logprob_entries
         check_prompt_logprobs_size(limit, len(prompt_ids), body.prompt_logprobs)
-    params = body.to_params(
+    params = sampling_params(
+        body,
         state.engine.vocab_size,
         max_tokens=max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,

@@ -26,18 +26,14 @@ from aiohttp import web
 from msgspec import UNSET, UnsetType
 
 from paged_serve.engine.outputs import TokenLogprob
-from paged_serve.server.completion_objects import Completion, CompletionChoice
+from paged_serve.server.bodies import read_request
 from paged_serve.server.generation import Choice, Generation, Job, start_generation
-from paged_serve.server.logprobs import (
-    ChoiceLogprobs,
-    CompletionLogprobs,
-    check_prompt_logprobs_size,
-    prompt_logprobs,
-)
+from paged_serve.server.logprobs import ChoiceLogprobs, check_prompt_logprobs_size, prompt_logprobs
 from paged_serve.server.prompts import off_loop, tokenize_prompt
-from paged_serve.server.protocol import CompletionRequest, read_request
+from paged_serve.server.protocol.completions import Completion, CompletionChoice, CompletionRequest
+from paged_serve.server.protocol.logprobs import CompletionLogprobs
 from paged_serve.server.reply import ChoiceReply
-from paged_serve.server.sampling import check_sequences, output_limit
+from paged_serve.server.sampling import check_sequences, output_limit, sampling_params
 from paged_serve.server.sse import respond
 from paged_serve.server.state import OWNER, STATE, ServerState, tenant_cache_salt
 from paged_serve.server.structured import compile_constraint
@@ -60,7 +56,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     if body.prompt_logprobs is not None:
         limit = state.limits.max_prompt_logprob_entries
         check_prompt_logprobs_size(limit, sum(map(len, prompt_ids)), body.prompt_logprobs, body.n)
-    params = body.to_params(
+    params = sampling_params(
+        body,
         state.engine.vocab_size,
         max_tokens=max_tokens,
         logprobs=body.logprobs,

@@ -47,7 +47,7 @@ from typing import Any, cast
 
 from aiohttp import web
 
-from paged_serve.server.errors import SERVER_ERROR, APIError
+from paged_serve.server.protocol.errors import SERVER_ERROR, APIError
 from paged_serve.server.wire import encode
 
 logger = logging.getLogger(__name__)

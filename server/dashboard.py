@@ -28,9 +28,9 @@ import msgspec
 from aiohttp import web
 
 from paged_serve.engine.async_engine import AsyncEngine
-from paged_serve.engine.observe.engine_state import EngineState
 from paged_serve.engine.observe.metrics import histogram_sum_count
-from paged_serve.server.errors import SERVER_ERROR, APIError
+from paged_serve.server.protocol.errors import SERVER_ERROR, APIError
+from paged_serve.server.protocol.ops import EngineStateReply, HistoryPoint
 from paged_serve.server.state import STATE
 
 PAGE_FILE = Path(__file__).with_name("static") / "dashboard.html"
@@ -48,19 +48,6 @@ PAGE_HEADERS = {
         "frame-ancestors 'none'"
     ),
 }
-
-
-class HistoryPoint(msgspec.Struct):
-    """One second of the engine's activity (rates over the interval that ends at ``time``)."""
-
-    time: float  # Unix seconds
-    generation_tokens_per_s: float
-    prompt_tokens_per_s: float
-    ttft_s: float | None  # mean time to first token of the requests that finished meanwhile
-    requests_running: int
-    requests_waiting: int
-    kv_blocks_used: int
-    preemptions: int  # during the interval
 
 
 class History:
@@ -102,16 +89,6 @@ class History:
                 preemptions=snap.num_preemptions - last[5],
             )
         )
-
-
-class EngineStateReply(msgspec.Struct):
-    """The body of ``GET /v1/engine/state`` (docs/api.md)."""
-
-    model: str
-    history_interval_s: float
-    engine: EngineState
-    history: list[HistoryPoint]
-    object: str = "engine.state"
 
 
 HISTORY = web.AppKey("paged_serve_history", History)

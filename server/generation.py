@@ -26,7 +26,7 @@ from paged_serve.engine.async_engine import EngineDeadError, QueueFullError
 from paged_serve.engine.outputs import RequestOutput, TokenLogprob
 from paged_serve.engine.sampling_params import SamplingParams
 from paged_serve.engine.sched.forks import sample_ids
-from paged_serve.server.errors import SERVER_ERROR, APIError, bad_request, queue_full
+from paged_serve.server.protocol.errors import SERVER_ERROR, APIError, bad_request, queue_full
 from paged_serve.server.state import ServerState
 
 logger = logging.getLogger(__name__)

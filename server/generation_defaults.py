@@ -67,6 +67,16 @@ class SamplingDefaults:
         changes = {k: v for k, v in sampling.items() if getattr(body, k, False) is None}
         return msgspec.structs.replace(body, **changes) if changes else body
 
+    def fill_responses(self, body: BodyT) -> BodyT:
+        """A Responses request with these defaults where it leaves temperature or top_p out,
+        then OpenAI's 1.0 for what is still out (the Response object reports both); top-k,
+        min-p and the repetition penalty are read from these defaults when its params are made
+        (the Responses API has no such fields)."""
+        body = self.fill(body)
+        body.temperature = 1.0 if body.temperature is None else body.temperature
+        body.top_p = 1.0 if body.top_p is None else body.top_p
+        return body
+
 
 def load_sampling_defaults(source: str, model_config: GenerationConfig | None) -> SamplingDefaults:
     """The defaults for ``--generation-config source``; ``model_config`` is the served model's

@@ -1,4 +1,5 @@
-"""Token logprobs in the two OpenAI shapes, and prompt logprobs in vLLM's.
+"""Token logprobs in the two OpenAI shapes, and prompt logprobs in vLLM's (the Structs are
+``paged_serve.server.protocol.logprobs``).
 
 Completions (legacy), ``CompletionLogprobs``::
 
@@ -34,40 +35,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import msgspec
-
 from paged_serve.engine.outputs import TokenLogprob
-from paged_serve.server.errors import bad_request
-
-
-class CompletionLogprobs(msgspec.Struct, kw_only=True):
-    tokens: list[str]
-    token_logprobs: list[float | None]  # None: the first prompt token (echo)
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-    def extend(self, other: CompletionLogprobs) -> CompletionLogprobs:
-        """``other``'s entries appended (its offsets already continue this one's)."""
-        self.tokens += other.tokens
-        self.token_logprobs += other.token_logprobs
-        self.top_logprobs += other.top_logprobs
-        self.text_offset += other.text_offset
-        return self
-
-
-class ChatTopLogprob(msgspec.Struct, kw_only=True):
-    token: str
-    logprob: float
-    bytes: list[int]  # the token text's UTF-8 bytes
-
-
-class ChatTokenLogprob(ChatTopLogprob, kw_only=True):
-    top_logprobs: list[ChatTopLogprob]
-
-
-class ChatLogprobs(msgspec.Struct, kw_only=True):
-    content: list[ChatTokenLogprob]
-    refusal: None = None
+from paged_serve.server.protocol.errors import bad_request
+from paged_serve.server.protocol.logprobs import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+)
 
 
 def token_text(tokenizer: object | None, token_id: int) -> str:
@@ -128,17 +105,6 @@ class ChoiceLogprobs:
         self.offset += len(text)
         scored = [TokenLogprob(lp.token_id, lp.logprob, lp.top[:top]) for lp in prompt_logprobs[1:]]
         return head.extend(self.generated(scored))
-
-
-class PromptLogprob(msgspec.Struct, kw_only=True):
-    """vLLM's ``Logprob``: one token at one prompt position."""
-
-    logprob: float
-    rank: int | None  # 1 = the likeliest token there; None when not among the top returned
-    decoded_token: str
-
-
-PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 def check_prompt_logprobs_size(limit: int, prompt_tokens: int, top: int, lists: int = 1) -> None:

@@ -7,24 +7,11 @@ for: the model's context, or the whole KV cache if that is smaller.
 
 from __future__ import annotations
 
-import msgspec
 from aiohttp import web
 
+from paged_serve.server.protocol.models import ModelCard, ModelList
 from paged_serve.server.state import STATE, ServerState
 from paged_serve.server.wire import json_response
-
-
-class ModelCard(msgspec.Struct, kw_only=True):
-    id: str
-    object: str = "model"
-    created: int  # Unix seconds: when the server started
-    owned_by: str = "paged-serve"
-    max_model_len: int
-
-
-class ModelList(msgspec.Struct, kw_only=True):
-    object: str = "list"
-    data: list[ModelCard]
 
 
 def _card(state: ServerState, name: str) -> ModelCard:

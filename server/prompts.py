@@ -16,16 +16,14 @@ import asyncio
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import jinja2
 import jinja2.defaults
 
 from paged_serve.engine.async_engine import AsyncEngine
-from paged_serve.server.errors import bad_request
-
-if TYPE_CHECKING:
-    from paged_serve.server.protocol import ContentPart
+from paged_serve.server.protocol.common import ContentPart
+from paged_serve.server.protocol.errors import bad_request
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 TEXT_PARTS = {"text", "input_text", "output_text"}
@@ -142,16 +140,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         *jinja2.defaults.DEFAULT_NAMESPACE,  # range, dict, namespace, lipsum, cycler, joiner
     }
 )
-
-
-def check_template_flags(add_generation_prompt: bool, continue_final_message: bool) -> None:
-    """400 for both flags at once: a new turn cannot also continue the last message (vLLM's
-    rule, for chat completions and /tokenize alike)."""
-    if continue_final_message and add_generation_prompt:
-        raise bad_request(
-            "continue_final_message needs add_generation_prompt set to false",
-            "continue_final_message",
-        )
 
 
 class _TemplateFailed(Exception):

@@ -24,9 +24,9 @@ from typing import TypeVar
 from msgspec import UNSET
 
 from paged_serve.engine.outputs import RequestOutput
-from paged_serve.server.completion_objects import ChoiceList, PromptTokensDetails, Usage
 from paged_serve.server.generation import Choice, Generation
-from paged_serve.server.sampling import SamplingFields
+from paged_serve.server.protocol.common import ChoiceList, PromptTokensDetails, Usage
+from paged_serve.server.protocol.sampling import SamplingFields
 from paged_serve.server.sse import frame
 from paged_serve.server.state import ServerState
 

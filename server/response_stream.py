@@ -12,23 +12,24 @@ A failure mid-stream sends an ``error`` event and ends the stream. A stored resp
 default true) is stored before its last event is sent.
 
 ``ResponseStream`` numbers the events; the objects in them (the Response, its message, the
-final Response that is stored) come from its ``ResponseReply`` (``paged_serve.server.responses``).
+final Response that is stored) come from its ``ResponseReply``
+(``paged_serve.server.response_reply``).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING
 
 from paged_serve.server import sse
-from paged_serve.server.errors import APIError
 from paged_serve.server.generation import Generation
-from paged_serve.server.logprobs import ChatTokenLogprob
-from paged_serve.server.response_objects import (
+from paged_serve.server.protocol.errors import APIError
+from paged_serve.server.protocol.logprobs import ChatTokenLogprob
+from paged_serve.server.protocol.responses import (
     ContentPartEvent,
     ErrorEvent,
     FunctionCallArgumentsDelta,
     FunctionCallArgumentsDone,
+    FunctionCallItem,
     OutputItemEvent,
     OutputText,
     ResponseEvent,
@@ -36,11 +37,9 @@ from paged_serve.server.response_objects import (
     TextDeltaEvent,
     TextDoneEvent,
 )
-from paged_serve.server.response_tools import FunctionCallItem, new_item_id
+from paged_serve.server.response_reply import ResponseReply
+from paged_serve.server.response_tools import new_item_id
 from paged_serve.server.tool_stream import ToolCallStream
-
-if TYPE_CHECKING:
-    from paged_serve.server.responses import ResponseReply
 
 
 class ResponseStream:

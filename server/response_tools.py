@@ -5,7 +5,7 @@ a named ``tool_choice`` is ``{"type": "function", "name"}``, and ``input`` items
 ``function_call`` items (a call the model made) and ``function_call_output`` items (its result,
 by ``call_id``), besides messages. The conversation a stored response carries over to a
 ``previous_response_id`` follow-up is kept as chat messages
-(``paged_serve.server.protocol.ChatMessage``), so tool calls and results survive it.
+(``paged_serve.server.protocol.chat.ChatMessage``), so tool calls and results survive it.
 
 Replies: text before the calls is an output ``message``; each call is a ``function_call``
 output item (``id`` ``fc_…``, ``call_id`` ``call_…``).
@@ -18,8 +18,13 @@ from typing import Any
 
 import msgspec
 
-from paged_serve.server.errors import bad_request
-from paged_serve.server.tools import (
+from paged_serve.server.protocol.errors import bad_request
+from paged_serve.server.protocol.responses import (
+    FunctionCallItem,
+    ResponsesTool,
+    ResponsesToolChoice,
+)
+from paged_serve.server.protocol.tools import (
     FunctionSpec,
     MessageFunctionCall,
     MessageToolCall,
@@ -28,30 +33,6 @@ from paged_serve.server.tools import (
     ToolChoice,
     ToolSpec,
 )
-
-
-class ResponsesTool(msgspec.Struct, kw_only=True):
-    type: str
-    name: str | None = None
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ResponsesToolChoice(msgspec.Struct, kw_only=True):
-    type: str
-    name: str | None = None
-
-
-class FunctionCallItem(msgspec.Struct, kw_only=True):
-    """A ``function_call`` output item (and the input item that replays one)."""
-
-    id: str
-    type: str = "function_call"
-    call_id: str
-    name: str
-    arguments: str
-    status: str = "completed"
 
 
 def new_item_id() -> str:

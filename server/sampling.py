@@ -1,5 +1,6 @@
-"""The sampling fields completions and chat share, and how request fields become the engine's
-``SamplingParams``: OpenAI's defaults, the vocabulary checks and the context check.
+"""How request fields become the engine's ``SamplingParams``: OpenAI's defaults, the vocabulary
+checks and the context check. The fields themselves are ``paged_serve.server.protocol``'s
+(``SamplingFields``, which completions and chat share, and ``ResponsesRequest``).
 
 With n > 1 the engine runs sample ``i`` of a request with ``seed`` s at seed ``s + i``, so each
 sample is reproducible on its own and equals a single request with that seed.
@@ -10,251 +11,79 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-import msgspec
-
-from paged_serve.engine.grammar.structured_output import StructuredOutput
-from paged_serve.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
-from paged_serve.server.errors import bad_request
-from paged_serve.server.field_types import (
-    MAX_STOP,
-    MAX_STOP_TOKEN_IDS,
-    MAX_TOKEN_ID_DIGITS,
-    CacheSalt,
-    MinP,
-    NonNegativeInt,
-    NumChoices,
-    Penalty,
-    PositiveInt,
-    PromptLogprobCount,
-    RepetitionPenalty,
-    Seed,
-    Temperature,
-    TokenId,
-    TopK,
-    TopP,
-    User,
-)
-from paged_serve.server.structured import (
-    JsonSchema,
-    ResponseFormat,
-    StructuredOutputsField,
-    from_guided_fields,
-    from_response_format,
-    from_structured_outputs,
-)
-
-_CONSTRAINT_FIELDS = (
-    "response_format",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-)
+from paged_serve.engine.sampling_params import SamplingParams
+from paged_serve.server.generation_defaults import NO_DEFAULTS, SamplingDefaults
+from paged_serve.server.protocol.errors import bad_request
+from paged_serve.server.protocol.responses import ResponsesRequest
+from paged_serve.server.protocol.sampling import SamplingFields
+from paged_serve.server.structured import from_text_format, request_constraint
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
-    """``include_usage``: a last chunk carries the usage. vLLM's ``continuous_usage_stats``:
-    every chunk also carries the usage so far (``include_usage`` left out then counts as true,
-    as in vLLM, where it defaults to true)."""
+def sampling_params(
+    body: SamplingFields,
+    vocab_size: int,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    """The engine's SamplingParams of a completions or chat request, with OpenAI's defaults for
+    the fields left out.
 
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = False
-
-
-class SamplingFields(msgspec.Struct, kw_only=True):
-    """The sampling fields completions and chat share.
-
-    Fields OpenAI documents as nullable accept ``null`` and take their default
-    (``__post_init__`` fills it in for the fields read directly; ``to_params`` for the rest).
-    """
-
-    model: str | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    n: NumChoices | None = 1
-    stop: str | list[str] | None = None
-    seed: Seed | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    user: User | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, float] | None = None
-    # vLLM extras
-    top_k: TopK | None = None
-    min_p: MinP | None = None
-    repetition_penalty: RepetitionPenalty | None = None
-    stop_token_ids: list[TokenId] | None = None
-    skip_special_tokens: bool | None = True
-    ignore_eos: bool | None = False
-    # Structured outputs (server.structured): OpenAI's, vLLM's, and vLLM's older spelling.
-    response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsField | None = None
-    guided_json: JsonSchema | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    prompt_logprobs: PromptLogprobCount | None = None
-    min_tokens: NonNegativeInt | None = None
-    best_of: PositiveInt | None = None  # only n itself: no sample is ranked or dropped
-    include_stop_str_in_output: bool | None = False
-    return_token_ids: bool | None = False  # prompt and completion token ids in the reply
-    return_tokens_as_token_ids: bool | None = False  # logprob tokens as "token_id:<id>"
-    cache_salt: CacheSalt | None = None  # a prefix-cache partition (server.generation)
-
-    def __post_init__(self) -> None:
-        self.n = 1 if self.n is None else self.n
-        self.stream = bool(self.stream)
-        self.ignore_eos = bool(self.ignore_eos)
-        self.skip_special_tokens = self.skip_special_tokens is not False
-        self.include_stop_str_in_output = bool(self.include_stop_str_in_output)
-        self.return_token_ids = bool(self.return_token_ids)
-        self.return_tokens_as_token_ids = bool(self.return_tokens_as_token_ids)
-
-    @property
-    def continuous_usage(self) -> bool:
-        """Every stream chunk carries the usage so far (vLLM's ``continuous_usage_stats``)."""
-        options = self.stream_options
-        return self.stream and options is not None and bool(options.continuous_usage_stats)
-
-    @property
-    def include_usage(self) -> bool:
-        """The stream ends with a usage chunk."""
-        options = self.stream_options
-        if not self.stream or options is None:
-            return False
-        if options.include_usage is None:
-            return self.continuous_usage
-        return options.include_usage
-
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-
-    def constraint(self) -> tuple[StructuredOutput, str] | None:
-        """The output constraint and the field that set it; a 400 when two fields set one."""
-        found: list[tuple[StructuredOutput, str]] = []
-        if self.response_format is not None:
-            constraint = from_response_format(self.response_format)
-            if constraint is not None:
-                found.append((constraint, "response_format"))
-        if self.structured_outputs is not None:
-            found.append((from_structured_outputs(self.structured_outputs), "structured_outputs"))
-        guided = from_guided_fields(
-            guided_json=self.guided_json,
-            guided_regex=self.guided_regex,
-            guided_choice=self.guided_choice,
-            guided_grammar=self.guided_grammar,
+    ``max_tokens``, ``logprobs`` and ``prompt_logprobs`` (alternatives per prompt position
+    the engine computes, None for none) are each endpoint's own. Raises APIError (400): for
+    a token id outside the vocabulary, for a value SamplingParams refuses, and for a
+    malformed output constraint (naming the field). ``compile_constraint`` then compiles
+    the constraint before the request is queued."""
+    constraint = request_constraint(body)
+    logit_bias = tuple((int(k), v) for k, v in (body.logit_bias or {}).items())
+    _check_in_vocabulary([t for t, _ in logit_bias], vocab_size, "logit_bias")
+    stop_token_ids = tuple(body.stop_token_ids or ())
+    _check_in_vocabulary(stop_token_ids, vocab_size, "stop_token_ids")
+    with sampling_errors_as_400():
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            n=body.n,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k is None else body.top_k,
+            min_p=0.0 if body.min_p is None else body.min_p,
+            seed=body.seed,
+            stop=body.stop_strings,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=(
+                1.0 if body.repetition_penalty is None else body.repetition_penalty
+            ),
+            logit_bias=logit_bias,
+            stop_token_ids=stop_token_ids,
+            skip_special_tokens=body.skip_special_tokens,
+            structured_output=constraint[0] if constraint else None,
+            prompt_logprobs=prompt_logprobs,
+            min_tokens=body.min_tokens or 0,
         )
-        if guided is not None:
-            found.append(guided)
-        if len(found) > 1:
-            raise bad_request(
-                f"{found[0][1]} and {found[1][1]} both constrain the output: set one",
-                found[1][1],
-            )
-        return found[0] if found else None
+    return params
 
-    def check_sampling(self) -> None:
-        """Rules msgspec cannot express; raises APIError (400)."""
-        if self.stream_options is not None and not self.stream:
-            raise bad_request(
-                "stream_options is only allowed when stream is true", "stream_options"
-            )
-        if self.continuous_usage and self.stream_options.include_usage is False:
-            raise bad_request(
-                "stream_options.continuous_usage_stats needs include_usage (true or left out)",
-                "stream_options.continuous_usage_stats",
-            )
-        if self.best_of is not None and self.best_of != self.n:
-            raise bad_request("best_of other than n is not supported by this server", "best_of")
-        if self.prompt_logprobs is not None and self.stream:
-            raise bad_request(
-                "prompt_logprobs are not available when stream is true (as in vLLM); "
-                "completions can stream echo with logprobs instead",
-                "prompt_logprobs",
-            )
-        stops = self.stop_strings
-        if len(stops) > MAX_STOP:
-            raise bad_request(f"at most {MAX_STOP} stop sequences are allowed", "stop")
-        if any(s == "" for s in stops):
-            raise bad_request("stop sequences must be non-empty strings", "stop")
-        if len(self.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
-            raise bad_request(
-                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed", "stop_token_ids"
-            )
-        for key, value in (self.logit_bias or {}).items():
-            if not (key.isascii() and key.isdecimal() and len(key) <= MAX_TOKEN_ID_DIGITS):
-                shown = repr(key) if len(key) <= 32 else f"{key[:32]!r}... ({len(key)} characters)"
-                raise bad_request(
-                    f"logit_bias keys must be token ids in ASCII digits (at most "
-                    f"{MAX_TOKEN_ID_DIGITS}), got {shown}",
-                    "logit_bias",
-                )
-            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-                raise bad_request(
-                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
-                    f"got {value} for token {key}",
-                    "logit_bias",
-                )
 
-    @property
-    def constraint_field(self) -> str:
-        """The field that constrains the output, to name in a compile error."""
-        for name in _CONSTRAINT_FIELDS:
-            value = getattr(self, name)
-            if value is not None and not (name == "response_format" and value.type == "text"):
-                return name
-        return "response_format"
-
-    def to_params(
-        self,
-        vocab_size: int,
-        *,
-        max_tokens: int,
-        logprobs: int | None,
-        prompt_logprobs: int | None = None,
-    ) -> SamplingParams:
-        """The engine's SamplingParams, with OpenAI's defaults for the fields left out.
-
-        ``max_tokens``, ``logprobs`` and ``prompt_logprobs`` (alternatives per prompt position
-        the engine computes, None for none) are each endpoint's own. Raises APIError (400): for
-        a token id outside the vocabulary, for a value SamplingParams refuses, and for a
-        malformed output constraint (naming the field). ``compile_constraint`` then compiles
-        the constraint before the request is queued."""
-        constraint = self.constraint()
-        logit_bias = tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
-        _check_in_vocabulary([t for t, _ in logit_bias], vocab_size, "logit_bias")
-        stop_token_ids = tuple(self.stop_token_ids or ())
-        _check_in_vocabulary(stop_token_ids, vocab_size, "stop_token_ids")
-        with sampling_errors_as_400():
-            params = SamplingParams(
-                max_tokens=max_tokens,
-                n=self.n,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=0 if self.top_k is None else self.top_k,
-                min_p=0.0 if self.min_p is None else self.min_p,
-                seed=self.seed,
-                stop=self.stop_strings,
-                ignore_eos=self.ignore_eos,
-                logprobs=logprobs,
-                presence_penalty=self.presence_penalty or 0.0,
-                frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=(
-                    1.0 if self.repetition_penalty is None else self.repetition_penalty
-                ),
-                logit_bias=logit_bias,
-                stop_token_ids=stop_token_ids,
-                skip_special_tokens=self.skip_special_tokens,
-                structured_output=constraint[0] if constraint else None,
-                prompt_logprobs=prompt_logprobs,
-                min_tokens=self.min_tokens or 0,
-            )
-        return params
+def responses_params(
+    body: ResponsesRequest, *, max_tokens: int, defaults: SamplingDefaults = NO_DEFAULTS
+) -> SamplingParams:
+    """The engine's SamplingParams of a Responses request (top-k, min-p and repetition penalty
+    from ``defaults``); a value it refuses is a 400 naming the field."""
+    constraint = from_text_format(body.text) if body.text is not None else None
+    with sampling_errors_as_400():
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=defaults.top_k or 0,
+            min_p=defaults.min_p or 0.0,
+            repetition_penalty=defaults.repetition_penalty or 1.0,
+            logprobs=body.output_logprobs,
+            structured_output=constraint,
+        )
 
 
 def _check_in_vocabulary(ids: Sequence[int], vocab_size: int, param: str) -> None:

@@ -27,7 +27,7 @@ from collections.abc import AsyncGenerator, Callable
 from aiohttp import web
 
 from paged_serve.server.connections import drop_connection
-from paged_serve.server.errors import SERVER_ERROR, APIError
+from paged_serve.server.protocol.errors import SERVER_ERROR, APIError
 from paged_serve.server.state import STATE
 from paged_serve.server.wire import encode
 

@@ -1,4 +1,5 @@
-"""Structured outputs on the wire: the request fields that constrain a reply, as one
+"""Structured outputs: the request fields that constrain a reply
+(``paged_serve.server.protocol.structured``), as one
 ``paged_serve.engine.grammar.structured_output.StructuredOutput``.
 
 Accepted forms (at most one per request; the engine guarantees the output matches it):
@@ -20,48 +21,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
 from paged_serve.engine.errors import InvalidRequestError
 from paged_serve.engine.grammar.compiles import CompileQueueFullError
 from paged_serve.engine.grammar.structured_output import StructuredOutput
 from paged_serve.engine.sampling_params import SamplingParams
-from paged_serve.server.errors import bad_request, queue_full
-from paged_serve.server.response_objects import TextFormat
-
-JsonSchema = dict[str, Any] | bool
-
-
-class JsonSchemaSpec(msgspec.Struct, kw_only=True):
-    """``response_format.json_schema``: ``schema`` is the JSON schema itself."""
-
-    name: str | None = None
-    description: str | None = None
-    schema: JsonSchema | None = None
-    strict: bool | None = None
-
-
-class ResponseFormat(msgspec.Struct, kw_only=True):
-    """OpenAI's ``response_format``."""
-
-    type: str
-    json_schema: JsonSchemaSpec | None = None
-
-
-class ResponseText(msgspec.Struct, kw_only=True):
-    """The Responses API's ``text`` field (its ``format`` has the json_schema fields flat)."""
-
-    format: TextFormat | None = None
-
-
-class StructuredOutputsField(msgspec.Struct, kw_only=True):
-    """vLLM's ``structured_outputs`` extra: set exactly one field."""
-
-    json: JsonSchema | str | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
+from paged_serve.server.protocol.errors import bad_request, queue_full
+from paged_serve.server.protocol.sampling import SamplingFields
+from paged_serve.server.protocol.structured import (
+    JsonSchema,
+    ResponseFormat,
+    ResponseText,
+    StructuredOutputsField,
+)
 
 
 def _build(param: str, make: Any, *args: Any) -> StructuredOutput:
@@ -146,6 +117,32 @@ def from_guided_fields(
     [(name, value)] = given
     field = StructuredOutputsField(**{name.removeprefix("guided_"): value})
     return from_structured_outputs(field, name), name
+
+
+def request_constraint(body: SamplingFields) -> tuple[StructuredOutput, str] | None:
+    """A completions or chat request's output constraint and the field that set it; a 400 when
+    two fields set one."""
+    found: list[tuple[StructuredOutput, str]] = []
+    if body.response_format is not None:
+        constraint = from_response_format(body.response_format)
+        if constraint is not None:
+            found.append((constraint, "response_format"))
+    if body.structured_outputs is not None:
+        found.append((from_structured_outputs(body.structured_outputs), "structured_outputs"))
+    guided = from_guided_fields(
+        guided_json=body.guided_json,
+        guided_regex=body.guided_regex,
+        guided_choice=body.guided_choice,
+        guided_grammar=body.guided_grammar,
+    )
+    if guided is not None:
+        found.append(guided)
+    if len(found) > 1:
+        raise bad_request(
+            f"{found[0][1]} and {found[1][1]} both constrain the output: set one",
+            found[1][1],
+        )
+    return found[0] if found else None
 
 
 async def compile_constraint(engine: Any, params: SamplingParams, param: str) -> None:

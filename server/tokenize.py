@@ -12,69 +12,20 @@ chat template), which lm-evaluation-harness's remote tokenizer reads.
 
 from __future__ import annotations
 
-import msgspec
 from aiohttp import web
 
-from paged_serve.server.errors import bad_request
-from paged_serve.server.field_types import TokenId
-from paged_serve.server.prompts import (
-    chat_message,
-    chat_prompt_ids,
-    check_template_flags,
-    tokenize_prompt,
+from paged_serve.server.prompts import chat_message, chat_prompt_ids, tokenize_prompt
+from paged_serve.server.protocol.decode import decode
+from paged_serve.server.protocol.errors import bad_request
+from paged_serve.server.protocol.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfo,
 )
-from paged_serve.server.protocol import ChatMessage, decode
 from paged_serve.server.state import STATE, ServerState
 from paged_serve.server.wire import json_response
-
-
-class TokenizeRequest(msgspec.Struct, kw_only=True):
-    """vLLM's ``TokenizeCompletionRequest`` (``prompt``) or ``TokenizeChatRequest``
-    (``messages``): exactly one of the two."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    # default: True for a prompt, False for messages (the chat template has them)
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool | None = True
-    continue_final_message: bool | None = False
-    return_token_strs: bool | None = False
-
-    def check(self) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise bad_request("give exactly one of prompt and messages", "prompt")
-        if self.messages is not None and not self.messages:
-            raise bad_request("messages must not be empty", "messages")
-        check_template_flags(
-            self.add_generation_prompt is not False, bool(self.continue_final_message)
-        )
-
-
-class TokenizeResponse(msgspec.Struct, kw_only=True):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None  # the tokenizer's own token strings, when asked
-
-
-class DetokenizeRequest(msgspec.Struct, kw_only=True):
-    tokens: list[TokenId]
-    model: str | None = None
-
-
-class DetokenizeResponse(msgspec.Struct, kw_only=True):
-    prompt: str
-
-
-class TokenizerInfo(msgspec.Struct, kw_only=True):
-    tokenizer_class: str
-    bos_token: str | None
-    eos_token: str | None
-    pad_token: str | None
-    unk_token: str | None
-    chat_template: str | None
-    max_model_len: int
 
 
 def _tokenizer(state: ServerState) -> object:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paged_serve.server.completion_objects import FunctionDelta, ToolCallDelta
 from paged_serve.server.json_prefix import GrowingDump
+from paged_serve.server.protocol.tools import FunctionDelta, ToolCallDelta
 from paged_serve.server.tool_parsers import PartialCall, ToolParser
 from paged_serve.server.tools import new_call_id
 

@@ -39,9 +39,16 @@ import msgspec
 
 from paged_serve.engine.grammar.structured_output import StructuredOutput
 from paged_serve.engine.sampling_params import SamplingParams
-from paged_serve.server.completion_objects import FunctionCall, ToolCall
-from paged_serve.server.errors import bad_request
 from paged_serve.server.prompts import ROLES, message_text
+from paged_serve.server.protocol.errors import bad_request
+from paged_serve.server.protocol.tools import (
+    FunctionCall,
+    JsonObject,
+    NamedToolChoice,
+    ToolCall,
+    ToolChoice,
+    ToolSpec,
+)
 from paged_serve.server.tool_grammar import ToolGrammar, ToolSchemaError, checked_parameters
 from paged_serve.server.tool_parsers import (
     PARSERS,
@@ -52,43 +59,6 @@ from paged_serve.server.tool_parsers import (
     ToolParser,
     parser_for_template,
 )
-
-JsonObject = dict[str, Any]
-
-
-class FunctionSpec(msgspec.Struct, kw_only=True):
-    name: str
-    description: str | None = None
-    parameters: JsonObject | None = None
-    strict: bool | None = None
-
-
-class ToolSpec(msgspec.Struct, kw_only=True):
-    type: str
-    function: FunctionSpec
-
-
-class NamedFunction(msgspec.Struct):
-    name: str
-
-
-class NamedToolChoice(msgspec.Struct, kw_only=True):
-    type: str
-    function: NamedFunction
-
-
-ToolChoice = str | NamedToolChoice
-
-
-class MessageFunctionCall(msgspec.Struct, kw_only=True):
-    name: str
-    arguments: str
-
-
-class MessageToolCall(msgspec.Struct, kw_only=True):
-    id: str
-    type: str = "function"
-    function: MessageFunctionCall
 
 
 @dataclass(frozen=True, slots=True)

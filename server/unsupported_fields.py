@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 from msgspec import UNSET
 
-from paged_serve.server.errors import bad_request
+from paged_serve.server.protocol.errors import bad_request
 
 
 @dataclass(frozen=True, slots=True)

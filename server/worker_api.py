@@ -28,13 +28,13 @@ import asyncio
 import functools
 import importlib.metadata
 
-import msgspec
 from aiohttp import web
 
 from paged_serve.engine.async_engine import EngineDeadError
 from paged_serve.engine.sampling_params import SamplingParams
-from paged_serve.server.errors import SERVER_ERROR, APIError
 from paged_serve.server.generation import Job, engine_dead, start_generation
+from paged_serve.server.protocol.errors import SERVER_ERROR, APIError
+from paged_serve.server.protocol.ops import FlushResult, LoadInfo, ModelInfo, ServerInfo
 from paged_serve.server.state import STATE, ServerState
 from paged_serve.server.wire import json_response
 
@@ -50,46 +50,6 @@ def package_version() -> str:
         return importlib.metadata.version("paged-serve")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
-
-
-class ServerInfo(msgspec.Struct, kw_only=True):
-    """SGLang's ``/server_info`` fields a router reads, with vLLM's names beside them."""
-
-    model_path: str
-    tokenizer_path: str
-    served_model_name: str
-    version: str
-    dp_size: int = 1
-    tp_size: int
-    max_total_tokens: int  # tokens the KV cache holds
-    max_running_requests: int  # sequences one step batches (--max-num-seqs)
-    max_prefill_tokens: int  # tokens one step computes (--max-num-batched-tokens)
-    max_model_len: int  # the longest sequence a request may ask for
-    page_size: int  # tokens per KV block
-    enable_prefix_caching: bool
-
-
-class ModelInfo(msgspec.Struct, kw_only=True):
-    model_path: str
-    tokenizer_path: str
-    served_model_name: str
-    is_generation: bool = True
-    model_type: str | None
-    architectures: list[str] | None
-
-
-class LoadInfo(msgspec.Struct, kw_only=True):
-    """One data-parallel rank's load (paged-serve runs one)."""
-
-    dp_rank: int = 0
-    num_reqs: int  # running plus waiting
-    num_waiting_reqs: int
-    num_tokens: int  # KV cache in use, in tokens
-
-
-class FlushResult(msgspec.Struct, kw_only=True):
-    message: str
-    evicted_blocks: int
 
 
 def model_path(state: ServerState) -> str:

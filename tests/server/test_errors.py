@@ -10,8 +10,11 @@ import openai
 import pytest
 
 from paged_serve.engine.async_engine import AsyncEngine, EngineDeadError
-from paged_serve.server.errors import APIError
-from paged_serve.server.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from paged_serve.server.protocol.chat import ChatCompletionRequest
+from paged_serve.server.protocol.completions import CompletionRequest
+from paged_serve.server.protocol.errors import APIError
+from paged_serve.server.protocol.responses import ResponsesRequest
+from paged_serve.server.sampling import responses_params, sampling_params
 from tests.server.conftest import (
     MAX_BODY_BYTES,
     MAX_MODEL_LEN,
@@ -135,18 +138,21 @@ def test_out_of_range_values(post, path, body, param):
     [
         # constructed, not decoded: msgspec checks ranges only when it decodes
         (
-            lambda: CompletionRequest(prompt="x", temperature=-1.0).to_params(
-                100, max_tokens=1, logprobs=None
+            lambda: sampling_params(
+                CompletionRequest(prompt="x", temperature=-1.0), 100, max_tokens=1, logprobs=None
             ),
             "temperature",
         ),
         (
-            lambda: ChatCompletionRequest(messages=[], top_k=-2).to_params(
-                100, max_tokens=1, logprobs=None
+            lambda: sampling_params(
+                ChatCompletionRequest(messages=[], top_k=-2), 100, max_tokens=1, logprobs=None
             ),
             "top_k",
         ),
-        (lambda: ResponsesRequest(input="x", top_p=2.0).to_params(max_tokens=1), "top_p"),
+        (
+            lambda: responses_params(ResponsesRequest(input="x", top_p=2.0), max_tokens=1),
+            "top_p",
+        ),
     ],
 )
 def test_sampling_params_value_error_is_a_400_naming_the_field(to_params, field):

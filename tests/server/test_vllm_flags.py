@@ -15,10 +15,12 @@ from paged_serve.engine.async_engine import AsyncEngine
 from paged_serve.engine.config import EngineConfig
 from paged_serve.server.app import create_app
 from paged_serve.server.cli import build_parser, main
-from paged_serve.server.errors import APIError
 from paged_serve.server.generation_defaults import SamplingDefaults, load_sampling_defaults
-from paged_serve.server.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
-from paged_serve.server.sampling import output_limit
+from paged_serve.server.protocol.chat import ChatCompletionRequest
+from paged_serve.server.protocol.completions import CompletionRequest
+from paged_serve.server.protocol.errors import APIError
+from paged_serve.server.protocol.responses import ResponsesRequest
+from paged_serve.server.sampling import output_limit, responses_params, sampling_params
 from paged_serve.server.vllm_flags import REFUSALS
 from tests.conftest import assert_pool_clean, tiny_model
 from tests.server.conftest import ServerThread, wait_idle
@@ -129,7 +131,7 @@ def test_defaults_fill_only_what_a_request_leaves_out():
     )
     filled = defaults.fill(body)
     assert (filled.temperature, filled.top_k, filled.repetition_penalty) == (0.0, 20, 1.05)
-    params = filled.to_params(1000, max_tokens=4, logprobs=None)
+    params = sampling_params(filled, 1000, max_tokens=4, logprobs=None)
     assert (params.temperature, params.top_k, params.repetition_penalty) == (0.0, 20, 1.05)
     chat = defaults.fill(
         msgspec.json.decode(
@@ -137,11 +139,11 @@ def test_defaults_fill_only_what_a_request_leaves_out():
         )
     )
     assert chat.temperature == 0.6
-    responses = msgspec.json.decode(b'{"input": "x"}', type=ResponsesRequest).with_defaults(
-        defaults
+    responses = defaults.fill_responses(
+        msgspec.json.decode(b'{"input": "x"}', type=ResponsesRequest)
     )
     assert (responses.temperature, responses.top_p) == (0.6, 1.0)
-    params = responses.to_params(max_tokens=4, defaults=defaults)
+    params = responses_params(responses, max_tokens=4, defaults=defaults)
     assert (params.top_k, params.repetition_penalty) == (20, 1.05)
 
 

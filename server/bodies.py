@@ -1,0 +1,47 @@
+"""Reading a completions, chat or Responses request body: decoded into its Struct
+(``paged_serve.server.protocol``), checked, naming a served model, within the server's limits,
+with the server's sampling defaults where it leaves a field out (``generation_defaults``)."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgspec
+from aiohttp import web
+
+from paged_serve.server.protocol.chat import ChatCompletionRequest
+from paged_serve.server.protocol.completions import CompletionRequest
+from paged_serve.server.protocol.decode import decode
+from paged_serve.server.protocol.errors import bad_request
+from paged_serve.server.protocol.responses import ResponsesRequest
+from paged_serve.server.state import STATE
+
+RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest, ResponsesRequest)
+
+
+async def read_request(request: web.Request, type: type[RequestT]) -> RequestT:
+    """The body of ``request`` as ``type``, checked, naming a served model (or none), with the
+    server's sampling defaults where it leaves a field out (``generation_defaults``).
+
+    Raises APIError: 400 naming the bad field, 404 for another model.
+    """
+    body = decode(await request.read(), type)
+    body.check()
+    state = request.app[STATE]
+    state.check_model(body.model)
+    _check_logprob_counts(body, state.limits.max_logprobs)
+    if isinstance(body, ResponsesRequest):
+        return state.sampling_defaults.fill_responses(body)
+    return state.sampling_defaults.fill(body)
+
+
+def _check_logprob_counts(body: msgspec.Struct, limit: int) -> None:
+    """400 naming the field when a request asks for more alternatives than ``--max-logprobs``
+    (chat's boolean ``logprobs`` is not a count)."""
+    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+        value = getattr(body, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+            raise bad_request(
+                f"{name} must be at most {limit} on this server (--max-logprobs), got {value}",
+                name,
+            )

@@ -1,0 +1,18 @@
+"""``GET /v1/models`` and ``GET /v1/models/{id}``: the model cards."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int  # Unix seconds: when the server started
+    owned_by: str = "paged-serve"
+    max_model_len: int
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[ModelCard]
