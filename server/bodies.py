@@ -1,6 +1,7 @@
-"""Reading a completions, chat or Responses request body: decoded into its Struct
+"""Reading a completions, chat or Responses request body: decoded once into its Struct
 (``paged_serve.server.protocol``), checked, naming a served model, within the server's limits,
-with the server's sampling defaults where it leaves a field out (``generation_defaults``)."""
+setting none of the documented fields this server refuses (``protocol.unsupported``), with the
+server's sampling defaults where it leaves a field out (``generation_defaults``)."""
 
 from __future__ import annotations
 
@@ -14,22 +15,39 @@ from paged_serve.server.protocol.completions import CompletionRequest
 from paged_serve.server.protocol.decode import decode
 from paged_serve.server.protocol.errors import bad_request
 from paged_serve.server.protocol.responses import ResponsesRequest
+from paged_serve.server.protocol.unsupported import (
+    CHAT_REFUSED,
+    COMPLETION_REFUSED,
+    RESPONSES_REFUSED,
+    Refused,
+    refuse_unsupported,
+    refusing,
+)
 from paged_serve.server.state import STATE
 
 RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest, ResponsesRequest)
 
+REFUSED: dict[type, dict[str, Refused]] = {
+    CompletionRequest: COMPLETION_REFUSED,
+    ChatCompletionRequest: CHAT_REFUSED,
+    ResponsesRequest: RESPONSES_REFUSED,
+}
+
 
 async def read_request(request: web.Request, type: type[RequestT]) -> RequestT:
     """The body of ``request`` as ``type``, checked, naming a served model (or none), with the
-    server's sampling defaults where it leaves a field out (``generation_defaults``).
+    server's sampling defaults where it leaves a field out (``generation_defaults``). One decode
+    gives the request and the refused fields it sets.
 
-    Raises APIError: 400 naming the bad field, 404 for another model.
+    Raises APIError: 400 naming the bad field (a refused one included), 404 for another model.
     """
-    body = decode(await request.read(), type)
+    table = REFUSED[type]
+    body = decode(await request.read(), refusing(type, table))
     body.check()
     state = request.app[STATE]
     state.check_model(body.model)
     _check_logprob_counts(body, state.limits.max_logprobs)
+    refuse_unsupported(body, table)
     if isinstance(body, ResponsesRequest):
         return state.sampling_defaults.fill_responses(body)
     return state.sampling_defaults.fill(body)

@@ -19,7 +19,7 @@ delta); the echoed text has no logprobs, as in vLLM. ``return_token_ids``,
 ``return_tokens_as_token_ids``, ``include_stop_str_in_output`` and
 ``stream_options.continuous_usage_stats`` are vLLM's, shared with completions
 (``paged_serve.server.reply``, ``paged_serve.server.logprobs``); the documented fields this server
-does not implement are refused by ``paged_serve.server.unsupported_fields``.
+does not implement are refused by ``paged_serve.server.protocol.unsupported``.
 """
 
 from __future__ import annotations
@@ -61,14 +61,12 @@ from paged_serve.server.tools import (
     reply_message,
     with_tool_plan,
 )
-from paged_serve.server.unsupported_fields import CHAT_REFUSED, refuse_unsupported
 from paged_serve.server.wire import encode, json_response
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_request(request, ChatCompletionRequest)
-    refuse_unsupported(await request.read(), CHAT_REFUSED)
     check_sequences(state.limits.max_sequences_per_request, 1, body.n)
     template = getattr(state.engine.tokenizer, "chat_template", None) or ""
     plan = plan_tools(

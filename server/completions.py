@@ -14,7 +14,7 @@ chunk) and ``token_ids`` (the generated ids only, even with ``echo``; in a strea
 new ones). ``return_tokens_as_token_ids``, ``include_stop_str_in_output`` and
 ``stream_options.continuous_usage_stats`` are shared with chat (``paged_serve.server.reply``,
 ``paged_serve.server.logprobs``); the documented fields this server does not implement are refused
-by ``paged_serve.server.unsupported_fields``.
+by ``paged_serve.server.protocol.unsupported``.
 """
 
 from __future__ import annotations
@@ -37,14 +37,12 @@ from paged_serve.server.sampling import check_sequences, output_limit, sampling_
 from paged_serve.server.sse import respond
 from paged_serve.server.state import OWNER, STATE, ServerState, tenant_cache_salt
 from paged_serve.server.structured import compile_constraint
-from paged_serve.server.unsupported_fields import COMPLETION_REFUSED, refuse_unsupported
 from paged_serve.server.wire import encode, json_response
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_request(request, CompletionRequest)
-    refuse_unsupported(await request.read(), COMPLETION_REFUSED)
     prompts = body.prompts()
     check_sequences(state.limits.max_sequences_per_request, len(prompts), body.n)
     prompt_ids = [await tokenize_prompt(state.engine, p, "prompt") for p in prompts]

@@ -46,14 +46,12 @@ from paged_serve.server.sse import respond
 from paged_serve.server.state import OWNER, STATE, tenant_cache_salt
 from paged_serve.server.structured import compile_constraint
 from paged_serve.server.tools import ToolPlan, conversation, plan_tools, with_tool_plan
-from paged_serve.server.unsupported_fields import RESPONSES_REFUSED, refuse_unsupported
 from paged_serve.server.wire import json_response
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_request(request, ResponsesRequest)
-    refuse_unsupported(await request.read(), RESPONSES_REFUSED)
     owner = request.get(OWNER)
     runs = request.app[BACKGROUND]
     if body.background:

@@ -90,7 +90,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     object then reports.
 
     Fields of OpenAI's reference that this server does not implement are refused when set to
-    anything but their default (``unsupported_fields.RESPONSES_REFUSED``): a request that asks for a
+    anything but their default (``unsupported.RESPONSES_REFUSED``): a request that asks for a
     conversation object, a prompt template, reasoning, truncation, moderation or compaction must not
     silently get something else. Hints that change nothing in the output by the reference's own
     account (``user``, ``safety_identifier``, ``prompt_cache_key``, ``prompt_cache_retention``,
@@ -158,7 +158,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
             )
 
     def _check_unsupported(self) -> None:
-        """``text.verbosity`` (the table-driven refusals are ``unsupported_fields``)."""
+        """``text.verbosity`` (the table-driven refusals are ``unsupported``)."""
         if self.text is not None and self.text.verbosity not in (None, "medium"):
             raise bad_request(
                 "text.verbosity is not supported by this server: only the default, 'medium'",

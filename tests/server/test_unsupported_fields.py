@@ -1,12 +1,16 @@
 """Documented chat/completions fields this server does not implement are a 400 naming the
-field when set (``paged_serve.server.unsupported_fields``); their "not used" values, the fields
+field when set (``paged_serve.server.protocol.unsupported``); their "not used" values, the fields
 OpenAI lets a server ignore, and unknown names are served."""
 
 from __future__ import annotations
 
 import pytest
 
-from paged_serve.server.unsupported_fields import CHAT_REFUSED, COMPLETION_REFUSED, IGNORED_BY_SPEC
+from paged_serve.server.protocol.unsupported import (
+    CHAT_REFUSED,
+    COMPLETION_REFUSED,
+    IGNORED_BY_SPEC,
+)
 from tests.server.conftest import assert_error, http
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}

@@ -8,20 +8,23 @@ endpoint's refused fields to a ``Refused`` (the values that mean "not used": the
 lists the fields OpenAI documents as hints a server may ignore (accepted, unused). Any other
 unknown name is ignored, as OpenAI does (msgspec skips it).
 
-``refuse_unsupported`` decodes the body a second time, into a Struct of just the refused fields
-(msgspec skips the rest): the request Structs then hold only fields that do something.
+The request Structs hold only fields that do something. A body is decoded once, into
+``refusing(struct, table)``: the request Struct with one more field per refused name (any JSON
+value, ``UNSET`` when absent), which ``refuse_unsupported`` then reads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from msgspec import UNSET
 
 from paged_serve.server.protocol.errors import bad_request
+
+StructT = TypeVar("StructT", bound=msgspec.Struct)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,19 +118,32 @@ IGNORED_BY_SPEC = (
 )
 
 
+def refusing(struct: type[StructT], table: dict[str, Refused]) -> type[StructT]:
+    """``struct`` with a field for each name of ``table`` (any JSON value; absent: UNSET): one
+    decode into it gives the request and what ``refuse_unsupported`` reads."""
+    return _refusing(struct, tuple(table))
+
+
 @cache
-def _fields_struct(names: tuple[str, ...]) -> type[msgspec.Struct]:
-    """A Struct of just ``names`` (any JSON value; absent: UNSET)."""
-    return msgspec.defstruct("RefusedFields", [(name, Any, UNSET) for name in names], kw_only=True)
+def _refusing(struct: type[StructT], names: tuple[str, ...]) -> type[StructT]:
+    served = set(names) & set(struct.__struct_fields__)
+    if served:
+        raise ValueError(f"{struct.__name__} serves {sorted(served)}: they cannot be refused")
+    return msgspec.defstruct(
+        struct.__name__,
+        [(name, Any, UNSET) for name in names],
+        bases=(struct,),
+        module=struct.__module__,
+        kw_only=True,
+    )
 
 
-def refuse_unsupported(body: bytes, table: dict[str, Refused]) -> None:
+def refuse_unsupported(body: msgspec.Struct, table: dict[str, Refused]) -> None:
     """Raise APIError (400, param = the field) for the first field of ``table`` that ``body``
-    (JSON already decoded once, so known to be valid) sets to a value other than null or one
-    of its ``unused`` values."""
-    fields = msgspec.json.decode(body, type=_fields_struct(tuple(table)))
+    (decoded into ``refusing(type, table)``) sets to a value other than null or one of its
+    ``unused`` values."""
     for name, refused in table.items():
-        value = getattr(fields, name)
+        value = getattr(body, name)
         if value is UNSET or value is None or _is_unused(value, refused.unused):
             continue
         unused = " or ".join(["null", *(msgspec.json.encode(v).decode() for v in refused.unused)])
