@@ -12,18 +12,18 @@ Routes::
     POST /flush_cache, /reset_prefix_cache                    (server.worker_api: routers)
     GET  /, /dashboard                GET  /v1/engine/state    (server.dashboard)
 
-Every failure leaves as the OpenAI error object (``paged_serve.server.errors``): the error
+Every failure leaves as the OpenAI error object (``paged_serve.server.http.errors``): the error
 middleware catches our APIError, aiohttp's HTTP exceptions (unknown route 404, wrong method 405,
 body over ``client_max_size`` 413) and anything unexpected (500 with a generic message; the
 traceback goes to the log, never to the client). Then the browser guard refuses what a web page
 could make a visitor's browser send - a rebound Host, a cross-site Origin, a body that is not JSON
-(``paged_serve.server.browser_guard``). With API keys set, every ``/v1`` route needs
+(``paged_serve.server.http.browser_guard``). With API keys set, every ``/v1`` route needs
 ``Authorization: Bearer <key>``, and so do the tokenizer routes, the two cache resets and
 ``/health_generate`` (it runs the model); ``/health``, ``/metrics`` and the routers' read-only
 worker routes stay open. Then the body middleware reads the whole body within
 ``ServerLimits.body_timeout_s`` (408 and the connection closed otherwise) and marks the
 connection busy for the connection guard while the handler runs
-(``paged_serve.server.connections``).
+(``paged_serve.server.http.connections``).
 
 The runner cancels a handler whose client disconnects (``handler_cancellation``), which aborts
 its engine requests (background responses run in tasks of their own, which it does not touch);
@@ -45,17 +45,18 @@ from aiohttp import web
 
 from paged_serve.engine.async_engine import AsyncEngine
 from paged_serve.server.background import BACKGROUND, BackgroundRuns
-from paged_serve.server.browser_guard import browser_guard_middleware
 from paged_serve.server.chat import create_chat_completion
 from paged_serve.server.completions import create_completion
-from paged_serve.server.connections import ConnectionGuard, GuardedRunner
 from paged_serve.server.dashboard import add_dashboard
-from paged_serve.server.errors import error_response, from_http_exception
 from paged_serve.server.generation_defaults import NO_DEFAULTS, SamplingDefaults
-from paged_serve.server.limits import ServerLimits
+from paged_serve.server.http.browser_guard import browser_guard_middleware
+from paged_serve.server.http.connections import ConnectionGuard, GuardedRunner
+from paged_serve.server.http.errors import error_response, from_http_exception
+from paged_serve.server.http.limits import ServerLimits
+from paged_serve.server.http.wire import json_response
 from paged_serve.server.metrics import metrics
 from paged_serve.server.models import list_models, retrieve_model
-from paged_serve.server.protocol.errors import APIError
+from paged_serve.server.protocol.errors import APIError, internal_error
 from paged_serve.server.protocol.ops import HealthStatus
 from paged_serve.server.response_store import ResponseStore
 from paged_serve.server.responses import (
@@ -64,10 +65,8 @@ from paged_serve.server.responses import (
     delete_response,
     retrieve_response,
 )
-from paged_serve.server.sse import internal_error
 from paged_serve.server.state import OWNER, STATE, ServerState, key_hash
 from paged_serve.server.tokenize import TOKENIZER_PATHS, add_tokenizer_routes
-from paged_serve.server.wire import json_response
 from paged_serve.server.worker_api import KEYED_PATHS, add_worker_routes
 
 logger = logging.getLogger(__name__)

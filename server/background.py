@@ -40,11 +40,11 @@ from collections.abc import AsyncGenerator
 from aiohttp import web
 
 from paged_serve.server.generation import Generation
-from paged_serve.server.protocol.errors import SERVER_ERROR, APIError, bad_request
+from paged_serve.server.http.sse import frame
+from paged_serve.server.protocol.errors import SERVER_ERROR, APIError, bad_request, internal_error
 from paged_serve.server.protocol.responses import ErrorEvent, Response, ResponseEvent
 from paged_serve.server.response_reply import ResponseReply
 from paged_serve.server.response_stream import ResponseStream
-from paged_serve.server.sse import frame, internal_error
 
 logger = logging.getLogger(__name__)
 

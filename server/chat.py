@@ -32,8 +32,10 @@ from aiohttp import web
 from msgspec import UNSET, UnsetType
 
 from paged_serve.engine.outputs import TokenLogprob
-from paged_serve.server.bodies import read_request
 from paged_serve.server.generation import Generation, Job, start_generation
+from paged_serve.server.http.bodies import read_request
+from paged_serve.server.http.sse import respond
+from paged_serve.server.http.wire import encode, json_response
 from paged_serve.server.logprobs import chat_logprobs, check_prompt_logprobs_size, prompt_logprobs
 from paged_serve.server.prompts import chat_prompt_ids, message_text, off_loop
 from paged_serve.server.protocol.chat import (
@@ -49,7 +51,6 @@ from paged_serve.server.protocol.logprobs import ChatLogprobs
 from paged_serve.server.reasoning import REASONING_PARSERS, Qwen3ReasoningParser, ReasoningStream
 from paged_serve.server.reply import ChoiceReply
 from paged_serve.server.sampling import check_sequences, output_limit, sampling_params
-from paged_serve.server.sse import respond
 from paged_serve.server.state import OWNER, STATE, ServerState, tenant_cache_salt
 from paged_serve.server.structured import compile_constraint
 from paged_serve.server.tool_stream import ToolCallStream, call_delta_batches
@@ -61,7 +62,6 @@ from paged_serve.server.tools import (
     reply_message,
     with_tool_plan,
 )
-from paged_serve.server.wire import encode, json_response
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:

@@ -32,7 +32,7 @@ from paged_serve.server.generation_defaults import (
     SamplingDefaults,
     load_sampling_defaults,
 )
-from paged_serve.server.limits import ServerLimits
+from paged_serve.server.http.limits import ServerLimits
 from paged_serve.server.reasoning import REASONING_PARSERS
 from paged_serve.server.state import STATE
 from paged_serve.server.tool_parsers import PARSERS

@@ -26,18 +26,18 @@ from aiohttp import web
 from msgspec import UNSET, UnsetType
 
 from paged_serve.engine.outputs import TokenLogprob
-from paged_serve.server.bodies import read_request
 from paged_serve.server.generation import Choice, Generation, Job, start_generation
+from paged_serve.server.http.bodies import read_request
+from paged_serve.server.http.sse import respond
+from paged_serve.server.http.wire import encode, json_response
 from paged_serve.server.logprobs import ChoiceLogprobs, check_prompt_logprobs_size, prompt_logprobs
 from paged_serve.server.prompts import off_loop, tokenize_prompt
 from paged_serve.server.protocol.completions import Completion, CompletionChoice, CompletionRequest
 from paged_serve.server.protocol.logprobs import CompletionLogprobs
 from paged_serve.server.reply import ChoiceReply
 from paged_serve.server.sampling import check_sequences, output_limit, sampling_params
-from paged_serve.server.sse import respond
 from paged_serve.server.state import OWNER, STATE, ServerState, tenant_cache_salt
 from paged_serve.server.structured import compile_constraint
-from paged_serve.server.wire import encode, json_response
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:

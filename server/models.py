@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from paged_serve.server.http.wire import json_response
 from paged_serve.server.protocol.models import ModelCard, ModelList
 from paged_serve.server.state import STATE, ServerState
-from paged_serve.server.wire import json_response
 
 
 def _card(state: ServerState, name: str) -> ModelCard:

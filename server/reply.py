@@ -25,9 +25,9 @@ from msgspec import UNSET
 
 from paged_serve.engine.outputs import RequestOutput
 from paged_serve.server.generation import Choice, Generation
+from paged_serve.server.http.sse import frame
 from paged_serve.server.protocol.common import ChoiceList, PromptTokensDetails, Usage
 from paged_serve.server.protocol.sampling import SamplingFields
-from paged_serve.server.sse import frame
 from paged_serve.server.state import ServerState
 
 ReplyT = TypeVar("ReplyT", bound=ChoiceList)

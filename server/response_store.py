@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from paged_serve.server.wire import encode
+from paged_serve.server.http.wire import encode
 
 
 @dataclass(frozen=True, slots=True)

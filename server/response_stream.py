@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 
-from paged_serve.server import sse
 from paged_serve.server.generation import Generation
+from paged_serve.server.http import sse
 from paged_serve.server.protocol.errors import APIError
 from paged_serve.server.protocol.logprobs import ChatTokenLogprob
 from paged_serve.server.protocol.responses import (

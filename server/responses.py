@@ -32,8 +32,10 @@ import msgspec
 from aiohttp import web
 
 from paged_serve.server.background import BACKGROUND
-from paged_serve.server.bodies import read_request
 from paged_serve.server.generation import Job, start_generation
+from paged_serve.server.http.bodies import read_request
+from paged_serve.server.http.sse import respond
+from paged_serve.server.http.wire import json_response
 from paged_serve.server.prompts import chat_prompt_ids
 from paged_serve.server.protocol.chat import ChatMessage
 from paged_serve.server.protocol.errors import APIError, bad_request
@@ -42,11 +44,9 @@ from paged_serve.server.response_reply import ResponseReply
 from paged_serve.server.response_stream import ResponseStream
 from paged_serve.server.response_tools import chat_tool_choice, chat_tools, input_messages
 from paged_serve.server.sampling import output_limit, responses_params
-from paged_serve.server.sse import respond
 from paged_serve.server.state import OWNER, STATE, tenant_cache_salt
 from paged_serve.server.structured import compile_constraint
 from paged_serve.server.tools import ToolPlan, conversation, plan_tools, with_tool_plan
-from paged_serve.server.wire import json_response
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from paged_serve.server.http.wire import json_response
 from paged_serve.server.prompts import chat_message, chat_prompt_ids, tokenize_prompt
 from paged_serve.server.protocol.decode import decode
 from paged_serve.server.protocol.errors import bad_request
@@ -25,7 +26,6 @@ from paged_serve.server.protocol.tokenize import (
     TokenizerInfo,
 )
 from paged_serve.server.state import STATE, ServerState
-from paged_serve.server.wire import json_response
 
 
 def _tokenizer(state: ServerState) -> object:

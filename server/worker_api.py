@@ -33,10 +33,10 @@ from aiohttp import web
 from paged_serve.engine.async_engine import EngineDeadError
 from paged_serve.engine.sampling_params import SamplingParams
 from paged_serve.server.generation import Job, engine_dead, start_generation
+from paged_serve.server.http.wire import json_response
 from paged_serve.server.protocol.errors import SERVER_ERROR, APIError
 from paged_serve.server.protocol.ops import FlushResult, LoadInfo, ModelInfo, ServerInfo
 from paged_serve.server.state import STATE, ServerState
-from paged_serve.server.wire import json_response
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # seconds a one-token health generation may take
 CACHE_PATHS = frozenset({"/flush_cache", "/reset_prefix_cache"})

@@ -108,8 +108,8 @@ def test_a_source_tree_with_no_install_serves_the_package(tmp_path):
     installed copy) gives the whole package from the checkout."""
     (tmp_path / "paged_serve").symlink_to(ROOT / "engine" / "paged_serve")
     code = (
-        "import paged_serve, paged_serve.kernels.reference as r, paged_serve.server.sse as s; "
-        "print(paged_serve.__file__, r.__file__, s.__file__)"
+        "import paged_serve, paged_serve.kernels.reference as r, "
+        "paged_serve.server.http.sse as s; print(paged_serve.__file__, r.__file__, s.__file__)"
     )
     result = subprocess.run(
         [sys.executable, "-c", code],
@@ -123,5 +123,5 @@ def test_a_source_tree_with_no_install_serves_the_package(tmp_path):
     assert root == str(tmp_path / "paged_serve" / "__init__.py")
     assert (reference, sse) == (
         str(ROOT / "kernels" / "reference.py"),
-        str(ROOT / "server" / "sse.py"),
+        str(ROOT / "server" / "http" / "sse.py"),
     )

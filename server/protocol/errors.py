@@ -6,9 +6,9 @@ Every failure the server reports has the same body, whatever its status::
 
 ``APIError`` carries that object plus the HTTP status; the error middleware in
 ``paged_serve.server.app`` turns it (and aiohttp's own HTTP exceptions, msgspec decode errors and
-unexpected exceptions) into a JSON response (``paged_serve.server.errors``). Streams that already
-sent their headers send the same object as an SSE frame instead. ``param`` and ``code`` are always
-present, ``null`` when there is none.
+unexpected exceptions) into a JSON response (``paged_serve.server.http.errors``). Streams that
+already sent their headers send the same object as an SSE frame instead. ``param`` and ``code``
+are always present, ``null`` when there is none.
 """
 
 from __future__ import annotations
@@ -73,6 +73,11 @@ def queue_full(exc: Exception) -> APIError:
     """503 ``queue_full``: a queue the request needs (waiting requests, grammar compiles) is
     at its limit; ``exc`` says which."""
     return APIError(503, f"the server is overloaded: {exc}", type=SERVER_ERROR, code="queue_full")
+
+
+def internal_error() -> APIError:
+    """500 for what nobody expected; the traceback goes to the log, never to the client."""
+    return APIError(500, "internal server error", type=SERVER_ERROR)
 
 
 def from_decode_error(exc: msgspec.DecodeError) -> APIError:

@@ -1,8 +1,8 @@
 """The value constraints of request fields, as ``msgspec.Meta`` on annotated types.
 
 Decoding checks them, so a bad value is reported with the exact field name
-(``paged_serve.server.errors.from_decode_error``); rules that involve several fields are ``check()``
-methods on the request Structs.
+(``paged_serve.server.protocol.errors.from_decode_error``); rules that involve several fields are
+``check()`` methods on the request Structs.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from aiohttp import web
 from paged_serve.engine.async_engine import AsyncEngine
 from paged_serve.server.app import create_app
 from paged_serve.server.cli import build_parser, limits_from_args, main
-from paged_serve.server.connections import ConnectionGuard
-from paged_serve.server.limits import ServerLimits
+from paged_serve.server.http.connections import ConnectionGuard
+from paged_serve.server.http.limits import ServerLimits
 from tests.reliability.conftest import assert_error_object, check_success, request
 from tests.server.conftest import ServerThread
 

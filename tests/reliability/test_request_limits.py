@@ -11,7 +11,7 @@ import pytest
 from paged_serve.engine.async_engine import AsyncEngine
 from paged_serve.server.app import create_app
 from paged_serve.server.cli import build_parser, limits_from_args, main
-from paged_serve.server.limits import ServerLimits
+from paged_serve.server.http.limits import ServerLimits
 from paged_serve.server.state import STATE, ServerState
 from tests.reliability.conftest import (
     assert_error_object,

@@ -22,10 +22,10 @@ import pytest
 from aiohttp import web
 
 from paged_serve.engine.async_engine import AsyncEngine
-from paged_serve.server import connections
 from paged_serve.server.app import create_app
 from paged_serve.server.cli import build_parser, limits_from_args, main
-from paged_serve.server.limits import ServerLimits
+from paged_serve.server.http import connections
+from paged_serve.server.http.limits import ServerLimits
 from paged_serve.server.state import STATE, ServerState
 from perf.serving.load_test import AbortRecorder
 from tests.reliability.conftest import request, wait_engine_idle

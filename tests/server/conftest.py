@@ -24,7 +24,7 @@ from paged_serve.engine.async_engine import AsyncEngine
 from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.model.loader import LoadedModel
 from paged_serve.server.app import create_app, make_runner
-from paged_serve.server.limits import ServerLimits
+from paged_serve.server.http.limits import ServerLimits
 
 KV_CACHE_BYTES = 64 << 20
 MAX_MODEL_LEN = 1024

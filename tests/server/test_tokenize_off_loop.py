@@ -61,7 +61,7 @@ def test_health_answers_while_a_prompt_is_tokenized(
 def big_body_url(engine, server_thread) -> str:
     """A server on the same engine whose body limit admits a text longer than the context."""
     from paged_serve.server.app import create_app
-    from paged_serve.server.limits import ServerLimits
+    from paged_serve.server.http.limits import ServerLimits
 
     limit = 4 * max_chars(engine) + (1 << 20)
     return server_thread.serve(

@@ -21,7 +21,7 @@ from paged_serve.engine.async_engine import AsyncEngine
 from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.model.loader import LoadedModel
 from paged_serve.server.app import create_app
-from paged_serve.server.limits import ServerLimits
+from paged_serve.server.http.limits import ServerLimits
 from tests.server.conftest import (  # noqa: F401  (pool_clean re-registered for this folder)
     KV_CACHE_BYTES,
     MAX_BODY_BYTES,

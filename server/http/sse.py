@@ -15,7 +15,7 @@ outputs pile up unseen behind a blocked write: they pile up here, counted. Once 
 unsent bytes pass ``ServerLimits.max_unsent_bytes`` the client is too far behind to be
 waited for: the connection is reset (the unsent bytes dropped, the kernel's too) and the
 handler returns, which aborts its engine requests. A write that makes no progress at all is
-cut by the connection's write timeout (``paged_serve.server.connections``).
+cut by the connection's write timeout (``paged_serve.server.http.connections``).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from collections.abc import AsyncGenerator, Callable
 
 from aiohttp import web
 
-from paged_serve.server.connections import drop_connection
-from paged_serve.server.protocol.errors import SERVER_ERROR, APIError
+from paged_serve.server.http.connections import drop_connection
+from paged_serve.server.http.wire import encode
+from paged_serve.server.protocol.errors import APIError, internal_error
 from paged_serve.server.state import STATE
-from paged_serve.server.wire import encode
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +49,6 @@ def frame(data: object, event: str | None = None) -> bytes:
 def error_frame(err: APIError) -> bytes:
     """The chat/completions stream's error frame: ``data: {"error": {...}}``."""
     return frame(err.body())
-
-
-def internal_error() -> APIError:
-    return APIError(500, "internal server error", type=SERVER_ERROR)
 
 
 class UnsentOverflow(Exception):

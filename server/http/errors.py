@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from paged_serve.server.http.wire import json_response
 from paged_serve.server.protocol.errors import INVALID_REQUEST, SERVER_ERROR, APIError
-from paged_serve.server.wire import json_response
 
 
 def error_response(err: APIError) -> web.Response:

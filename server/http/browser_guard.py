@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import hdrs, web
 from yarl import URL
 
-from paged_serve.server.connections import is_loopback_address
+from paged_serve.server.http.connections import is_loopback_address
 from paged_serve.server.protocol.errors import APIError
 from paged_serve.server.state import STATE
 

@@ -12,7 +12,7 @@ Slow clients are bounded four ways (docs/reliability.md):
   high-water mark (64 KiB); a connection whose writes stay paused for ``write_timeout_s``
   without its buffer shrinking is aborted here (``_WriteWatch``), whatever was writing - a
   stream, a whole body - and aborting it cancels the handler, whose requests are aborted.
-  ``paged_serve.server.sse`` bounds, besides, what a stream may hold unsent.
+  ``paged_serve.server.http.sse`` bounds, besides, what a stream may hold unsent.
 
 The guard is the protocol factory the runner's sites accept through. It keeps every open
 connection in one ordered map, least recently idle first, each marked busy while the app runs
@@ -47,8 +47,8 @@ from typing import Any, cast
 
 from aiohttp import web
 
+from paged_serve.server.http.wire import encode
 from paged_serve.server.protocol.errors import SERVER_ERROR, APIError
-from paged_serve.server.wire import encode
 
 logger = logging.getLogger(__name__)
 

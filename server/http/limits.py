@@ -54,7 +54,7 @@ class ServerLimits:
     allowed_hosts: host names (no port) a request's Host header may carry besides the loopback
         ones, when the server listens on loopback only; and Origin hosts trusted besides the
         server's own. ``"*"`` turns the Host and Origin checks off
-        (``paged_serve.server.browser_guard``).
+        (``paged_serve.server.http.browser_guard``).
     """
 
     max_request_bytes: int = 1 << 20
