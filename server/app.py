@@ -48,7 +48,7 @@ from paged_serve.server.background import BACKGROUND, BackgroundRuns
 from paged_serve.server.chat import create_chat_completion
 from paged_serve.server.completions import create_completion
 from paged_serve.server.dashboard import add_dashboard
-from paged_serve.server.generation_defaults import NO_DEFAULTS, SamplingDefaults
+from paged_serve.server.generation.defaults import NO_DEFAULTS, SamplingDefaults
 from paged_serve.server.http.browser_guard import browser_guard_middleware
 from paged_serve.server.http.connections import ConnectionGuard, GuardedRunner
 from paged_serve.server.http.errors import error_response, from_http_exception
@@ -163,7 +163,7 @@ def create_app(
     """The app serving ``engine`` within ``limits`` (default: ``ServerLimits()``), with the
     dashboard page and its state endpoint unless ``dashboard`` is False. ``served_model_name``
     may be several names (replies carry the first); ``sampling_defaults`` fill the sampling
-    fields a request leaves out (``paged_serve.server.generation_defaults``). The caller owns the
+    fields a request leaves out (``paged_serve.server.generation.defaults``). The caller owns the
     engine (and shuts it down). Serve it with ``make_runner``, which applies the connection
     limits."""
     if any(not key for key in api_keys):

@@ -39,7 +39,7 @@ from collections.abc import AsyncGenerator
 
 from aiohttp import web
 
-from paged_serve.server.generation import Generation
+from paged_serve.server.generation.run import Generation
 from paged_serve.server.http.sse import frame
 from paged_serve.server.protocol.errors import SERVER_ERROR, APIError, bad_request, internal_error
 from paged_serve.server.protocol.responses import ErrorEvent, Response, ResponseEvent

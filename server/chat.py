@@ -18,8 +18,8 @@ reply continues that message's role (in a stream, as a content delta right after
 delta); the echoed text has no logprobs, as in vLLM. ``return_token_ids``,
 ``return_tokens_as_token_ids``, ``include_stop_str_in_output`` and
 ``stream_options.continuous_usage_stats`` are vLLM's, shared with completions
-(``paged_serve.server.reply``, ``paged_serve.server.logprobs``); the documented fields this server
-does not implement are refused by ``paged_serve.server.protocol.unsupported``.
+(``paged_serve.server.reply``, ``paged_serve.server.generation.logprobs``); the documented
+fields this server does not implement are refused by ``paged_serve.server.protocol.unsupported``.
 """
 
 from __future__ import annotations
@@ -32,12 +32,18 @@ from aiohttp import web
 from msgspec import UNSET, UnsetType
 
 from paged_serve.engine.outputs import TokenLogprob
-from paged_serve.server.generation import Generation, Job, start_generation
+from paged_serve.server.generation.logprobs import (
+    chat_logprobs,
+    check_prompt_logprobs_size,
+    prompt_logprobs,
+)
+from paged_serve.server.generation.prompts import chat_prompt_ids, message_text, off_loop
+from paged_serve.server.generation.run import Generation, Job, start_generation
+from paged_serve.server.generation.sampling import check_sequences, output_limit, sampling_params
+from paged_serve.server.generation.structured import compile_constraint
 from paged_serve.server.http.bodies import read_request
 from paged_serve.server.http.sse import respond
 from paged_serve.server.http.wire import encode, json_response
-from paged_serve.server.logprobs import chat_logprobs, check_prompt_logprobs_size, prompt_logprobs
-from paged_serve.server.prompts import chat_prompt_ids, message_text, off_loop
 from paged_serve.server.protocol.chat import (
     AssistantMessage,
     ChatChoice,
@@ -50,9 +56,7 @@ from paged_serve.server.protocol.chat import (
 from paged_serve.server.protocol.logprobs import ChatLogprobs
 from paged_serve.server.reasoning import REASONING_PARSERS, Qwen3ReasoningParser, ReasoningStream
 from paged_serve.server.reply import ChoiceReply
-from paged_serve.server.sampling import check_sequences, output_limit, sampling_params
 from paged_serve.server.state import OWNER, STATE, ServerState, tenant_cache_salt
-from paged_serve.server.structured import compile_constraint
 from paged_serve.server.tool_stream import ToolCallStream, call_delta_batches
 from paged_serve.server.tools import (
     ToolPlan,

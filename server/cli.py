@@ -26,7 +26,7 @@ from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.parallel.workers import TensorParallelError
 from paged_serve.engine.sampling_params import MAX_LOGPROBS
 from paged_serve.server.app import create_app, make_runner
-from paged_serve.server.generation_defaults import (
+from paged_serve.server.generation.defaults import (
     NO_DEFAULTS,
     SOURCES,
     SamplingDefaults,

@@ -13,8 +13,8 @@ vLLM's ``return_token_ids`` adds each choice's ``prompt_token_ids`` (in a stream
 chunk) and ``token_ids`` (the generated ids only, even with ``echo``; in a stream, each chunk's
 new ones). ``return_tokens_as_token_ids``, ``include_stop_str_in_output`` and
 ``stream_options.continuous_usage_stats`` are shared with chat (``paged_serve.server.reply``,
-``paged_serve.server.logprobs``); the documented fields this server does not implement are refused
-by ``paged_serve.server.protocol.unsupported``.
+``paged_serve.server.generation.logprobs``); the documented fields this server does not
+implement are refused by ``paged_serve.server.protocol.unsupported``.
 """
 
 from __future__ import annotations
@@ -26,18 +26,22 @@ from aiohttp import web
 from msgspec import UNSET, UnsetType
 
 from paged_serve.engine.outputs import TokenLogprob
-from paged_serve.server.generation import Choice, Generation, Job, start_generation
+from paged_serve.server.generation.logprobs import (
+    ChoiceLogprobs,
+    check_prompt_logprobs_size,
+    prompt_logprobs,
+)
+from paged_serve.server.generation.prompts import off_loop, tokenize_prompt
+from paged_serve.server.generation.run import Choice, Generation, Job, start_generation
+from paged_serve.server.generation.sampling import check_sequences, output_limit, sampling_params
+from paged_serve.server.generation.structured import compile_constraint
 from paged_serve.server.http.bodies import read_request
 from paged_serve.server.http.sse import respond
 from paged_serve.server.http.wire import encode, json_response
-from paged_serve.server.logprobs import ChoiceLogprobs, check_prompt_logprobs_size, prompt_logprobs
-from paged_serve.server.prompts import off_loop, tokenize_prompt
 from paged_serve.server.protocol.completions import Completion, CompletionChoice, CompletionRequest
 from paged_serve.server.protocol.logprobs import CompletionLogprobs
 from paged_serve.server.reply import ChoiceReply
-from paged_serve.server.sampling import check_sequences, output_limit, sampling_params
 from paged_serve.server.state import OWNER, STATE, ServerState, tenant_cache_salt
-from paged_serve.server.structured import compile_constraint
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:

@@ -24,7 +24,7 @@ from typing import TypeVar
 from msgspec import UNSET
 
 from paged_serve.engine.outputs import RequestOutput
-from paged_serve.server.generation import Choice, Generation
+from paged_serve.server.generation.run import Choice, Generation
 from paged_serve.server.http.sse import frame
 from paged_serve.server.protocol.common import ChoiceList, PromptTokensDetails, Usage
 from paged_serve.server.protocol.sampling import SamplingFields

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import msgspec
 
 from paged_serve.engine.outputs import TokenLogprob
-from paged_serve.server.generation import Generation
-from paged_serve.server.logprobs import chat_logprobs
+from paged_serve.server.generation.logprobs import chat_logprobs
+from paged_serve.server.generation.run import Generation
 from paged_serve.server.protocol.errors import APIError
 from paged_serve.server.protocol.logprobs import ChatTokenLogprob
 from paged_serve.server.protocol.responses import (

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 
-from paged_serve.server.generation import Generation
+from paged_serve.server.generation.run import Generation
 from paged_serve.server.http import sse
 from paged_serve.server.protocol.errors import APIError
 from paged_serve.server.protocol.logprobs import ChatTokenLogprob

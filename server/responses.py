@@ -16,7 +16,7 @@ a forced reply's output is empty).
 ``include: ["message.output_text.logprobs"]`` (with ``top_logprobs`` alternatives, 0-20) gives
 the ``output_text`` part, each ``response.output_text.delta`` (its own tokens) and
 ``response.output_text.done`` a ``logprobs`` list of chat-shaped token entries
-(``paged_serve.server.logprobs``); a delta may carry tokens whose text is still held back
+(``paged_serve.server.generation.logprobs``); a delta may carry tokens whose text is still held back
 (part of a UTF-8 character), so the deltas' lists concatenate to the part's. Not with
 function tools that may be called (which tokens make the text is then the parser's business):
 a 400 naming ``include``.
@@ -32,20 +32,20 @@ import msgspec
 from aiohttp import web
 
 from paged_serve.server.background import BACKGROUND
-from paged_serve.server.generation import Job, start_generation
+from paged_serve.server.generation.prompts import chat_prompt_ids
+from paged_serve.server.generation.run import Job, start_generation
+from paged_serve.server.generation.sampling import output_limit, responses_params
+from paged_serve.server.generation.structured import compile_constraint
 from paged_serve.server.http.bodies import read_request
 from paged_serve.server.http.sse import respond
 from paged_serve.server.http.wire import json_response
-from paged_serve.server.prompts import chat_prompt_ids
 from paged_serve.server.protocol.chat import ChatMessage
 from paged_serve.server.protocol.errors import APIError, bad_request
 from paged_serve.server.protocol.responses import ResponseDeleted, ResponsesRequest
 from paged_serve.server.response_reply import ResponseReply
 from paged_serve.server.response_stream import ResponseStream
 from paged_serve.server.response_tools import chat_tool_choice, chat_tools, input_messages
-from paged_serve.server.sampling import output_limit, responses_params
 from paged_serve.server.state import OWNER, STATE, tenant_cache_salt
-from paged_serve.server.structured import compile_constraint
 from paged_serve.server.tools import ToolPlan, conversation, plan_tools, with_tool_plan
 
 

@@ -12,7 +12,7 @@ import msgspec
 from aiohttp import web
 
 from paged_serve.engine.async_engine import AsyncEngine
-from paged_serve.server.generation_defaults import NO_DEFAULTS, SamplingDefaults
+from paged_serve.server.generation.defaults import NO_DEFAULTS, SamplingDefaults
 from paged_serve.server.http.connections import ConnectionGuard
 from paged_serve.server.http.limits import ServerLimits
 from paged_serve.server.protocol.errors import SERVER_ERROR, APIError

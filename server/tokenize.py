@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from paged_serve.server.generation.prompts import chat_message, chat_prompt_ids, tokenize_prompt
 from paged_serve.server.http.wire import json_response
-from paged_serve.server.prompts import chat_message, chat_prompt_ids, tokenize_prompt
 from paged_serve.server.protocol.decode import decode
 from paged_serve.server.protocol.errors import bad_request
 from paged_serve.server.protocol.tokenize import (

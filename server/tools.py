@@ -39,7 +39,7 @@ import msgspec
 
 from paged_serve.engine.grammar.structured_output import StructuredOutput
 from paged_serve.engine.sampling_params import SamplingParams
-from paged_serve.server.prompts import ROLES, message_text
+from paged_serve.server.generation.prompts import ROLES, message_text
 from paged_serve.server.protocol.errors import bad_request
 from paged_serve.server.protocol.tools import (
     FunctionCall,

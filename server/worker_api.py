@@ -32,7 +32,7 @@ from aiohttp import web
 
 from paged_serve.engine.async_engine import EngineDeadError
 from paged_serve.engine.sampling_params import SamplingParams
-from paged_serve.server.generation import Job, engine_dead, start_generation
+from paged_serve.server.generation.run import Job, engine_dead, start_generation
 from paged_serve.server.http.wire import json_response
 from paged_serve.server.protocol.errors import SERVER_ERROR, APIError
 from paged_serve.server.protocol.ops import FlushResult, LoadInfo, ModelInfo, ServerInfo

@@ -11,7 +11,7 @@ Chat, ``ChatLogprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logpro
 vLLM's ``prompt_logprobs``, ``PromptLogprobs``: one entry per prompt token, ``null`` for the
 first, else ``{token_id: {"logprob", "rank", "decoded_token"}}``.
 
-How they are filled in is ``paged_serve.server.logprobs``.
+How they are filled in is ``paged_serve.server.generation.logprobs``.
 """
 
 from __future__ import annotations

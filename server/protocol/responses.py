@@ -118,7 +118,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     text: ResponsesText | None = None
     include: list[str] | None = None
     top_logprobs: ChatTopLogprobCount | None = None
-    cache_salt: CacheSalt | None = None  # vLLM's prefix-cache partition (server.generation)
+    cache_salt: CacheSalt | None = None  # vLLM's prefix-cache partition (server.generation.run)
     # accepted and ignored: caching, abuse-detection and billing hints
     safety_identifier: User | None = None
     prompt_cache_key: str | None = None

@@ -2,7 +2,7 @@
 cannot express (``check_sampling``).
 
 How they become the engine's ``SamplingParams`` (OpenAI's defaults, the vocabulary checks, the
-output constraint) is ``paged_serve.server.sampling``.
+output constraint) is ``paged_serve.server.generation.sampling``.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
     Fields OpenAI documents as nullable accept ``null`` and take their default
     (``__post_init__`` fills it in for the fields read directly;
-    ``paged_serve.server.sampling.sampling_params`` for the rest).
+    ``paged_serve.server.generation.sampling.sampling_params`` for the rest).
     """
 
     model: str | None = None
@@ -95,7 +95,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool | None = False
     return_token_ids: bool | None = False  # prompt and completion token ids in the reply
     return_tokens_as_token_ids: bool | None = False  # logprob tokens as "token_id:<id>"
-    cache_salt: CacheSalt | None = None  # a prefix-cache partition (server.generation)
+    cache_salt: CacheSalt | None = None  # a prefix-cache partition (server.generation.run)
 
     def __post_init__(self) -> None:
         self.n = 1 if self.n is None else self.n

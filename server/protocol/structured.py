@@ -10,7 +10,7 @@ Accepted forms (at most one per request):
 * vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``
   (fields of ``paged_serve.server.protocol.sampling.SamplingFields``).
 
-How each becomes the engine's constraint is ``paged_serve.server.structured``.
+How each becomes the engine's constraint is ``paged_serve.server.generation.structured``.
 """
 
 from __future__ import annotations

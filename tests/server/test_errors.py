@@ -10,11 +10,11 @@ import openai
 import pytest
 
 from paged_serve.engine.async_engine import AsyncEngine, EngineDeadError
+from paged_serve.server.generation.sampling import responses_params, sampling_params
 from paged_serve.server.protocol.chat import ChatCompletionRequest
 from paged_serve.server.protocol.completions import CompletionRequest
 from paged_serve.server.protocol.errors import APIError
 from paged_serve.server.protocol.responses import ResponsesRequest
-from paged_serve.server.sampling import responses_params, sampling_params
 from tests.server.conftest import (
     MAX_BODY_BYTES,
     MAX_MODEL_LEN,

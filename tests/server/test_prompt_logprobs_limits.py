@@ -14,9 +14,9 @@ import aiohttp
 import pytest
 
 from paged_serve.engine.async_engine import AsyncEngine
-from paged_serve.server import logprobs
 from paged_serve.server.app import create_app
 from paged_serve.server.cli import build_parser, limits_from_args, main
+from paged_serve.server.generation import logprobs
 from paged_serve.server.http.limits import ServerLimits
 from tests.server.conftest import ServerThread, assert_error, http
 

@@ -11,7 +11,7 @@ import transformers
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from paged_serve.engine.async_engine import AsyncEngine
-from paged_serve.server.prompts import RESERVED_TEMPLATE_KWARGS
+from paged_serve.server.generation.prompts import RESERVED_TEMPLATE_KWARGS
 from tests.server.conftest import assert_error, http
 
 # What Llama 3.x templates do with the date, a check of the messages that raises, and a

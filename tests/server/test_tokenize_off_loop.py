@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from paged_serve.server.prompts import max_chars
+from paged_serve.server.generation.prompts import max_chars
 from tests.server.conftest import assert_error, http
 
 HOLD_S = 10.0

@@ -15,12 +15,12 @@ from paged_serve.engine.async_engine import AsyncEngine
 from paged_serve.engine.config import EngineConfig
 from paged_serve.server.app import create_app
 from paged_serve.server.cli import build_parser, main
-from paged_serve.server.generation_defaults import SamplingDefaults, load_sampling_defaults
+from paged_serve.server.generation.defaults import SamplingDefaults, load_sampling_defaults
+from paged_serve.server.generation.sampling import output_limit, responses_params, sampling_params
 from paged_serve.server.protocol.chat import ChatCompletionRequest
 from paged_serve.server.protocol.completions import CompletionRequest
 from paged_serve.server.protocol.errors import APIError
 from paged_serve.server.protocol.responses import ResponsesRequest
-from paged_serve.server.sampling import output_limit, responses_params, sampling_params
 from paged_serve.server.vllm_flags import REFUSALS
 from tests.conftest import assert_pool_clean, tiny_model
 from tests.server.conftest import ServerThread, wait_idle

@@ -12,11 +12,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from paged_serve.engine.sampling_params import SamplingParams
-from paged_serve.server.generation_defaults import NO_DEFAULTS, SamplingDefaults
+from paged_serve.server.generation.defaults import NO_DEFAULTS, SamplingDefaults
+from paged_serve.server.generation.structured import from_text_format, request_constraint
 from paged_serve.server.protocol.errors import bad_request
 from paged_serve.server.protocol.responses import ResponsesRequest
 from paged_serve.server.protocol.sampling import SamplingFields
-from paged_serve.server.structured import from_text_format, request_constraint
 
 
 def sampling_params(
