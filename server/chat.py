@@ -54,18 +54,15 @@ from paged_serve.server.protocol.chat import (
     ChatDelta,
 )
 from paged_serve.server.protocol.logprobs import ChatLogprobs
-from paged_serve.server.reasoning import REASONING_PARSERS, Qwen3ReasoningParser, ReasoningStream
 from paged_serve.server.reply import ChoiceReply
 from paged_serve.server.state import OWNER, STATE, ServerState, tenant_cache_salt
-from paged_serve.server.tool_stream import ToolCallStream, call_delta_batches
-from paged_serve.server.tools import (
-    ToolPlan,
-    conversation,
-    finish_reason,
-    plan_tools,
-    reply_message,
-    with_tool_plan,
+from paged_serve.server.tools.planning import ToolPlan, plan_tools
+from paged_serve.server.tools.reasoning import (
+    REASONING_PARSERS,
+    Qwen3ReasoningParser,
+    ReasoningStream,
 )
+from paged_serve.server.tools.streaming import call_delta_batches
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
@@ -76,13 +73,12 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     plan = plan_tools(
         body.tools, body.tool_choice, body.parallel_tool_calls, template, state.tool_call_parser
     )
-    messages = conversation(body.messages, plan)
-    tools = plan.tools if plan.native else None
+    messages = plan.conversation(body.messages)
     prompt_ids = await chat_prompt_ids(
         state.engine,
         messages,
         "messages",
-        tools=tools,
+        tools=plan.template_tools,
         template_kwargs=body.chat_template_kwargs,
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
@@ -108,14 +104,12 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         prompt_logprobs=body.prompt_logprobs,
     )
-    params = with_tool_plan(params, plan, body.constraint_field)
+    params = plan.constrain(params, body.constraint_field)
     if reasoning is not None and params.structured_output is not None:
         after = reasoning.grammar_after(state.engine.tokenizer)
         if after is not None:  # the grammar holds once the reasoning ends
             params = dataclasses.replace(params, structured_output_after=after)
-    await compile_constraint(
-        state.engine, params, "tools" if plan.constraint else body.constraint_field
-    )
+    await compile_constraint(state.engine, params, plan.constraint_param(body.constraint_field))
     jobs = [Job(0, prompt_ids, params)]
     reply = ChatReply(state, body, plan, reasoning, f"chatcmpl-{uuid.uuid4().hex}", prompt_ids)
     salt = tenant_cache_salt(request.get(OWNER), body.cache_salt)
@@ -153,7 +147,7 @@ class ChatReply(ChoiceReply):
         content: str | None = text
         calls: list | UnsetType = UNSET
         if self.plan.parser is not None:
-            content, found = reply_message(self.plan.parser, text)
+            content, found = self.plan.reply(text)
             # a forced reply always has its list, empty when max_tokens cut its only call
             calls = found if self.plan.forced else (found or UNSET)
         if self.echo:
@@ -177,7 +171,7 @@ class ChatReply(ChoiceReply):
                     index=c.index,
                     message=message,
                     logprobs=self._logprobs(c.logprobs) if self.body.logprobs else None,
-                    finish_reason=finish_reason(c.finish_reason, bool(message.tool_calls)),
+                    finish_reason=ToolPlan.finish_reason(c.finish_reason, bool(message.tool_calls)),
                     token_ids=c.token_ids if self.return_token_ids else UNSET,
                 )
             )
@@ -221,8 +215,8 @@ class ChatReply(ChoiceReply):
         return chunks
 
     async def stream(self, generation: Generation) -> AsyncGenerator[bytes, None]:
-        parser = self.plan.parser
-        calls = [ToolCallStream(parser) for _ in range(self.body.n)] if parser else []
+        parsed = self.plan.parser is not None
+        calls = [self.plan.stream() for _ in range(self.body.n)] if parsed else []
         thinking = (
             [ReasoningStream(self.reasoning) for _ in range(self.body.n)] if self.reasoning else []
         )
@@ -249,7 +243,7 @@ class ChatReply(ChoiceReply):
                 first, *rest = call_delta_batches(deltas) or [[]]
                 delta = ChatDelta(content=content or UNSET, tool_calls=first or UNSET)
                 more = [ChatDelta(tool_calls=batch) for batch in rest]
-                finish = finish_reason(finish, calls[index].has_calls)
+                finish = ToolPlan.finish_reason(finish, calls[index].has_calls)
             else:
                 delta = ChatDelta(content=text) if text else ChatDelta()
             if reasoning:

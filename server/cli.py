@@ -33,9 +33,9 @@ from paged_serve.server.generation.defaults import (
     load_sampling_defaults,
 )
 from paged_serve.server.http.limits import ServerLimits
-from paged_serve.server.reasoning import REASONING_PARSERS
 from paged_serve.server.state import STATE
-from paged_serve.server.tool_parsers import PARSERS
+from paged_serve.server.tools.parsers import PARSERS
+from paged_serve.server.tools.reasoning import REASONING_PARSERS
 from paged_serve.server.vllm_flags import add_refused_args
 
 logger = logging.getLogger("server")

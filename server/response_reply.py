@@ -34,7 +34,7 @@ from paged_serve.server.protocol.responses import (
 from paged_serve.server.response_store import StoredResponse
 from paged_serve.server.response_tools import assistant_message, new_item_id
 from paged_serve.server.state import ServerState
-from paged_serve.server.tools import ToolPlan, reply_message
+from paged_serve.server.tools.planning import ToolPlan
 
 
 class ResponseReply:
@@ -174,7 +174,7 @@ class ResponseReply:
         [choice] = await generation.collect()
         content, calls = choice.text, []
         if self.plan.parser is not None:
-            text, tool_calls = reply_message(self.plan.parser, choice.text)
+            text, tool_calls = self.plan.reply(choice.text)
             content = text or ""
             calls = [
                 FunctionCallItem(

@@ -39,7 +39,6 @@ from paged_serve.server.protocol.responses import (
 )
 from paged_serve.server.response_reply import ResponseReply
 from paged_serve.server.response_tools import new_item_id
-from paged_serve.server.tool_stream import ToolCallStream
 
 
 class ResponseStream:
@@ -126,15 +125,15 @@ class ResponseStream:
         """A stream whose reply is parsed for calls: a message item opens with the first
         content, a function_call item with each call, whose argument fragments follow as
         ``response.function_call_arguments.delta`` events as the model writes them
-        (``ToolCallStream``); all close at the end. A call that never became whole closes with
-        status ``incomplete`` and no ``function_call_arguments.done``, and the final response
-        leaves it out, as a whole reply does."""
+        (``tools.streaming.ToolCallStream``); all close at the end. A call that never became
+        whole closes with status ``incomplete`` and no ``function_call_arguments.done``, and the
+        final response leaves it out, as a whole reply does."""
         reply = self.reply
         assert reply.plan.parser is not None
         started = reply.response("in_progress", [], None)
         yield self.frame(ResponseEvent(type="response.created", response=started))
         yield self.frame(ResponseEvent(type="response.in_progress", response=started))
-        parsed = ToolCallStream(reply.plan.parser)
+        parsed = reply.plan.stream()
         message_index: int | None = None
         items: dict[int, tuple[int, FunctionCallItem]] = {}  # call index -> (output index, item)
         finish_reason, cached, next_index = None, 0, 0

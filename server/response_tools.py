@@ -1,4 +1,5 @@
-"""Function tools in the Responses API, mapped onto the chat tools of ``paged_serve.server.tools``.
+"""Function tools in the Responses API, mapped onto the chat tools of
+``paged_serve.server.tools.planning``.
 
 Requests: ``tools`` are flat (``{"type": "function", "name", "description", "parameters"}``),
 a named ``tool_choice`` is ``{"type": "function", "name"}``, and ``input`` items may be

@@ -46,7 +46,7 @@ from paged_serve.server.response_reply import ResponseReply
 from paged_serve.server.response_stream import ResponseStream
 from paged_serve.server.response_tools import chat_tool_choice, chat_tools, input_messages
 from paged_serve.server.state import OWNER, STATE, tenant_cache_salt
-from paged_serve.server.tools import ToolPlan, conversation, plan_tools, with_tool_plan
+from paged_serve.server.tools.planning import ToolPlan, plan_tools
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -90,8 +90,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         )
     names = ["instructions"] * len(system) + ["previous_response_id"] * len(history) + new_params
     messages = _template_messages(system + history + new, plan, names)
-    tools = plan.tools if plan.native else None
-    prompt_ids = await chat_prompt_ids(state.engine, messages, "input", tools=tools)
+    prompt_ids = await chat_prompt_ids(state.engine, messages, "input", tools=plan.template_tools)
     max_tokens = output_limit(
         state.context_limit,
         len(prompt_ids),
@@ -99,12 +98,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         "input",
         state.sampling_defaults.max_tokens,
     )
-    params = with_tool_plan(
-        responses_params(body, max_tokens=max_tokens, defaults=state.sampling_defaults),
-        plan,
-        "text.format",
-    )
-    await compile_constraint(state.engine, params, "tools" if plan.constraint else "text.format")
+    params = responses_params(body, max_tokens=max_tokens, defaults=state.sampling_defaults)
+    params = plan.constrain(params, "text.format")
+    await compile_constraint(state.engine, params, plan.constraint_param("text.format"))
     reply = ResponseReply(state, body, owner, history + new, len(prompt_ids), plan)
     salt = tenant_cache_salt(owner, body.cache_salt)
     if body.background:  # other requests may have started runs while this one awaited
@@ -132,7 +128,7 @@ def _template_messages(messages: list[dict], plan: ToolPlan, names: list[str]) -
     field (``call_id`` where chat says ``tool_call_id``)."""
     try:
         chat = msgspec.convert(messages, list[ChatMessage])
-        return conversation(chat, plan, names)
+        return plan.conversation(chat, names)
     except msgspec.ValidationError as exc:
         raise bad_request(f"invalid input: {exc}", "input") from None
     except APIError as err:

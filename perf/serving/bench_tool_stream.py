@@ -1,5 +1,5 @@
 """Event-loop cost of parsing a streamed reply for tool calls
-(``paged_serve.server.tool_stream.ToolCallStream``).
+(``paged_serve.server.tools.streaming.ToolCallStream``).
 
     python -m perf.serving.bench_tool_stream [--words 5000] [--piece 5]
 
@@ -15,14 +15,14 @@ import argparse
 import json
 import time
 
-from paged_serve.server.tool_parsers import (
+from paged_serve.server.tools.parsers import (
     GenericParser,
     HermesParser,
     NamedParser,
     RequiredParser,
     ToolParser,
 )
-from paged_serve.server.tool_stream import ToolCallStream
+from paged_serve.server.tools.streaming import ToolCallStream
 
 
 def cases(words: int) -> dict[str, tuple[ToolParser, str]]:

@@ -1,8 +1,8 @@
 """Function tools on the wire (chat completions): the request's ``tools`` and ``tool_choice``,
 the tool calls of past assistant messages, and the calls of a reply, whole and as stream deltas.
 
-What the server does with them is ``paged_serve.server.tools``; the Responses API's flat tool
-shapes are ``paged_serve.server.protocol.responses``'.
+What the server does with them is ``paged_serve.server.tools.planning``; the Responses API's flat
+tool shapes are ``paged_serve.server.protocol.responses``'.
 """
 
 from __future__ import annotations

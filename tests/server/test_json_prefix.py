@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_serve.server.json_prefix import DECODER, GrowingDump, dump, fixed_dump
+from paged_serve.server.tools.json_prefix import DECODER, GrowingDump, dump, fixed_dump
 
 KEYS = st.text(alphabet='ab"\\é😀 ', max_size=3)
 LEAVES = st.one_of(
@@ -97,7 +97,7 @@ def test_what_each_prefix_holds_back(text: str, fixed: str | None):
 def test_a_long_string_is_read_on_where_it_stopped(monkeypatch: pytest.MonkeyPatch):
     """Fed a character at a time, a long argument (a file's content) is read again only where
     its string opens or closes: the rest of the way each step decodes its own characters."""
-    from paged_serve.server import json_prefix
+    from paged_serve.server.tools import json_prefix
 
     text = json.dumps({"path": "a.py", "content": 'print("é\\n")\n' * 200})
     check_every_prefix(text, seed=0)

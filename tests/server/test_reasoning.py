@@ -10,7 +10,7 @@ import pytest
 
 from paged_serve.engine.async_engine import AsyncEngine
 from paged_serve.server.app import create_app
-from paged_serve.server.reasoning import Qwen3ReasoningParser, ReasoningStream
+from paged_serve.server.tools.reasoning import Qwen3ReasoningParser, ReasoningStream
 from tests.server.conftest import ServerThread, assert_error, http
 
 # (prompt tail, reply, reasoning, content)

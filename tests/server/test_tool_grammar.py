@@ -1,4 +1,4 @@
-"""The one tool-list-to-grammar path (``paged_serve.server.tool_grammar``): a tool schema with
+"""The one tool-list-to-grammar path (``paged_serve.server.tools.grammar``): a tool schema with
 ``$defs``, ``definitions`` and recursive references means the same under a named, ``required`` and
 ``auto`` choice (checked with xgrammar's own matcher against jsonschema's verdict on the same
 text), and references the grammar could not follow are refused naming the keyword."""
@@ -12,7 +12,7 @@ import pytest
 import xgrammar
 from xgrammar.testing import _is_grammar_accept_string
 
-from paged_serve.server.tool_grammar import ToolGrammar, ToolSchemaError, checked_parameters
+from paged_serve.server.tools.grammar import ToolGrammar, ToolSchemaError, checked_parameters
 
 WEATHER = {
     "$defs": {

@@ -11,7 +11,7 @@ import json
 import pytest
 from msgspec import UNSET
 
-from paged_serve.server.tool_parsers import (
+from paged_serve.server.tools.parsers import (
     GenericParser,
     HermesParser,
     Llama3JsonParser,
@@ -21,8 +21,8 @@ from paged_serve.server.tool_parsers import (
     ToolParser,
     parser_for_template,
 )
-from paged_serve.server.tool_stream import ToolCallStream
-from paged_serve.server.tools import reply_message
+from paged_serve.server.tools.planning import reply_message
+from paged_serve.server.tools.streaming import ToolCallStream
 
 WEATHER = {"city": "Paris", "days": [1, 2], "unit": {"c": True}, "note": 'a "q" }] é'}
 
@@ -303,7 +303,7 @@ def test_cli_flags_name_the_parsers():
 
 
 def test_first_call_only_without_parallel_calls():
-    from paged_serve.server.tool_parsers import FirstCallOnly
+    from paged_serve.server.tools.parsers import FirstCallOnly
 
     parser = FirstCallOnly(HermesParser())
     text = FIXTURES[1][1]  # two hermes calls
@@ -320,7 +320,7 @@ def test_first_call_only_without_parallel_calls():
 def test_a_growing_json_string_decodes_as_prefixes(text: str, ascii_only: bool):
     """The generic envelope's ``response`` streams as the decoded prefix of its JSON string:
     each cut (inside an escape, between a surrogate pair's halves) gives a prefix of the next."""
-    from paged_serve.server.tool_parsers import string_prefix
+    from paged_serve.server.tools.parsers import string_prefix
 
     encoded, decoded = json.dumps(text, ensure_ascii=ascii_only), ""
     for end in range(1, len(encoded) + 1):

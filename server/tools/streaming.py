@@ -1,11 +1,11 @@
 """Tool calls in a stream, as OpenAI streams them: a call's argument fragments go out as the
 model writes them.
 
-``ToolCallStream`` re-parses one choice's text at every token (``paged_serve.server.tool_parsers``)
+``ToolCallStream`` re-parses one choice's text at every token (``paged_serve.server.tools.parsers``)
 and sends what it adds: content deltas, and for each call an opening delta (``index``, ``id``,
 ``type``, ``name``, ``arguments: ""``), then fragments (``index`` and ``arguments`` only). A
 fragment is the part of the call's final ``arguments`` text that no later token can change
-(``paged_serve.server.json_prefix``), so the fragments sent are a prefix of the whole reply's
+(``paged_serve.server.tools.json_prefix``), so the fragments sent are a prefix of the whole reply's
 arguments at every point and join into them exactly once the call is whole. Chat sends the
 deltas in chunks that hold each call at most once (``call_delta_batches``); Responses turns
 them into ``function_call`` items and ``response.function_call_arguments.delta`` events
@@ -14,12 +14,16 @@ them into ``function_call`` items and ``response.function_call_arguments.delta``
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
-from paged_serve.server.json_prefix import GrowingDump
 from paged_serve.server.protocol.tools import FunctionDelta, ToolCallDelta
-from paged_serve.server.tool_parsers import PartialCall, ToolParser
-from paged_serve.server.tools import new_call_id
+from paged_serve.server.tools.json_prefix import GrowingDump
+from paged_serve.server.tools.parsers import PartialCall, ToolParser
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass(slots=True)

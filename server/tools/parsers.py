@@ -6,8 +6,8 @@ model left malformed), and the ``pending`` text at the end that is not whole yet
 being written; at the end, one that ``max_tokens`` cut off). Once the pending text is sure to be
 a call (its name is whole and its arguments object has opened), ``partial`` has its name and the
 text of its arguments so far, of which a stream sends the part that fixes the final arguments
-(``paged_serve.server.json_prefix``) as fragments. A call is only ever in ``calls`` once its JSON
-has closed, so its ``arguments`` are the JSON text of a whole object by construction,
+(``paged_serve.server.tools.json_prefix``) as fragments. A call is only ever in ``calls`` once
+its JSON has closed, so its ``arguments`` are the JSON text of a whole object by construction,
 re-serialized (``json_prefix.dump``) so that the fragments a stream sent are a prefix of them.
 
 The parser is called with ``final=False`` on every prefix of a stream and with ``final=True`` on
@@ -52,7 +52,7 @@ from typing import Any
 from partial_json_parser import Allow
 from partial_json_parser import loads as partial_loads
 
-from paged_serve.server.json_prefix import DECODER, dump, skip_space, string_prefix
+from paged_serve.server.tools.json_prefix import DECODER, dump, skip_space, string_prefix
 
 _SPACE = " \t\r\n"
 

@@ -2,6 +2,10 @@
 conversation with its tool calls and tool results as template messages, and what the reply is
 constrained to and parsed with.
 
+``plan_tools`` is the one entry point: it checks the request's tools and returns a ``ToolPlan``,
+and a handler asks the plan for the rest (``conversation`` for the template's messages,
+``constrain`` for the sampling params, ``reply`` or ``stream`` for the calls in the output).
+
 A template that renders tools (its source mentions ``tools``) gets them through
 ``apply_chat_template(..., tools=...)`` and the model's own call format; one that does not (the
 default SmolLM2's) gets a generic format, after llama.cpp's server: the tools described in a
@@ -11,26 +15,25 @@ system message, past calls and results as JSON, and the reply held to a JSON env
 
 * ``none``: no tools in the prompt and no parsing;
 * ``auto`` (the default with tools): native templates are parsed by their family's parser
-  (``paged_serve.server.tool_parsers``); the generic format's reply is constrained to
+  (``paged_serve.server.tools.parsers``); the generic format's reply is constrained to
   ``{"tool_call": ...}`` (``{"tool_calls": [...]}`` with parallel calls) or ``{"response": "..."}``;
 * ``required`` and a named function: the grammar forces the reply to a JSON list of calls / the
   named function's arguments object, so the arguments match the tool's parameter schema by
   construction, whatever the model.
 
-Every choice's grammar comes from one ``paged_serve.server.tool_grammar.ToolGrammar``, so a schema
-with ``$defs``/``$ref`` means the same under each. A whole reply holds only the calls whose JSON is
-whole (``paged_serve.server.tool_parsers``): a reply that ``max_tokens`` cuts off mid-call ends with
-``finish_reason: "length"``, the unfinished call as text in the content under ``auto``, and
-nothing of it under ``required`` and a named choice (empty content, an empty ``tool_calls``
-list). A stream sends a call's argument fragments as the model writes them
-(``paged_serve.server.tool_stream``).
+Every choice's grammar comes from one ``paged_serve.server.tools.grammar.ToolGrammar``, so a
+schema with ``$defs``/``$ref`` means the same under each. A whole reply holds only the calls whose
+JSON is whole (``paged_serve.server.tools.parsers``): a reply that ``max_tokens`` cuts off
+mid-call ends with ``finish_reason: "length"``, the unfinished call as text in the content under
+``auto``, and nothing of it under ``required`` and a named choice (empty content, an empty
+``tool_calls`` list). A stream sends a call's argument fragments as the model writes them
+(``paged_serve.server.tools.streaming``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,8 +52,8 @@ from paged_serve.server.protocol.tools import (
     ToolChoice,
     ToolSpec,
 )
-from paged_serve.server.tool_grammar import ToolGrammar, ToolSchemaError, checked_parameters
-from paged_serve.server.tool_parsers import (
+from paged_serve.server.tools.grammar import ToolGrammar, ToolSchemaError, checked_parameters
+from paged_serve.server.tools.parsers import (
     PARSERS,
     FirstCallOnly,
     GenericParser,
@@ -59,6 +62,7 @@ from paged_serve.server.tool_parsers import (
     ToolParser,
     parser_for_template,
 )
+from paged_serve.server.tools.streaming import ToolCallStream, new_call_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +84,104 @@ class ToolPlan:
         """The reply must be calls (``required`` or a named function): it has no text."""
         return self.parser is not None and self.parser.forced
 
+    @property
+    def template_tools(self) -> list[JsonObject] | None:
+        """The tools ``apply_chat_template`` gets: only a template that renders them does
+        (the generic format describes them in a system message, ``conversation``)."""
+        return self.tools if self.native else None
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+    def conversation(
+        self, messages: list[Any], params: list[str] | None = None
+    ) -> list[JsonObject]:
+        """The messages as chat-template dicts, tool calls and results included; ``params`` names
+        each message in errors (default ``messages[i]``).
+
+        Raises APIError (400): an unknown role, a ``tool`` message whose ``tool_call_id`` answers
+        no earlier call, arguments that are not JSON."""
+        out: list[JsonObject] = []
+        call_names: dict[str, str] = {}
+        for i, m in enumerate(messages):
+            param = params[i] if params else f"messages[{i}]"
+            if m.role == "tool":
+                out.append(_tool_result(m, call_names, self.native, param))
+                continue
+            if m.role not in ROLES:
+                raise bad_request(
+                    f"role {m.role!r} is not supported; use one of {sorted([*ROLES, 'tool'])}",
+                    f"{param}.role",
+                )
+            text = message_text(m.content, f"{param}.content")
+            message: JsonObject = {"role": ROLES[m.role], "content": text}
+            if m.tool_calls:
+                if m.role != "assistant":
+                    raise bad_request(
+                        "only assistant messages carry tool_calls", f"{param}.tool_calls"
+                    )
+                calls = []
+                for j, call in enumerate(m.tool_calls):
+                    try:
+                        arguments = json.loads(call.function.arguments)
+                    except ValueError:
+                        raise bad_request(
+                            "tool call arguments must be JSON text",
+                            f"{param}.tool_calls[{j}].function.arguments",
+                        ) from None
+                    call_names[call.id] = call.function.name
+                    calls.append({"name": call.function.name, "arguments": arguments})
+                if self.native:
+                    message["tool_calls"] = [
+                        {"id": call.id, "type": "function", "function": c}
+                        for call, c in zip(m.tool_calls, calls, strict=True)
+                    ]
+                else:
+                    envelope = (
+                        {"tool_calls": calls}
+                        if len(calls) > 1 or self.parallel
+                        else {"tool_call": calls[0]}
+                    )
+                    message["content"] = (text + "\n" if text else "") + json.dumps(envelope)
+            out.append(message)
+        if self.tools is not None and not self.native:
+            call_format = self.parser.call_format if self.parser is not None else None
+            prompt = generic_system_prompt(self.tools, self.parallel, call_format)
+            if out and out[0]["role"] == "system":
+                out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+            else:
+                out.insert(0, {"role": "system", "content": prompt})
+        return out
+
+    def constrain(self, params: SamplingParams, constraint_field: str) -> SamplingParams:
+        """The params with the grammar tool_choice imposes (a 400 if another field set one), and
+        special tokens kept where the call marker is one."""
+        changes: dict = {}
+        if self.constraint is not None:
+            if params.structured_output is not None:
+                raise bad_request(
+                    f"{constraint_field} and tool_choice both constrain the output: set one",
+                    constraint_field,
+                )
+            changes["structured_output"] = self.constraint
+        if self.parser is not None and not self.parser.skip_special_tokens:
+            changes["skip_special_tokens"] = False
+        return dataclasses.replace(params, **changes) if changes else params
+
+    def constraint_param(self, constraint_field: str) -> str:
+        """The field a grammar that does not compile is blamed on."""
+        return "tools" if self.constraint is not None else constraint_field
+
+    def reply(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A whole reply's content and tool calls (``reply_message``); a plan with a parser."""
+        assert self.parser is not None
+        return reply_message(self.parser, text)
+
+    def stream(self) -> ToolCallStream:
+        """One choice's stream of content and call deltas; a plan with a parser."""
+        assert self.parser is not None
+        return ToolCallStream(self.parser)
+
+    @staticmethod
+    def finish_reason(reason: str | None, has_calls: bool) -> str | None:
+        return "tool_calls" if has_calls and reason == "stop" else reason
 
 
 def plan_tools(
@@ -171,65 +270,6 @@ def generic_system_prompt(
     return f'{listing}\nReply with JSON: {call} to call tools, or {{"response": "..."}} to answer.'
 
 
-def conversation(
-    messages: list[Any], plan: ToolPlan, params: list[str] | None = None
-) -> list[JsonObject]:
-    """The messages as chat-template dicts, tool calls and results included; ``params`` names
-    each message in errors (default ``messages[i]``).
-
-    Raises APIError (400): an unknown role, a ``tool`` message whose ``tool_call_id`` answers
-    no earlier call, arguments that are not JSON."""
-    out: list[JsonObject] = []
-    call_names: dict[str, str] = {}
-    for i, m in enumerate(messages):
-        param = params[i] if params else f"messages[{i}]"
-        if m.role == "tool":
-            out.append(_tool_result(m, call_names, plan.native, param))
-            continue
-        if m.role not in ROLES:
-            raise bad_request(
-                f"role {m.role!r} is not supported; use one of {sorted([*ROLES, 'tool'])}",
-                f"{param}.role",
-            )
-        text = message_text(m.content, f"{param}.content")
-        message: JsonObject = {"role": ROLES[m.role], "content": text}
-        if m.tool_calls:
-            if m.role != "assistant":
-                raise bad_request("only assistant messages carry tool_calls", f"{param}.tool_calls")
-            calls = []
-            for j, call in enumerate(m.tool_calls):
-                try:
-                    arguments = json.loads(call.function.arguments)
-                except ValueError:
-                    raise bad_request(
-                        "tool call arguments must be JSON text",
-                        f"{param}.tool_calls[{j}].function.arguments",
-                    ) from None
-                call_names[call.id] = call.function.name
-                calls.append({"name": call.function.name, "arguments": arguments})
-            if plan.native:
-                message["tool_calls"] = [
-                    {"id": call.id, "type": "function", "function": c}
-                    for call, c in zip(m.tool_calls, calls, strict=True)
-                ]
-            else:
-                envelope = (
-                    {"tool_calls": calls}
-                    if len(calls) > 1 or plan.parallel
-                    else {"tool_call": calls[0]}
-                )
-                message["content"] = (text + "\n" if text else "") + json.dumps(envelope)
-        out.append(message)
-    if plan.tools is not None and not plan.native:
-        call_format = plan.parser.call_format if plan.parser is not None else None
-        prompt = generic_system_prompt(plan.tools, plan.parallel, call_format)
-        if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
-        else:
-            out.insert(0, {"role": "system", "content": prompt})
-    return out
-
-
 def _tool_result(m: Any, call_names: dict[str, str], native: bool, param: str) -> JsonObject:
     if m.tool_call_id is None:
         raise bad_request("a tool message needs tool_call_id", f"{param}.tool_call_id")
@@ -244,26 +284,6 @@ def _tool_result(m: Any, call_names: dict[str, str], native: bool, param: str) -
         return {"role": "tool", "tool_call_id": m.tool_call_id, "name": name, "content": text}
     result = {"tool_call_id": m.tool_call_id, "name": name, "content": text}
     return {"role": "tool", "content": json.dumps({"tool_response": result})}
-
-
-def with_tool_plan(params: SamplingParams, plan: ToolPlan, constraint_field: str) -> SamplingParams:
-    """The params with the grammar tool_choice imposes (a 400 if another field set one), and
-    special tokens kept where the call marker is one."""
-    changes: dict = {}
-    if plan.constraint is not None:
-        if params.structured_output is not None:
-            raise bad_request(
-                f"{constraint_field} and tool_choice both constrain the output: set one",
-                constraint_field,
-            )
-        changes["structured_output"] = plan.constraint
-    if plan.parser is not None and not plan.parser.skip_special_tokens:
-        changes["skip_special_tokens"] = False
-    return dataclasses.replace(params, **changes) if changes else params
-
-
-def finish_reason(reason: str | None, has_calls: bool) -> str | None:
-    return "tool_calls" if has_calls and reason == "stop" else reason
 
 
 def reply_message(parser: ToolParser, text: str) -> tuple[str | None, list[ToolCall]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from paged_serve.server.tool_parsers import hold_back
+from paged_serve.server.tools.parsers import hold_back
 
 
 @dataclass(frozen=True, slots=True)
