@@ -44,7 +44,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from aiohttp import web
 
 from paged_serve.engine.async_engine import AsyncEngine
-from paged_serve.server.background import BACKGROUND, BackgroundRuns
 from paged_serve.server.chat import create_chat_completion
 from paged_serve.server.completions import create_completion
 from paged_serve.server.dashboard import add_dashboard
@@ -58,13 +57,14 @@ from paged_serve.server.metrics import metrics
 from paged_serve.server.models import list_models, retrieve_model
 from paged_serve.server.protocol.errors import APIError, internal_error
 from paged_serve.server.protocol.ops import HealthStatus
-from paged_serve.server.response_store import ResponseStore
-from paged_serve.server.responses import (
+from paged_serve.server.responses.background import BACKGROUND, BackgroundRuns
+from paged_serve.server.responses.handlers import (
     cancel_response,
     create_response,
     delete_response,
     retrieve_response,
 )
+from paged_serve.server.responses.store import ResponseStore
 from paged_serve.server.state import OWNER, STATE, ServerState, key_hash
 from paged_serve.server.tokenize import TOKENIZER_PATHS, add_tokenizer_routes
 from paged_serve.server.worker_api import KEYED_PATHS, add_worker_routes

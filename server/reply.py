@@ -2,7 +2,7 @@
 and the options both endpoints share about what their outputs hold.
 
 ``ChoiceReply`` is the base of the two endpoints' reply builders (``CompletionReply``,
-``ChatReply``): it wraps their choices in the envelope of ``paged_serve.server.completion_objects``,
+``ChatReply``): it wraps their choices in the envelope of ``paged_serve.server.protocol.common``,
 decides where ``usage`` goes in a stream, and reads the engine's outputs with vLLM's
 ``include_stop_str_in_output`` applied (the stop string that ended a choice appended to its
 text; the detokenizer cuts the text just before it).

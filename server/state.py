@@ -16,7 +16,7 @@ from paged_serve.server.generation.defaults import NO_DEFAULTS, SamplingDefaults
 from paged_serve.server.http.connections import ConnectionGuard
 from paged_serve.server.http.limits import ServerLimits
 from paged_serve.server.protocol.errors import SERVER_ERROR, APIError
-from paged_serve.server.response_store import ResponseStore
+from paged_serve.server.responses.store import ResponseStore
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """Reading a completions, chat or Responses request body: decoded once into its Struct
 (``paged_serve.server.protocol``), checked, naming a served model, within the server's limits,
 setting none of the documented fields this server refuses (``protocol.unsupported``), with the
-server's sampling defaults where it leaves a field out (``generation_defaults``)."""
+server's sampling defaults where it leaves a field out (``generation.defaults``)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ REFUSED: dict[type, dict[str, Refused]] = {
 
 async def read_request(request: web.Request, type: type[RequestT]) -> RequestT:
     """The body of ``request`` as ``type``, checked, naming a served model (or none), with the
-    server's sampling defaults where it leaves a field out (``generation_defaults``). One decode
+    server's sampling defaults where it leaves a field out (``generation.defaults``). One decode
     gives the request and the refused fields it sets.
 
     Raises APIError: 400 naming the bad field (a refused one included), 404 for another model.

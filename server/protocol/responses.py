@@ -9,7 +9,7 @@ the reference lists them. ``text.format`` echoes the request's
 (``paged_serve.server.protocol.structured``).
 
 Events share ``{"type", "sequence_number"}``; the stream numbers them from 0 as it sends them
-(``ResponseStream`` in ``paged_serve.server.response_stream``).
+(``ResponseStream`` in ``paged_serve.server.responses.stream``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ OUTPUT_TEXT_LOGPROBS = "message.output_text.logprobs"  # the one ``include`` val
 class InputItem(msgspec.Struct, kw_only=True):
     """A Responses API input item: a ``message`` (role; content a string or text parts), a
     ``function_call`` (call_id, name, arguments) or a ``function_call_output`` (call_id,
-    output); ``paged_serve.server.response_tools`` checks which fields each needs."""
+    output); ``paged_serve.server.responses.tools`` checks which fields each needs."""
 
     type: str = "message"
     role: str | None = None

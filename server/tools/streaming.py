@@ -9,7 +9,7 @@ fragment is the part of the call's final ``arguments`` text that no later token 
 arguments at every point and join into them exactly once the call is whole. Chat sends the
 deltas in chunks that hold each call at most once (``call_delta_batches``); Responses turns
 them into ``function_call`` items and ``response.function_call_arguments.delta`` events
-(``paged_serve.server.response_stream``).
+(``paged_serve.server.responses.stream``).
 """
 
 from __future__ import annotations

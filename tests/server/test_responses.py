@@ -9,7 +9,7 @@ import openai
 import pytest
 from openai.types.responses import Response
 
-from paged_serve.server.response_store import ResponseStore, StoredResponse
+from paged_serve.server.responses.store import ResponseStore, StoredResponse
 from tests.server.conftest import API_KEYS, assert_error, http, parse_sse
 
 EVENT_ORDER = [

@@ -15,10 +15,10 @@ from openai.types.responses import Response
 
 from paged_serve.engine.async_engine import AsyncEngine
 from paged_serve.server.app import create_app
-from paged_serve.server.background import EventLog
 from paged_serve.server.cli import build_parser, limits_from_args
 from paged_serve.server.http.limits import ServerLimits
 from paged_serve.server.protocol.errors import APIError
+from paged_serve.server.responses.background import EventLog
 from paged_serve.server.state import STATE
 from tests.server.conftest import (
     API_KEYS,

@@ -23,7 +23,7 @@ The runs are bounded: at most ``max_runs`` unfinished at once (``--max-backgroun
 (``--max-background-responses-per-key``, 429 beyond), checked before the run's engine
 requests are queued. The engine's ``--max-waiting`` bounds them too when it is set.
 
-The events are the foreground stream's (``paged_serve.server.response_stream``), so
+The events are the foreground stream's (``paged_serve.server.responses.stream``), so
 ``response.created`` reports ``in_progress``, not ``queued``: the run's task produces it as it
 starts. A cancelled run's stream ends without a terminal event (the reference has no
 ``response.cancelled``; a ``GET`` then says ``cancelled``); a failed one ends with
@@ -43,8 +43,8 @@ from paged_serve.server.generation.run import Generation
 from paged_serve.server.http.sse import frame
 from paged_serve.server.protocol.errors import SERVER_ERROR, APIError, bad_request, internal_error
 from paged_serve.server.protocol.responses import ErrorEvent, Response, ResponseEvent
-from paged_serve.server.response_reply import ResponseReply
-from paged_serve.server.response_stream import ResponseStream
+from paged_serve.server.responses.reply import ResponseReply
+from paged_serve.server.responses.stream import ResponseStream
 
 logger = logging.getLogger(__name__)
 

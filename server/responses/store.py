@@ -31,7 +31,7 @@ class StoredResponse:
     messages: JSON of the chat messages (``{"role", "content"}``) of the input and the output,
         without the ``instructions`` (OpenAI does not carry those over to a follow-up).
     background: the response was created with ``background: true`` (only those can be
-        cancelled, ``paged_serve.server.background``).
+        cancelled, ``paged_serve.server.responses.background``).
     status: the response's final status (``completed``, ``incomplete``, ``failed``,
         ``cancelled``), which decides what a cancel answers.
     """

@@ -1,9 +1,9 @@
 """One Responses API reply: the Response object at each status, its output items, and the
-stored result (``paged_serve.server.response_store``) a follow-up continues.
+stored result (``paged_serve.server.responses.store``) a follow-up continues.
 
-The handlers (``paged_serve.server.responses``) make one per request; a stream's events come
-from a ``ResponseStream`` over it (``paged_serve.server.response_stream``), and a background
-run (``paged_serve.server.background``) drives it from a task of its own.
+The handlers (``paged_serve.server.responses.handlers``) make one per request; a stream's events
+come from a ``ResponseStream`` over it (``paged_serve.server.responses.stream``), and a
+background run (``paged_serve.server.responses.background``) drives it from a task of its own.
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ from paged_serve.server.protocol.responses import (
     ResponseUsage,
     TextConfig,
 )
-from paged_serve.server.response_store import StoredResponse
-from paged_serve.server.response_tools import assistant_message, new_item_id
+from paged_serve.server.responses.store import StoredResponse
+from paged_serve.server.responses.tools import assistant_message, new_item_id
 from paged_serve.server.state import ServerState
 from paged_serve.server.tools.planning import ToolPlan
 
 
 class ResponseReply:
     """Builds the Response object and stores the result; a ``ResponseStream``
-    (``paged_serve.server.response_stream``) makes a stream's events from it."""
+    (``paged_serve.server.responses.stream``) makes a stream's events from it."""
 
     def __init__(
         self,

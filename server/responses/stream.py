@@ -13,7 +13,7 @@ default true) is stored before its last event is sent.
 
 ``ResponseStream`` numbers the events; the objects in them (the Response, its message, the
 final Response that is stored) come from its ``ResponseReply``
-(``paged_serve.server.response_reply``).
+(``paged_serve.server.responses.reply``).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from paged_serve.server.protocol.responses import (
     TextDeltaEvent,
     TextDoneEvent,
 )
-from paged_serve.server.response_reply import ResponseReply
-from paged_serve.server.response_tools import new_item_id
+from paged_serve.server.responses.reply import ResponseReply
+from paged_serve.server.responses.tools import new_item_id
 
 
 class ResponseStream:

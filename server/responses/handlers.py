@@ -3,14 +3,14 @@
 The prompt is ``instructions`` (as a system message), then the stored conversation of
 ``previous_response_id`` (its input and output messages, without its instructions), then
 ``input``, through the chat template. The output is one assistant message with one
-``output_text`` part; with function tools (``paged_serve.server.response_tools``), text before the
+``output_text`` part; with function tools (``paged_serve.server.responses.tools``), text before the
 calls is that message and each call a ``function_call`` item. A response that hit
 ``max_output_tokens`` has status ``incomplete`` (``incomplete_details.reason``
 ``max_output_tokens``); a call it cut off is no item (under ``auto`` its text is the message's,
 a forced reply's output is empty).
 
 ``stream: true`` sends the response as typed, numbered events
-(``paged_serve.server.response_stream``). The response is stored (``store``, default true) for
+(``paged_serve.server.responses.stream``). The response is stored (``store``, default true) for
 ``GET`` and ``previous_response_id``.
 
 ``include: ["message.output_text.logprobs"]`` (with ``top_logprobs`` alternatives, 0-20) gives
@@ -31,7 +31,6 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from paged_serve.server.background import BACKGROUND
 from paged_serve.server.generation.prompts import chat_prompt_ids
 from paged_serve.server.generation.run import Job, start_generation
 from paged_serve.server.generation.sampling import output_limit, responses_params
@@ -42,9 +41,10 @@ from paged_serve.server.http.wire import json_response
 from paged_serve.server.protocol.chat import ChatMessage
 from paged_serve.server.protocol.errors import APIError, bad_request
 from paged_serve.server.protocol.responses import ResponseDeleted, ResponsesRequest
-from paged_serve.server.response_reply import ResponseReply
-from paged_serve.server.response_stream import ResponseStream
-from paged_serve.server.response_tools import chat_tool_choice, chat_tools, input_messages
+from paged_serve.server.responses.background import BACKGROUND
+from paged_serve.server.responses.reply import ResponseReply
+from paged_serve.server.responses.stream import ResponseStream
+from paged_serve.server.responses.tools import chat_tool_choice, chat_tools, input_messages
 from paged_serve.server.state import OWNER, STATE, tenant_cache_salt
 from paged_serve.server.tools.planning import ToolPlan, plan_tools
 
