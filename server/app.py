@@ -44,8 +44,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from aiohttp import web
 
 from paged_serve.engine.async_engine import AsyncEngine
-from paged_serve.server.chat import create_chat_completion
-from paged_serve.server.completions import create_completion
 from paged_serve.server.dashboard import add_dashboard
 from paged_serve.server.generation.defaults import NO_DEFAULTS, SamplingDefaults
 from paged_serve.server.http.browser_guard import browser_guard_middleware
@@ -53,8 +51,11 @@ from paged_serve.server.http.connections import ConnectionGuard, GuardedRunner
 from paged_serve.server.http.errors import error_response, from_http_exception
 from paged_serve.server.http.limits import ServerLimits
 from paged_serve.server.http.wire import json_response
-from paged_serve.server.metrics import metrics
-from paged_serve.server.models import list_models, retrieve_model
+from paged_serve.server.openai.chat import create_chat_completion
+from paged_serve.server.openai.completions import create_completion
+from paged_serve.server.openai.metrics import metrics
+from paged_serve.server.openai.models import list_models, retrieve_model
+from paged_serve.server.openai.tokenize import TOKENIZER_PATHS, add_tokenizer_routes
 from paged_serve.server.protocol.errors import APIError, internal_error
 from paged_serve.server.protocol.ops import HealthStatus
 from paged_serve.server.responses.background import BACKGROUND, BackgroundRuns
@@ -66,7 +67,6 @@ from paged_serve.server.responses.handlers import (
 )
 from paged_serve.server.responses.store import ResponseStore
 from paged_serve.server.state import OWNER, STATE, ServerState, key_hash
-from paged_serve.server.tokenize import TOKENIZER_PATHS, add_tokenizer_routes
 from paged_serve.server.worker_api import KEYED_PATHS, add_worker_routes
 
 logger = logging.getLogger(__name__)

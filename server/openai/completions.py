@@ -12,7 +12,7 @@ tokenizer thread.
 vLLM's ``return_token_ids`` adds each choice's ``prompt_token_ids`` (in a stream, to its first
 chunk) and ``token_ids`` (the generated ids only, even with ``echo``; in a stream, each chunk's
 new ones). ``return_tokens_as_token_ids``, ``include_stop_str_in_output`` and
-``stream_options.continuous_usage_stats`` are shared with chat (``paged_serve.server.reply``,
+``stream_options.continuous_usage_stats`` are shared with chat (``paged_serve.server.openai.reply``,
 ``paged_serve.server.generation.logprobs``); the documented fields this server does not
 implement are refused by ``paged_serve.server.protocol.unsupported``.
 """
@@ -38,9 +38,9 @@ from paged_serve.server.generation.structured import compile_constraint
 from paged_serve.server.http.bodies import read_request
 from paged_serve.server.http.sse import respond
 from paged_serve.server.http.wire import encode, json_response
+from paged_serve.server.openai.reply import ChoiceReply
 from paged_serve.server.protocol.completions import Completion, CompletionChoice, CompletionRequest
 from paged_serve.server.protocol.logprobs import CompletionLogprobs
-from paged_serve.server.reply import ChoiceReply
 from paged_serve.server.state import OWNER, STATE, ServerState, tenant_cache_salt
 
 

@@ -18,7 +18,7 @@ reply continues that message's role (in a stream, as a content delta right after
 delta); the echoed text has no logprobs, as in vLLM. ``return_token_ids``,
 ``return_tokens_as_token_ids``, ``include_stop_str_in_output`` and
 ``stream_options.continuous_usage_stats`` are vLLM's, shared with completions
-(``paged_serve.server.reply``, ``paged_serve.server.generation.logprobs``); the documented
+(``paged_serve.server.openai.reply``, ``paged_serve.server.generation.logprobs``); the documented
 fields this server does not implement are refused by ``paged_serve.server.protocol.unsupported``.
 """
 
@@ -44,6 +44,7 @@ from paged_serve.server.generation.structured import compile_constraint
 from paged_serve.server.http.bodies import read_request
 from paged_serve.server.http.sse import respond
 from paged_serve.server.http.wire import encode, json_response
+from paged_serve.server.openai.reply import ChoiceReply
 from paged_serve.server.protocol.chat import (
     AssistantMessage,
     ChatChoice,
@@ -54,7 +55,6 @@ from paged_serve.server.protocol.chat import (
     ChatDelta,
 )
 from paged_serve.server.protocol.logprobs import ChatLogprobs
-from paged_serve.server.reply import ChoiceReply
 from paged_serve.server.state import OWNER, STATE, ServerState, tenant_cache_salt
 from paged_serve.server.tools.planning import ToolPlan, plan_tools
 from paged_serve.server.tools.reasoning import (
