@@ -44,7 +44,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from aiohttp import web
 
 from paged_serve.engine.async_engine import AsyncEngine
-from paged_serve.server.dashboard import add_dashboard
 from paged_serve.server.generation.defaults import NO_DEFAULTS, SamplingDefaults
 from paged_serve.server.http.browser_guard import browser_guard_middleware
 from paged_serve.server.http.connections import ConnectionGuard, GuardedRunner
@@ -56,6 +55,8 @@ from paged_serve.server.openai.completions import create_completion
 from paged_serve.server.openai.metrics import metrics
 from paged_serve.server.openai.models import list_models, retrieve_model
 from paged_serve.server.openai.tokenize import TOKENIZER_PATHS, add_tokenizer_routes
+from paged_serve.server.ops.dashboard import add_dashboard
+from paged_serve.server.ops.worker_api import KEYED_PATHS, add_worker_routes
 from paged_serve.server.protocol.errors import APIError, internal_error
 from paged_serve.server.protocol.ops import HealthStatus
 from paged_serve.server.responses.background import BACKGROUND, BackgroundRuns
@@ -67,7 +68,6 @@ from paged_serve.server.responses.handlers import (
 )
 from paged_serve.server.responses.store import ResponseStore
 from paged_serve.server.state import OWNER, STATE, ServerState, key_hash
-from paged_serve.server.worker_api import KEYED_PATHS, add_worker_routes
 
 logger = logging.getLogger(__name__)
 

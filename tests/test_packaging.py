@@ -51,7 +51,7 @@ def test_every_listed_package_but_kernels_has_an_init():
         for package in SETUPTOOLS["packages"]
         if not (_folder_of(package) / "__init__.py").is_file()
     }
-    assert without == {"paged_serve.kernels", "paged_serve.server.static"}
+    assert without == {"paged_serve.kernels", "paged_serve.server.ops.static"}
 
 
 def test_the_scripts_name_the_one_import_name():

@@ -1,6 +1,6 @@
 """The operations routes on the wire: ``/health``, the routers' worker routes
-(``paged_serve.server.worker_api``) and the dashboard's ``/v1/engine/state``
-(``paged_serve.server.dashboard``)."""
+(``paged_serve.server.ops.worker_api``) and the dashboard's ``/v1/engine/state``
+(``paged_serve.server.ops.dashboard``)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from paged_serve.engine.async_engine import AsyncEngine
 from paged_serve.engine.observe.metrics import EngineStats
 from paged_serve.server.app import create_app
 from paged_serve.server.cli import _is_loopback, _log_dashboard, build_parser
-from paged_serve.server.dashboard import History
+from paged_serve.server.ops.dashboard import History
 from tests.server.conftest import (
     API_KEYS,
     Reply,

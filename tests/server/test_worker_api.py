@@ -1,5 +1,5 @@
 """The routes routers call on a worker: /health_generate, /server_info, /model_info, /get_load,
-/flush_cache and /reset_prefix_cache (server/worker_api.py)."""
+/flush_cache and /reset_prefix_cache (server/ops/worker_api.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from aiohttp import web
 
 from paged_serve.engine.async_engine import AsyncEngine
 from paged_serve.server.app import create_app
+from paged_serve.server.ops.worker_api import HEALTH_PROBE
 from paged_serve.server.state import ServerState
-from paged_serve.server.worker_api import HEALTH_PROBE
 from tests.server.conftest import (
     API_KEYS,
     ServerThread,

@@ -2,7 +2,7 @@
 
 Routes (added by ``create_app`` unless ``dashboard=False``, the CLI's ``--no-dashboard``)::
 
-    GET /, GET /dashboard     the page: server/static/dashboard.html, self-contained (inline CSS
+    GET /, GET /dashboard     the page: server/ops/static/dashboard.html, self-contained (inline CSS
                               and JavaScript, no CDN; its Content-Security-Policy lets it
                               fetch from this server only)
     GET /v1/engine/state      the engine's state as JSON (docs/api.md), behind the API keys
