@@ -9,8 +9,8 @@ Routes::
     POST /tokenize                    POST /detokenize          GET /tokenizer_info
     GET  /health                      GET  /metrics
     GET  /health_generate, /server_info, /model_info, /get_load
-    POST /flush_cache, /reset_prefix_cache                    (server.worker_api: routers)
-    GET  /, /dashboard                GET  /v1/engine/state    (server.dashboard)
+    POST /flush_cache, /reset_prefix_cache                    (server.ops.worker_api: routers)
+    GET  /, /dashboard                GET  /v1/engine/state    (server.ops.dashboard)
 
 Every failure leaves as the OpenAI error object (``paged_serve.server.http.errors``): the error
 middleware catches our APIError, aiohttp's HTTP exceptions (unknown route 404, wrong method 405,

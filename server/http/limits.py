@@ -46,8 +46,8 @@ class ServerLimits:
         (vLLM's ``--max-logprobs``).
     max_background_responses: background Responses runs (``background: true``) not yet
         finished, all keys together (503 beyond). Each holds an engine request and, streamed,
-        up to 16 MiB of events (``server.background.MAX_EVENT_BYTES``); 128 keeps twice the
-        engine's default batch (``--max-num-seqs`` 64) in flight.
+        up to 16 MiB of events (``server.responses.background.MAX_EVENT_BYTES``); 128 keeps twice
+        the engine's default batch (``--max-num-seqs`` 64) in flight.
     max_background_responses_per_key: unfinished background runs one API key may hold (429
         beyond); with API keys only (without, all requests are one tenant, bounded by the
         total). A quarter of the default total, so no key can fill it alone.

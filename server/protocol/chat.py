@@ -59,7 +59,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = False
     top_logprobs: ChatTopLogprobCount | None = None
-    tools: list[ToolSpec] | None = None  # server.tools
+    tools: list[ToolSpec] | None = None  # server.tools.planning
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # vLLM's extras
