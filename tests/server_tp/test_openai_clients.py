@@ -11,21 +11,23 @@ the block pool afterwards (``pool_clean``).
 from __future__ import annotations
 
 from paged_serve.engine.async_engine import AsyncEngine
-from tests.server.test_chat import test_n_streams_every_choice as test_chat_n_streams
-from tests.server.test_chat import test_stream_and_non_stream_agree as test_chat_streams_agree
-from tests.server.test_completions import (  # noqa: F401  (collected here)
+from tests.server.generation.test_prompt_scoring import test_echo_logprobs_equal_hf  # noqa: F401
+from tests.server.generation.test_structured_outputs import (  # noqa: F401
+    test_completions_regex_choice_and_grammar_hold_exactly,
+)
+from tests.server.openai.test_chat import test_n_streams_every_choice as test_chat_n_streams
+from tests.server.openai.test_chat import (
+    test_stream_and_non_stream_agree as test_chat_streams_agree,
+)
+from tests.server.openai.test_completions import (  # noqa: F401  (collected here)
     test_logit_bias_forces_a_token,
     test_logprobs,
     test_stream_and_non_stream_agree,
     test_token_id_prompts,
 )
-from tests.server.test_models_health_metrics import (  # noqa: F401
+from tests.server.openai.test_models_health_metrics import (  # noqa: F401
     test_health,
     test_metrics_count_a_request,
-)
-from tests.server.test_prompt_scoring import test_echo_logprobs_equal_hf  # noqa: F401
-from tests.server.test_structured_outputs import (  # noqa: F401
-    test_completions_regex_choice_and_grammar_hold_exactly,
 )
 
 __all__ = ["test_chat_n_streams", "test_chat_streams_agree"]

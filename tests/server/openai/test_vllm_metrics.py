@@ -12,7 +12,7 @@ from paged_serve.engine.async_engine import AsyncEngine
 from tests.conftest import assert_pool_clean
 from tests.server.conftest import http, metric_values, wait_idle
 
-API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+API_DOC = Path(__file__).resolve().parents[3] / "docs" / "api.md"
 ROW = re.compile(
     r"^\| `(vllm:[a-z0-9_]+)(?:\{[a-z_]+\})?` \| (gauge|counter|histogram) \| `([^`]+)`"
 )

@@ -1,7 +1,8 @@
 """Take the README's dashboard screenshot (docs/dashboard.png) of a busy moment.
 
     paged-serve --port 8000 --kv-cache-memory 100663296 &   # a small pool: a readable grid
-    python -m tests.server.dashboard_screenshot --url http://127.0.0.1:8000 --out docs/dashboard.png
+    python -m tests.server.ops.dashboard_screenshot --url http://127.0.0.1:8000 \\
+        --out docs/dashboard.png
 
 For ``--warmup`` seconds a few clients keep the server busy (chats sharing a system prompt, so
 the prefix cache hits; n=2 and n=3 completions, so blocks are shared and copied on write;
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
-from tests.server.cdp import find_chromium, open_page
+from tests.server.ops.cdp import find_chromium, open_page
 
 SYSTEM = (
     "You are a patient teacher of computer systems. Answer in plain words, with one example, "

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.server.conftest import assert_error, http, parse_sse
-from tests.server.test_tools import WEATHER_PARAMS
+from tests.server.tools.test_tools import WEATHER_PARAMS
 
 TOOL = {
     "type": "function",

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from paged_serve.engine.async_engine import AsyncEngine
 from tests.server.conftest import http, parse_sse, wait_idle
-from tests.server.test_response_tools import streamed_arguments
+from tests.server.responses.test_response_tools import streamed_arguments
 
 PING = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}
 CITY = {

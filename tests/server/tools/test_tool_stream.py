@@ -24,8 +24,8 @@ import pytest
 
 from paged_serve.engine.async_engine import AsyncEngine
 from tests.server.conftest import http, parse_sse, wait_idle
-from tests.server.test_response_tools import agents_model, streamed_arguments
-from tests.server.test_tool_arguments import is_json
+from tests.server.responses.test_response_tools import agents_model, streamed_arguments
+from tests.server.tools.test_tool_arguments import is_json
 
 FIELDS = ("path", "title", "body", "tags")
 NOTE = {

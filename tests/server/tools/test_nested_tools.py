@@ -17,7 +17,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.server.conftest import http, parse_sse
-from tests.server.test_response_tools import agents_model, streamed_arguments
+from tests.server.responses.test_response_tools import agents_model, streamed_arguments
 
 
 class Unit(str, Enum):

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from paged_serve.engine.async_engine import AsyncEngine
-from tests.server.cdp import Page, find_chromium, open_page
+from tests.server.ops.cdp import Page, find_chromium, open_page
 
 CHROMIUM = find_chromium()
 pytestmark = pytest.mark.skipif(

@@ -1,0 +1,1 @@
+"""Tests of from a request to engine requests (server/generation)."""

@@ -1,0 +1,1 @@
+"""Tests of the OpenAI- and vLLM-compatible endpoints (server/openai)."""

@@ -1,0 +1,1 @@
+"""Tests of the dashboard, the worker routes and routers (server/ops)."""
