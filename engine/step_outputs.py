@@ -15,12 +15,12 @@ from collections.abc import Sequence
 
 from paged_serve.engine.observe.metrics import EngineStats
 from paged_serve.engine.outputs import RequestOutput, TokenLogprob
-from paged_serve.engine.runner.model_runner import StepResult
 from paged_serve.engine.sample.sampler import INVALID_TOKEN
+from paged_serve.engine.sched.batch import ScheduledBatch, StepResult
 from paged_serve.engine.sched.forks import detach, with_pending_forks
 from paged_serve.engine.sched.live_request import LiveRequest, request_metrics
 from paged_serve.engine.sched.request import Request
-from paged_serve.engine.sched.scheduler import ScheduledBatch, Scheduler
+from paged_serve.engine.sched.scheduler import Scheduler
 
 logger = logging.getLogger("paged_serve.engine.llm_engine")
 

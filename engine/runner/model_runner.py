@@ -20,7 +20,6 @@ from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.model.architecture import runs_fast_body
 from paged_serve.engine.model.body import ModelBody
 from paged_serve.engine.model.logits_head import LogitsHead
-from paged_serve.engine.outputs import TokenLogprob
 from paged_serve.engine.parallel.step_message import STEP, StepMessage
 from paged_serve.engine.platform.host_tensors import to_device
 from paged_serve.engine.platform.platform import platform_for
@@ -36,32 +35,13 @@ from paged_serve.engine.runner.prompt_logprobs import (
 from paged_serve.engine.runner.state_cache import StateCache, linear_state_shape
 from paged_serve.engine.runner.step_inputs import StepInputs, flatten_step
 from paged_serve.engine.sample.sampler import Sampler
+from paged_serve.engine.sched.batch import ScheduledBatch, StepResult
 from paged_serve.engine.sched.forks import sampling_rows
-from paged_serve.engine.sched.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
     from paged_serve.engine.parallel.group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    """Sampled tokens for the requests that sample this step, in scheduled order.
-
-    top_logprobs: per sampled row, the ``k`` best (token id, logprob) pairs, where ``k`` is the
-    largest ``logprobs`` any request asked for (empty lists when none asked).
-    """
-
-    request_ids: list[str]
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]]
-    # Per request id: the prompt tokens this step scored (requests that asked for them only).
-    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
-    # Per request id: which of its rows could not sample this step (0, or a drafted row's
-    # position: the tokens of the rows before it stand) and why.
-    failed: dict[str, tuple[int, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

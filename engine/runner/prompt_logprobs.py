@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_serve.engine.outputs import TokenLogprob
-from paged_serve.engine.sched.scheduler import ScheduledBatch
+from paged_serve.engine.sched.batch import ScheduledBatch
 
 SCORE_CHUNK_ROWS = 256
 

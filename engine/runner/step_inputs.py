@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from paged_serve.engine.sched.batch import ScheduledBatch
 from paged_serve.engine.sched.forks import group_size
-from paged_serve.engine.sched.scheduler import ScheduledBatch
 
 
 @dataclass(frozen=True, slots=True)

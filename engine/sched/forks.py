@@ -25,12 +25,13 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from paged_serve.engine.sampling_params import SamplingParams
+from paged_serve.engine.sched.batch import ScheduledBatch
 from paged_serve.engine.sched.request import Request
 from paged_serve.engine.spec.verify import verify_rows
 
 if TYPE_CHECKING:  # the scheduler counts seats with group_size: no import cycle at run time
     from paged_serve.engine.sched.block_manager import BlockManager
-    from paged_serve.engine.sched.scheduler import ScheduledBatch, Scheduler
+    from paged_serve.engine.sched.scheduler import Scheduler
 
 
 def sample_ids(request_id: str, n: int) -> list[str]:

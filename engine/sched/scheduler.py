@@ -16,56 +16,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
+from paged_serve.engine.sched.batch import ScheduledBatch, ScheduledRequest
 from paged_serve.engine.sched.block_manager import BlockManager
 from paged_serve.engine.sched.forks import group_size
 from paged_serve.engine.sched.request import Request, RequestStatus
 from paged_serve.engine.spec.speculator import Speculator
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    """One request's share of a step: ``num_new_tokens`` tokens starting at ``start``.
-
-    A decoding request that speculates also runs its ``draft`` (``engine/spec/``): its last
-    token and the drafted ones are the ``num_new_tokens``, and every one of them is scored."""
-
-    request: Request
-    start: int
-    num_new_tokens: int
-    draft: tuple[int, ...] = ()
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_new_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the request's last token, so a token is sampled."""
-        return self.end - len(self.draft) == self.request.num_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledBatch:
-    """What one engine step runs. ``block_copies`` are (src, dst) pairs to copy first.
-
-    A hybrid model's step also names each request's linear-attention ``state_slots`` (in
-    scheduled order) and the ``state_copies`` (src, dst) of forked sequences, run first."""
-
-    requests: list[ScheduledRequest]
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    state_slots: list[int] = field(default_factory=list)
-    state_copies: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.num_new_tokens for r in self.requests)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.requests
 
 
 class Scheduler:

@@ -28,9 +28,9 @@ from paged_serve.engine.model.loader import LoadedModel
 from paged_serve.engine.platform.platform import Platform
 from paged_serve.engine.runner.build import build_runner, load_for
 from paged_serve.engine.runner.model_runner import ModelRunner
+from paged_serve.engine.sched.batch import ScheduledBatch, ScheduledRequest
 from paged_serve.engine.sched.block_manager import BlockManager
 from paged_serve.engine.sched.request import Request
-from paged_serve.engine.sched.scheduler import ScheduledBatch, ScheduledRequest
 from paged_serve.engine.spec.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
