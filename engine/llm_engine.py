@@ -279,7 +279,8 @@ class LLMEngine:
             bm.commit(req.request_id, tokens, req.num_computed_tokens)
             if req.request_id in result.prompt_logprobs:
                 req.prompt_logprobs += result.prompt_logprobs[req.request_id]
-        join_forks(batch, bm, self.scheduler)
+        for child in join_forks(batch, bm):
+            self.scheduler.add_running(child)
         outputs = self.outputs.process(result, accepted)
         for request_id, count in accepted.items():
             self.speculator.observe(request_id, len(drafts[request_id]), count)

@@ -17,7 +17,7 @@ from paged_serve.engine.observe.metrics import EngineStats
 from paged_serve.engine.outputs import RequestOutput, TokenLogprob
 from paged_serve.engine.sample.sampler import INVALID_TOKEN
 from paged_serve.engine.sched.batch import ScheduledBatch, StepResult
-from paged_serve.engine.sched.forks import detach, with_pending_forks
+from paged_serve.engine.sched.forks import with_pending_forks
 from paged_serve.engine.sched.live_request import LiveRequest, request_metrics
 from paged_serve.engine.sched.request import Request
 from paged_serve.engine.sched.scheduler import Scheduler
@@ -166,7 +166,6 @@ class StepOutputs:
         """End the request for ``reason`` (its blocks are freed now); ``tokens`` and
         ``logprobs`` are this step's last ones; ``now`` is ``time.monotonic()`` seconds."""
         req = live.request
-        detach(req, self.scheduler)
         self.scheduler.finish(req, reason)
         self.live.pop(req.request_id, None)
         metrics = request_metrics(req, now)

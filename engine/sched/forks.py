@@ -11,9 +11,12 @@
   holds a running seat for each of them (``group_size``), and the step that computes its last
   prompt token samples a row for each of them from the same logits (``sampling_rows``).
 * After that step each pending fork gets the parent's block table, shared by reference count
-  (``join_forks``), and runs as a request of its own.
+  (``join_forks``), and the scheduler runs it as a request of its own.
 * A sample that ends while forks still wait on it (an abort mid-prefill) hands them to the
-  first of them, the *heir*, which goes back to the front of the waiting queue (``detach``).
+  first of them, the *heir* (``detach``), which the scheduler puts at the front of the waiting
+  queue.
+
+The scheduler calls these functions; they never reach into its queues.
 
 Sample ``i`` of a request ``r`` has id ``r.i`` (``r`` for sample 0) and seed ``seed + i``, so it
 equals a single request with that seed.
@@ -22,16 +25,12 @@ equals a single request with that seed.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 from paged_serve.engine.sampling_params import SamplingParams
 from paged_serve.engine.sched.batch import ScheduledBatch
+from paged_serve.engine.sched.block_manager import BlockManager
 from paged_serve.engine.sched.request import Request
 from paged_serve.engine.spec.verify import verify_rows
-
-if TYPE_CHECKING:  # the scheduler counts seats with group_size: no import cycle at run time
-    from paged_serve.engine.sched.block_manager import BlockManager
-    from paged_serve.engine.sched.scheduler import Scheduler
 
 
 def sample_ids(request_id: str, n: int) -> list[str]:
@@ -95,9 +94,10 @@ def sampling_rows(batch: ScheduledBatch) -> list[Request]:
     return rows
 
 
-def join_forks(batch: ScheduledBatch, block_manager: BlockManager, scheduler: Scheduler) -> None:
+def join_forks(batch: ScheduledBatch, block_manager: BlockManager) -> list[Request]:
     """After a step: the pending forks of every request whose prompt it completed share the
-    parent's blocks and join the running set."""
+    parent's blocks; returns them, in order, for the scheduler's running set."""
+    joined: list[Request] = []
     for sched in batch.requests:
         parent = sched.request
         if not (sched.samples and parent.pending_forks):
@@ -109,20 +109,22 @@ def join_forks(batch: ScheduledBatch, block_manager: BlockManager, scheduler: Sc
             child.first_scheduled_time = parent.first_scheduled_time  # admitted together
             if parent.prompt_logprobs is not None:
                 child.prompt_logprobs = list(parent.prompt_logprobs)
-            scheduler.add_running(child)
+            joined.append(child)
         parent.pending_forks = []
+    return joined
 
 
-def detach(request: Request, scheduler: Scheduler) -> None:
+def detach(request: Request) -> Request | None:
     """Take an ending sample out of its group: leave its parent's pending forks, or hand its
-    own pending forks to an heir that is queued first in the waiting queue."""
+    own pending forks to an heir, returned for the scheduler to queue first (None: no heir)."""
     parent = request.fork_parent
     if parent is not None and request in parent.pending_forks:
         parent.pending_forks.remove(request)
-    if request.pending_forks:
-        heir, *rest = request.pending_forks
-        heir.pending_forks, heir.fork_parent = rest, None
-        for child in rest:
-            child.fork_parent = heir
-        request.pending_forks = []
-        scheduler.waiting.appendleft(heir)
+    if not request.pending_forks:
+        return None
+    heir, *rest = request.pending_forks
+    heir.pending_forks, heir.fork_parent = rest, None
+    for child in rest:
+        child.fork_parent = heir
+    request.pending_forks = []
+    return heir

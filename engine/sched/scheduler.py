@@ -19,7 +19,7 @@ from collections import deque
 
 from paged_serve.engine.sched.batch import ScheduledBatch, ScheduledRequest
 from paged_serve.engine.sched.block_manager import BlockManager
-from paged_serve.engine.sched.forks import group_size
+from paged_serve.engine.sched.forks import detach, group_size
 from paged_serve.engine.sched.request import Request, RequestStatus
 from paged_serve.engine.spec.speculator import Speculator
 
@@ -137,7 +137,11 @@ class Scheduler:
         return self.speculator.drafts(decoding, len(self.running)) if decoding else {}
 
     def finish(self, request: Request, reason: str) -> None:
-        """Mark ``request`` finished and free its blocks now, wherever it is queued."""
+        """Mark ``request`` finished and free its blocks now, wherever it is queued. Forks still
+        waiting on it go on under an heir, queued first (``engine/sched/forks.py``)."""
+        heir = detach(request)
+        if heir is not None:
+            self.waiting.appendleft(heir)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
