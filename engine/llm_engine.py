@@ -1,8 +1,14 @@
 """The synchronous engine: add requests, call ``step()``, collect outputs.
 
-One ``step()`` = schedule a batch, run it through the model runner, append the sampled tokens,
-detokenize, check stop conditions, and free the blocks of every request that finished. Not
-thread-safe: the async engine drives it from a single thread.
+One ``step()``::
+
+    batch = scheduler.schedule()             which requests run, how many tokens each
+    result = runner.execute(batch, tables)   the forward and the draw
+    accepted = scheduler.update(batch, result)  KV kept or trimmed, blocks committed, forks
+    outputs.process(result, accepted)        tokens appended, detokenized, stop checks, finishes
+    speculator.observe(...)                  each drafted sequence's pace
+
+Not thread-safe: the async engine drives it from a single thread.
 """
 
 from __future__ import annotations
@@ -27,12 +33,11 @@ from paged_serve.engine.runner.build import build_runner, context_length, load_f
 from paged_serve.engine.sampling_params import SamplingParams
 from paged_serve.engine.sched.admission import check_cache_salt, check_request, prompt_token_ids
 from paged_serve.engine.sched.block_manager import BlockManager
-from paged_serve.engine.sched.forks import join_forks, make_samples, sample_ids
+from paged_serve.engine.sched.forks import make_samples, sample_ids
 from paged_serve.engine.sched.live_request import LiveRequest
 from paged_serve.engine.sched.scheduler import Scheduler
 from paged_serve.engine.sched.state_slots import StateSlots
 from paged_serve.engine.spec.build import build_speculator
-from paged_serve.engine.spec.verify import accepted_lengths
 from paged_serve.engine.step_outputs import StepOutputs
 
 logger = logging.getLogger(__name__)
@@ -240,8 +245,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        bm = self.block_manager
-        tables = [bm.block_table(s.request.request_id) for s in batch.requests]
+        tables = [self.block_manager.block_table(s.request.request_id) for s in batch.requests]
         if self.tp is not None:
             self.tp.check()  # a worker that died between steps: fail before broadcasting
         try:
@@ -261,27 +265,9 @@ class LLMEngine:
             # A rank died or raised: the group cannot go on. Name the rank and its cause.
             raise self.tp.failure(exc) from exc
         self.num_steps += 1
-        drafts = {s.request.request_id: s.draft for s in batch.requests if s.draft}
-        accepted = accepted_lengths(drafts, result.request_ids, result.token_ids)
-        for request_id, (row, _) in result.failed.items():
-            if request_id in accepted:  # a late mask: no draft past that row counts
-                accepted[request_id] = min(accepted[request_id], row)
-        for sched in batch.requests:
-            req = sched.request
-            tokens = req.all_token_ids
-            if sched.draft:  # the accepted drafts' KV stays, the rejected ones' is dropped
-                held = accepted[req.request_id]
-                req.num_computed_tokens = sched.end - len(sched.draft) + held
-                bm.trim(req.request_id, req.num_computed_tokens)
-                tokens += sched.draft[:held]  # appended to the request by outputs.process
-            else:
-                req.num_computed_tokens = sched.end
-            bm.commit(req.request_id, tokens, req.num_computed_tokens)
-            if req.request_id in result.prompt_logprobs:
-                req.prompt_logprobs += result.prompt_logprobs[req.request_id]
-        for child in join_forks(batch, bm):
-            self.scheduler.add_running(child)
+        accepted = self.scheduler.update(batch, result)
         outputs = self.outputs.process(result, accepted)
+        drafts = batch.drafts
         for request_id, count in accepted.items():
             self.speculator.observe(request_id, len(drafts[request_id]), count)
         return outputs

@@ -17,11 +17,12 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from paged_serve.engine.sched.batch import ScheduledBatch, ScheduledRequest
+from paged_serve.engine.sched.batch import ScheduledBatch, ScheduledRequest, StepResult
 from paged_serve.engine.sched.block_manager import BlockManager
-from paged_serve.engine.sched.forks import detach, group_size
+from paged_serve.engine.sched.forks import detach, group_size, join_forks
 from paged_serve.engine.sched.request import Request, RequestStatus
 from paged_serve.engine.spec.speculator import Speculator
+from paged_serve.engine.spec.verify import accepted_lengths
 
 
 class Scheduler:
@@ -135,6 +136,36 @@ class Scheduler:
             if r.num_computed_tokens == r.num_tokens - 1 and not r.pending_forks
         ]
         return self.speculator.drafts(decoding, len(self.running)) if decoding else {}
+
+    def update(self, batch: ScheduledBatch, result: StepResult) -> dict[str, int]:
+        """The bookkeeping after ``batch`` ran and drew ``result``: each request's computed
+        tokens (a drafted one keeps the KV of the drafts its rows confirmed, the rest is
+        trimmed), its full blocks committed to the prefix cache, its scored prompt logprobs,
+        then the pending forks of every prompt the step completed join the running set.
+
+        Returns, per drafted request id, how many of its drafts held: the run its rows' draws
+        confirmed (``engine/spec/verify.py``), cut at a row that failed to sample."""
+        bm = self.block_manager
+        accepted = accepted_lengths(batch.drafts, result.request_ids, result.token_ids)
+        for request_id, (row, _) in result.failed.items():
+            if request_id in accepted:  # a late mask: no draft past that row counts
+                accepted[request_id] = min(accepted[request_id], row)
+        for sched in batch.requests:
+            req = sched.request
+            tokens = req.all_token_ids
+            if sched.draft:  # the accepted drafts' KV stays, the rejected ones' is dropped
+                held = accepted[req.request_id]
+                req.num_computed_tokens = sched.end - len(sched.draft) + held
+                bm.trim(req.request_id, req.num_computed_tokens)
+                tokens += sched.draft[:held]  # appended to the request by StepOutputs.process
+            else:
+                req.num_computed_tokens = sched.end
+            bm.commit(req.request_id, tokens, req.num_computed_tokens)
+            if req.request_id in result.prompt_logprobs:
+                req.prompt_logprobs += result.prompt_logprobs[req.request_id]
+        for child in join_forks(batch, bm):
+            self.add_running(child)
+        return accepted
 
     def finish(self, request: Request, reason: str) -> None:
         """Mark ``request`` finished and free its blocks now, wherever it is queued. Forks still
