@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from paged_serve.engine.cli import add_engine_args, engine_kwargs
 from paged_serve.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from paged_serve.engine.engine_args import add_engine_args, engine_kwargs
 from paged_serve.engine.llm_engine import LLMEngine
 from tests.conftest import loaded, tiny_model
 

@@ -11,6 +11,7 @@ collective fails (the driver's sockets close) or at SHUTDOWN.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ from multiprocessing.connection import Connection
 from transformers import PreTrainedModel
 
 from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.engine_args import add_engine_args, engine_kwargs
 from paged_serve.engine.parallel.group import TensorParallelGroup
 from paged_serve.engine.parallel.sharding import shard_model
 from paged_serve.engine.parallel.step_message import SHUTDOWN
@@ -124,10 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     ``MASTER_ADDR``/``MASTER_PORT``; the engine flags must be the driver's (``--model``,
     ``--max-model-len``, ``--kv-cache-memory``, ...), ``-tp`` defaulting to ``WORLD_SIZE``.
     """
-    import argparse
-
-    from paged_serve.engine.cli import add_engine_args, engine_kwargs  # the CLI imports the engine
-
     parser = argparse.ArgumentParser(
         prog="python -m paged_serve.engine.parallel.rank", description=main.__doc__
     )

@@ -215,7 +215,7 @@ def test_auto_reads_the_generation_config_a_model_folder_ships(tmp_path: Path):
 
 
 def test_speculative_config_parses_as_vllm_writes_it(capsys):
-    from paged_serve.engine.cli import engine_kwargs
+    from paged_serve.engine.engine_args import engine_kwargs
     from paged_serve.engine.spec.config import SpeculativeConfig
 
     spec = (
