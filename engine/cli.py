@@ -7,8 +7,8 @@ import logging
 import sys
 
 from paged_serve.engine.engine_args import add_engine_args, engine_kwargs
+from paged_serve.engine.executor.workers import TensorParallelError
 from paged_serve.engine.llm import LLM
-from paged_serve.engine.parallel.workers import TensorParallelError
 from paged_serve.engine.sampling_params import SamplingParams
 
 

@@ -39,7 +39,7 @@ class EngineConfig:
     from the OS, so a restart does not repeat the same "random" outputs; an integer makes them
     reproducible from run to run.
     tensor_parallel_size: processes the model is sharded over (``engine/parallel/sharding.py``):
-    this engine process is rank 0 and starts the others (``engine/parallel/workers.py``).
+    this engine process is rank 0 and starts the others (``engine/executor/workers.py``).
     cpu_decode_kernel: on the CPU (the torch attention backend), decode-only steps attend with
     the C kernel that reads the paged cache in place (``kernels/cpu/decode_attention.py``, built
     at first use); False keeps torch's gather and SDPA, whose bits equal Hugging Face's sdpa

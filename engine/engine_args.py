@@ -1,5 +1,5 @@
 """The engine's command-line flags, shared by ``paged-generate``, ``paged-serve`` and a
-tensor-parallel rank started by hand (``python -m paged_serve.engine.parallel.rank``).
+tensor-parallel rank started by hand (``python -m paged_serve.engine.executor.rank``).
 
 ``add_engine_args`` adds them to a parser in vLLM's help groups; ``engine_kwargs`` turns the
 parsed flags into ``EngineConfig`` keyword arguments. It imports only the configuration, so

@@ -22,12 +22,12 @@ import torch
 
 from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.errors import InvalidRequestError
+from paged_serve.engine.executor.workers import TensorParallelWorkers
 from paged_serve.engine.grammar.structured_output import GrammarCompiler, StructuredOutput
 from paged_serve.engine.model.architecture import check_servable
 from paged_serve.engine.model.loader import LoadedModel
 from paged_serve.engine.observe.metrics import EngineStats
 from paged_serve.engine.outputs import RequestOutput
-from paged_serve.engine.parallel.workers import TensorParallelWorkers
 from paged_serve.engine.platform.platform import platform_for
 from paged_serve.engine.runner.build import build_runner, context_length, load_for
 from paged_serve.engine.sampling_params import SamplingParams

@@ -23,7 +23,7 @@ from aiohttp import web
 from paged_serve.engine.async_engine import AsyncEngine
 from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.engine_args import add_engine_args, engine_kwargs
-from paged_serve.engine.parallel.workers import TensorParallelError
+from paged_serve.engine.executor.workers import TensorParallelError
 from paged_serve.engine.sampling_params import MAX_LOGPROBS
 from paged_serve.server.app import create_app, make_runner
 from paged_serve.server.generation.defaults import (

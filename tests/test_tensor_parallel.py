@@ -19,10 +19,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from paged_serve.engine import LLM, SamplingParams
 from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.executor.workers import TensorParallelError, TensorParallelWorkers
 from paged_serve.engine.model.fused_projections import fuse_projections
 from paged_serve.engine.parallel.sharding import shard_model, shard_shape
 from paged_serve.engine.parallel.step_message import STEP, StepMessage, pack_step, unpack_step
-from paged_serve.engine.parallel.workers import TensorParallelError, TensorParallelWorkers
 from paged_serve.engine.platform.cpu.linears import speed_up_cpu_linears
 from paged_serve.engine.runner.step_inputs import StepInputs
 from tests.conftest import (

@@ -169,14 +169,14 @@ def test_workers_exit_when_the_driver_is_killed(model_dir):
 
 def test_a_rank_launched_on_its_own_joins_through_the_environment(model_dir, monkeypatch):
     """The multi-node launch, on one node: the driver spawns no rank (LOCAL_WORLD_SIZE=1) and
-    rank 1 is ``python -m paged_serve.engine.parallel.rank`` with RANK/WORLD_SIZE/MASTER_* set."""
+    rank 1 is ``python -m paged_serve.engine.executor.rank`` with RANK/WORLD_SIZE/MASTER_* set."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     flags = ["--model", str(model_dir), "--kv-cache-memory", str(4 << 20)]
     rank1 = subprocess.Popen(
-        [sys.executable, "-m", "paged_serve.engine.parallel.rank", *flags],
+        [sys.executable, "-m", "paged_serve.engine.executor.rank", *flags],
         env={**os.environ, **env},
     )
     try:

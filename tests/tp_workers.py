@@ -18,10 +18,10 @@ from __future__ import annotations
 import multiprocessing
 from types import SimpleNamespace
 
-from paged_serve.engine.parallel import workers
-from paged_serve.engine.parallel.rank import WorkerSpec
+from paged_serve.engine.executor import workers
+from paged_serve.engine.executor.rank import WorkerSpec
 
-PRELOAD = ["torch", "transformers", "paged_serve.engine.parallel.rank"]
+PRELOAD = ["torch", "transformers", "paged_serve.engine.executor.rank"]
 # The forkserver sends a new process's file descriptors with it, at most 256, and torch shares
 # each tensor of a pickled model as one: a model with more tensors starts with spawn.
 MAX_SHARED_TENSORS = 200
@@ -36,7 +36,7 @@ def _tensors(spec: WorkerSpec) -> int:
 
 
 def fork_tp_workers_from_a_preloaded_server() -> None:
-    """Make ``paged_serve.engine.parallel.workers`` start its ranks from the forkserver where their
+    """Make ``paged_serve.engine.executor.workers`` start its ranks from the forkserver where their
     spec's model has at most ``MAX_SHARED_TENSORS`` tensors (once per process; the server itself
     starts at the first worker)."""
     if isinstance(workers.mp, SimpleNamespace):

@@ -1,3 +1,4 @@
-"""Tensor parallelism over torch.distributed: sharding the model, the process group, the worker
-ranks and their processes, the loopback rendezvous, the step message the driver broadcasts.
+"""Tensor-parallel plumbing over torch.distributed: sharding the model, a rank's process groups
+and step channel, the loopback rendezvous, the step message the driver broadcasts. The executor
+that starts and runs the ranks is engine/executor/.
 """

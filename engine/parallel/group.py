@@ -9,7 +9,7 @@ Two torch.distributed groups per engine:
 - the **step channel** (always gloo, on host memory) carries the driver's per-step message and
   the start-up agreements (KV block count, decode-graph capture). Workers wait on it between
   steps for as long as the engine idles, so its timeout is effectively unbounded; a worker
-  learns that the driver died from its parent pipe instead (``engine/parallel/rank.py``).
+  learns that the driver died from its parent pipe instead (``engine/executor/rank.py``).
 
 Both meet through the driver's store; for a loopback address every socket they listen on stays
 on the loopback interface (``engine/parallel/rendezvous.py``).

@@ -1,7 +1,7 @@
 """One tensor-parallel worker rank's process: load and shard its model, join the groups, then
 run the driver's steps until SHUTDOWN (``run_worker``); ``python -m
-paged_serve.engine.parallel.rank`` starts a rank on another node (``main``). The driver's side is
-``engine/parallel/workers.py``.
+paged_serve.engine.executor.rank`` starts a rank on another node (``main``). The driver's side is
+``engine/executor/workers.py``.
 
 A rank the driver spawned has a pipe to it: start-up status and its last error go up, and a
 thread blocked reading it sees end-of-file when the driver is gone (even killed), so the rank
@@ -120,14 +120,14 @@ def run_worker(spec: WorkerSpec, pipe: Connection | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m paged_serve.engine.parallel.rank [engine flags]``: one rank on another node.
+    """``python -m paged_serve.engine.executor.rank [engine flags]``: one rank on another node.
 
     The rank comes from ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and the driver's address from
     ``MASTER_ADDR``/``MASTER_PORT``; the engine flags must be the driver's (``--model``,
     ``--max-model-len``, ``--kv-cache-memory``, ...), ``-tp`` defaulting to ``WORLD_SIZE``.
     """
     parser = argparse.ArgumentParser(
-        prog="python -m paged_serve.engine.parallel.rank", description=main.__doc__
+        prog="python -m paged_serve.engine.executor.rank", description=main.__doc__
     )
     add_engine_args(parser)
     args = parser.parse_args(argv)

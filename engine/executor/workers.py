@@ -15,14 +15,14 @@ Process layout (rank 0 is the engine process itself, the *driver*)::
     per step: broadcast the step message      --->   run the same body forward (no LM head)
     shutdown: broadcast SHUTDOWN, join        --->   leave the groups, exit 0
 
-The worker side is ``engine/parallel/rank.py``. The pipe does three jobs: start-up status, a
+The worker side is ``engine/executor/rank.py``. The pipe does three jobs: start-up status, a
 worker's
 last error (its cause, for the driver's message), and the driver's liveness (end-of-file tells a
 worker that the driver is gone). The driver notices a dead worker before each step (process
 sentinels) or through the failed collective.
 
 Multi-node: with ``LOCAL_WORLD_SIZE=L`` the driver spawns ranks 1..L-1 only; ranks L..N-1 are
-started on other nodes with ``python -m paged_serve.engine.parallel.rank`` (the engine flags, plus
+started on other nodes with ``python -m paged_serve.engine.executor.rank`` (the engine flags, plus
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` in the environment). Such
 a rank has no pipe: it learns that the driver is gone when a collective fails.
 """
@@ -39,8 +39,8 @@ import torch.multiprocessing as mp
 from transformers import PreTrainedModel
 
 from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.executor.rank import WorkerSpec, run_worker
 from paged_serve.engine.parallel.group import TensorParallelGroup
-from paged_serve.engine.parallel.rank import WorkerSpec, run_worker
 from paged_serve.engine.parallel.rendezvous import Rendezvous
 from paged_serve.engine.parallel.sharding import (
     check_shardable,
