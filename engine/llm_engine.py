@@ -48,7 +48,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
-        self.platform = platform_for(config.device)
+        self.platform = platform_for(config.device)  # the one platform: handed to every part
         self.device = self.platform.device
         share_model = loaded is not None
         if loaded is None:
@@ -64,7 +64,7 @@ class LLMEngine:
             self.tp = TensorParallelWorkers.start(
                 config,
                 loaded.model,
-                self.device,
+                self.platform,
                 max_model_len=self.max_model_len,
                 share_model=share_model,
                 sharded=loaded.shard is not None,
@@ -89,7 +89,7 @@ class LLMEngine:
         self.runner = build_runner(
             loaded.model,
             config,
-            self.device,
+            self.platform,
             max_model_len=self.max_model_len,
             eos_token_ids=sorted(self.eos_token_ids),
             group=lambda: None if self.tp is None else self.tp.group,

@@ -45,6 +45,7 @@ from paged_serve.engine.llm_engine import LLMEngine  # noqa: E402
 from paged_serve.engine.model.fused_projections import fuse_projections  # noqa: E402
 from paged_serve.engine.model.loader import LoadedModel  # noqa: E402
 from paged_serve.engine.model.packed_weights import packable  # noqa: E402
+from paged_serve.engine.platform.platform import Platform, platform_for  # noqa: E402
 from paged_serve.engine.sched.block_manager import BlockManager  # noqa: E402
 from tests.tp_workers import fork_tp_workers_from_a_preloaded_server  # noqa: E402
 
@@ -95,14 +96,14 @@ def tiny_model(family: str, seed: int = 0, vocab_size: int = TINY_VOCAB) -> PreT
 
 
 def quantized_twin(
-    model: PreTrainedModel, quantize: Callable[[torch.nn.Module, torch.device], int]
+    model: PreTrainedModel, quantize: Callable[[torch.nn.Module, Platform], int]
 ) -> PreTrainedModel:
     """A copy of ``model`` with the engine's fused projections quantized by ``quantize(model,
-    device)`` (``quantize_int8`` or ``quantize_int4``), under HF's own attention: the reference
+    platform)`` (``quantize_int8`` or ``quantize_int4``), under HF's own attention: the reference
     that isolates the quantization's own approximation."""
     twin = copy.deepcopy(model)
     fuse_projections(twin)
-    quantize(twin, torch.device("cpu"))
+    quantize(twin, platform_for(torch.device("cpu")))
     return twin
 
 

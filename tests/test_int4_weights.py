@@ -25,6 +25,7 @@ from paged_serve.engine.model.int4_weights import (
 )
 from paged_serve.engine.model.packed_weights import packable
 from paged_serve.engine.platform.cpu.linears import PackedLinear
+from paged_serve.engine.platform.platform import platform_for
 from paged_serve.engine.sampling_params import SamplingParams
 from tests.conftest import (
     QUANTIZED_EXPERTS_REFERENCE,
@@ -124,7 +125,7 @@ def test_int4_refuses_shapes_its_kernel_cannot_take_and_quantize_skips_them() ->
     model.model.layers[0].mlp.down_proj = _linear(128, 250)  # misfit: 250 inputs
     model.model.layers[0].mlp.up_proj = _linear(250, 128)
     model.model.layers[0].mlp.gate_proj = _linear(250, 128)
-    swapped = quantize_int4(model, CPU)
+    swapped = quantize_int4(model, platform_for(CPU))
     assert swapped == 2 * 7 - 3
     assert type(model.model.layers[0].mlp.down_proj) is nn.Linear
     assert isinstance(model.model.layers[1].mlp.down_proj, Int4Linear)
@@ -184,7 +185,7 @@ def test_a_lone_decode_row_is_grouped_only_for_quantized_bf16(
 
 def test_int4_is_refused_off_the_cpu_and_accepted_by_the_config() -> None:
     with pytest.raises(ValueError, match="runs on the CPU"):
-        quantize_int4(tiny_model("llama"), torch.device("cuda"))
+        quantize_int4(tiny_model("llama"), platform_for(torch.device("cuda")))
     assert EngineConfig(quantization="int4").quantization == "int4"
 
 

@@ -12,6 +12,7 @@ from torch import nn
 from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.llm import LLM
 from paged_serve.engine.model.int8_weights import Int8Experts, Int8Linear, quantize_int8
+from paged_serve.engine.platform.platform import platform_for
 from paged_serve.engine.sampling_params import SamplingParams
 from tests.conftest import (
     QUANTIZED_EXPERTS_REFERENCE,
@@ -75,7 +76,7 @@ def test_engine_int8_equals_hf_with_the_same_int8_modules(family: str) -> None:
 
 def test_int8_is_refused_off_the_cpu_and_unknown_schemes_are_refused() -> None:
     with pytest.raises(ValueError, match="runs on the CPU"):
-        quantize_int8(tiny_model("llama"), torch.device("cuda"))
+        quantize_int8(tiny_model("llama"), platform_for(torch.device("cuda")))
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="fp8")
 

@@ -24,6 +24,7 @@ from paged_serve.engine.model.fused_projections import fuse_projections
 from paged_serve.engine.parallel.sharding import shard_model, shard_shape
 from paged_serve.engine.parallel.step_message import STEP, StepMessage, pack_step, unpack_step
 from paged_serve.engine.platform.cpu.linears import speed_up_cpu_linears
+from paged_serve.engine.platform.platform import platform_for
 from paged_serve.engine.runner.step_inputs import StepInputs
 from tests.conftest import (
     SWAPPED_DTYPES,
@@ -195,7 +196,7 @@ def test_a_worker_that_fails_at_start_up_is_named_with_its_cause(tmp_path):
     failed = r"rank 1 \(pid \d+\) failed at start-up: OSError"
     with pytest.raises(TensorParallelError, match=failed):
         TensorParallelWorkers.start(
-            config, model, torch.device("cpu"), max_model_len=64, share_model=False
+            config, model, platform_for(torch.device("cpu")), max_model_len=64, share_model=False
         )
     assert set(multiprocessing.active_children()) <= before
 

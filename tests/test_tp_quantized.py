@@ -15,6 +15,7 @@ from paged_serve.engine import LLM, SamplingParams
 from paged_serve.engine.model.fused_projections import fuse_projections
 from paged_serve.engine.model.int4_weights import Int4Linear, quantize_int4
 from paged_serve.engine.model.int8_weights import Int8Linear, quantize_int8
+from paged_serve.engine.platform.platform import platform_for
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts, tiny_model
 
 MAX_TOKENS = 16
@@ -53,7 +54,7 @@ def _twin_at_tp2(model: nn.Module, scheme: str) -> nn.Module:
         layer.self_attn.o_proj = _SumOfHalves(layer.self_attn.o_proj, quantized)
         layer.mlp.down_proj = _SumOfHalves(layer.mlp.down_proj, quantized)
     fuse_projections(twin)
-    quantize(twin, torch.device("cpu"))
+    quantize(twin, platform_for(torch.device("cpu")))
     return twin
 
 

@@ -75,9 +75,8 @@ def run_worker(spec: WorkerSpec, pipe: Connection | None) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = spec.config
     world = config.tensor_parallel_size
-    # cuda:LOCAL_RANK (its node's GPU) on CUDA, the CPU otherwise
-    platform = platform_for(platform_for(config.device).rank_device(spec.local_rank))
-    device = platform.device
+    # cuda:LOCAL_RANK (its node's GPU) on CUDA, the CPU otherwise: made once, in this process
+    platform = platform_for(config.device).rank_platform(spec.local_rank)
     platform.enter_rank(world)
     group = None
 
@@ -87,7 +86,11 @@ def run_worker(spec: WorkerSpec, pipe: Connection | None) -> None:
         if pipe is not None:
             pipe.send(("loaded", None))
         group = TensorParallelGroup.join(
-            rank=spec.rank, world_size=world, address=spec.address, port=spec.port, device=device
+            rank=spec.rank,
+            world_size=world,
+            address=spec.address,
+            port=spec.port,
+            platform=platform,
         )
         return group
 
@@ -101,7 +104,7 @@ def run_worker(spec: WorkerSpec, pipe: Connection | None) -> None:
             max_model_len = max_model_len or context_length(config, loaded.max_model_len)
         if not sharded:
             shard_model(model, rank=spec.rank, world_size=world)
-        runner = build_runner(model, config, device, max_model_len=max_model_len, group=join)
+        runner = build_runner(model, config, platform, max_model_len=max_model_len, group=join)
         while True:
             message = group.receive_step()
             if message.kind == SHUTDOWN:

@@ -34,7 +34,6 @@ import os
 import signal
 from multiprocessing.connection import Connection, wait
 
-import torch
 import torch.multiprocessing as mp
 from transformers import PreTrainedModel
 
@@ -49,7 +48,7 @@ from paged_serve.engine.parallel.sharding import (
     shard_shape,
 )
 from paged_serve.engine.parallel.step_message import StepMessage
-from paged_serve.engine.platform.platform import platform_for
+from paged_serve.engine.platform.platform import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -90,14 +89,14 @@ class TensorParallelWorkers:
         cls,
         config: EngineConfig,
         model: PreTrainedModel,
-        device: torch.device,
+        platform: Platform,
         *,
         max_model_len: int,
         share_model: bool,
         sharded: bool = False,
     ) -> TensorParallelWorkers:
         """Spawn ranks 1..N-1, shard ``model`` in place for rank 0 (unless ``sharded``: it was
-        loaded as rank 0's shard) and join the groups.
+        loaded as rank 0's shard) and join the groups; ``platform`` is the engine's.
 
         share_model: send the driver's (unsharded) model to the workers instead of having each
         load ``config.model`` (an in-memory model has no path to load from).
@@ -115,7 +114,7 @@ class TensorParallelWorkers:
         rendezvous = Rendezvous.for_driver()
         try:
             return cls._start(
-                config, model, device, rendezvous, max_model_len, share_model, sharded
+                config, model, platform, rendezvous, max_model_len, share_model, sharded
             )
         finally:
             rendezvous.close()  # a no-op once the store has taken the descriptor
@@ -125,7 +124,7 @@ class TensorParallelWorkers:
         cls,
         config: EngineConfig,
         model: PreTrainedModel,
-        device: torch.device,
+        platform: Platform,
         rendezvous: Rendezvous,
         max_model_len: int,
         share_model: bool,
@@ -153,17 +152,17 @@ class TensorParallelWorkers:
         workers = cls(processes, pipes)
         try:
             # cuda:0, with its index (NCCL's device_id)
-            own_device = platform_for(device).rank_device(0)
+            own = platform.rank_platform(0)
             if not sharded:
                 shard_model(model, rank=0, world_size=world)
-            model.to(own_device)
+            model.to(own.device)
             workers._wait_loaded()
             workers.group = TensorParallelGroup.join(
                 rank=0,
                 world_size=world,
                 address=address,
                 port=port,
-                device=own_device,
+                platform=own,
                 listener=rendezvous.listener,  # the store takes its descriptor over
             )
         except BaseException:

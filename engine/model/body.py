@@ -31,7 +31,6 @@ from torch import nn
 
 from paged_serve.engine.model.attention_swap import paged_attention_flat
 from paged_serve.engine.model.fused_projections import FusedLinear
-from paged_serve.engine.platform.platform import platform_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +42,8 @@ class RMSNorm:
     fused: bool  # the platform's F.rms_norm has HF's bits (checked on the CPU)
 
     @classmethod
-    def of(cls, norm: nn.Module) -> RMSNorm:
-        fused = platform_for(norm.weight.device).fused_rms_norm
+    def of(cls, norm: nn.Module, fused: bool) -> RMSNorm:
+        """``norm``'s weight and epsilon; ``fused``: ``Platform.fused_rms_norm`` of its device."""
         return cls(norm.weight, norm.variance_epsilon, fused)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +100,7 @@ class Layer:
     down_proj: nn.Module
 
     @classmethod
-    def of(cls, layer: nn.Module) -> Layer:
+    def of(cls, layer: nn.Module, fused_rms_norm: bool) -> Layer:
         attn, mlp = layer.self_attn, layer.mlp
         qkv, gate_up = getattr(attn, "qkv_proj", None), getattr(mlp, "gate_up_proj", None)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
@@ -110,14 +109,14 @@ class Layer:
         window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
         return cls(
             index=attn.layer_idx,
-            norm_1=RMSNorm.of(layer.input_layernorm),
-            norm_2=RMSNorm.of(layer.post_attention_layernorm),
+            norm_1=RMSNorm.of(layer.input_layernorm, fused_rms_norm),
+            norm_2=RMSNorm.of(layer.post_attention_layernorm, fused_rms_norm),
             qkv=qkv if isinstance(qkv, FusedLinear) else None,
             q_proj=attn.q_proj,
             k_proj=attn.k_proj,
             v_proj=attn.v_proj,
-            q_norm=RMSNorm.of(q_norm) if q_norm is not None else None,
-            k_norm=RMSNorm.of(k_norm) if k_norm is not None else None,
+            q_norm=RMSNorm.of(q_norm, fused_rms_norm) if q_norm is not None else None,
+            k_norm=RMSNorm.of(k_norm, fused_rms_norm) if k_norm is not None else None,
             o_proj=attn.o_proj,
             head_dim=attn.head_dim,
             scaling=attn.scaling,
@@ -169,14 +168,19 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
 
 class ModelBody:
     """``body(input_ids [T], position_ids [T])`` -> the final-norm hidden states ``[T, hidden]``
-    of a prepared model, inside an ``attention_context`` like HF's forward."""
+    of a prepared model, inside an ``attention_context`` like HF's forward.
 
-    def __init__(self, model: nn.Module):
+    ``fused_rms_norm``: the platform's ``F.rms_norm`` gives HF's bits (``Platform``)."""
+
+    def __init__(self, model: nn.Module, *, fused_rms_norm: bool):
         inner = model.model
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
-        self.norm = RMSNorm.of(inner.norm)
-        self.layers = [Layer.of(layer) for layer in inner.layers[: inner.config.num_hidden_layers]]
+        self.norm = RMSNorm.of(inner.norm, fused_rms_norm)
+        self.layers = [
+            Layer.of(layer, fused_rms_norm)
+            for layer in inner.layers[: inner.config.num_hidden_layers]
+        ]
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed(input_ids)

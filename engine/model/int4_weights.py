@@ -46,7 +46,7 @@ from paged_serve.engine.model.experts_swap import swap_experts
 from paged_serve.engine.model.fused_projections import linear_from
 from paged_serve.engine.model.linear_swap import swap_linears
 from paged_serve.engine.model.packed_weights import PackedWeights, pack, packed_linear
-from paged_serve.engine.platform.platform import platform_for
+from paged_serve.engine.platform.platform import Platform
 
 GROUP_SIZE = 32  # inputs per scale and offset, as llama.cpp's Q4_1
 MAX_KERNEL_ROWS = 8  # more rows go to the bf16 GEMM (faster from about 10 rows: measured)
@@ -160,12 +160,13 @@ def fits(linear: nn.Linear) -> bool:
 
 
 @torch.no_grad()
-def quantize_int4(model: nn.Module, device: torch.device) -> int:
+def quantize_int4(model: nn.Module, platform: Platform) -> int:
     """Swap every ``nn.Linear`` of the decoder layers whose shape fits for ``Int4Linear``, and
     every mixture-of-experts layer's experts whose shapes fit for ``Int4Experts``, in place;
     returns how many were swapped (the LM head and misfits stay as they are). Raises
-    ValueError off the CPU (the kernels are torch's CPU ones)."""
-    platform_for(device).check_quantization("int4")
+    ValueError where ``platform`` (the model's device's) does not run it: off the CPU (the
+    kernels are torch's CPU ones)."""
+    platform.check_quantization("int4")
     head = model.get_output_embeddings()
     swapped = swap_linears(
         model, lambda linear: Int4Linear(linear) if fits(linear) and linear is not head else None

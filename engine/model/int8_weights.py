@@ -22,7 +22,7 @@ from torch import nn
 
 from paged_serve.engine.model.experts_swap import swap_experts
 from paged_serve.engine.model.linear_swap import swap_linears
-from paged_serve.engine.platform.platform import platform_for
+from paged_serve.engine.platform.platform import Platform
 
 
 class Int8Linear(nn.Module):
@@ -88,11 +88,12 @@ class Int8Experts(nn.Module):
 
 
 @torch.no_grad()
-def quantize_int8(model: nn.Module, device: torch.device) -> int:
+def quantize_int8(model: nn.Module, platform: Platform) -> int:
     """Swap every ``nn.Linear`` of the decoder layers and the LM head for ``Int8Linear``, and
     every mixture-of-experts layer's experts for ``Int8Experts``, in place; returns how many
-    projections were swapped (an experts module counts once). Raises ValueError off the CPU
-    (the kernel is torch's CPU one)."""
-    platform_for(device).check_quantization("int8")
+    projections were swapped (an experts module counts once). Raises ValueError where
+    ``platform`` (the model's device's) does not run it: off the CPU (the kernel is torch's
+    CPU one)."""
+    platform.check_quantization("int8")
     # The LM head is untied from the embeddings, which stay as they are.
     return swap_linears(model, Int8Linear) + swap_experts(model, Int8Experts)

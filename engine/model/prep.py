@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
 from transformers import PreTrainedModel
 
 from paged_serve.engine.config import EngineConfig
@@ -20,15 +19,14 @@ from paged_serve.engine.model.experts_swap import install_paged_experts
 from paged_serve.engine.model.fused_projections import fuse_projections
 from paged_serve.engine.model.int4_weights import quantize_int4
 from paged_serve.engine.model.int8_weights import quantize_int8
-from paged_serve.engine.platform.platform import platform_for
+from paged_serve.engine.platform.platform import Platform
 
 logger = logging.getLogger(__name__)
 
 
-def prepare_model(model: PreTrainedModel, config: EngineConfig, device: torch.device) -> None:
-    """In place; ``device`` is where the model runs (a quantization its platform does not run
-    is refused)."""
-    platform = platform_for(device)
+def prepare_model(model: PreTrainedModel, config: EngineConfig, platform: Platform) -> None:
+    """In place; ``platform`` is where the model runs (a quantization it does not run is
+    refused)."""
     platform.check_quantization(config.quantization)
     install_paged_attention(model)
     experts = install_paged_experts(model)  # mixture-of-experts layers: the fused MoE
@@ -37,6 +35,6 @@ def prepare_model(model: PreTrainedModel, config: EngineConfig, device: torch.de
     fuse_projections(model)  # one GEMM for q/k/v and one for gate/up; exact
     if config.quantization is not None:
         quantize = quantize_int8 if config.quantization == "int8" else quantize_int4
-        swapped = quantize(model, device)
+        swapped = quantize(model, platform)
         logger.info("%s weight-only: %d projections quantized", config.quantization, swapped)
     platform.prepare_model(model, config)  # after quantizing: packs what stays an nn.Linear

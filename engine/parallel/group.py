@@ -34,7 +34,7 @@ from paged_serve.engine.parallel.rendezvous import (
     restore_environment,
 )
 from paged_serve.engine.parallel.step_message import StepMessage, pack_step, unpack_step
-from paged_serve.engine.platform.platform import platform_for
+from paged_serve.engine.platform.platform import Platform
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 IDLE_TIMEOUT = datetime.timedelta(days=3650)  # workers wait for the next step indefinitely
@@ -64,19 +64,19 @@ class TensorParallelGroup:
         world_size: int,
         address: str,
         port: int,
-        device: torch.device,
+        platform: Platform,
         listener: socket.socket | None = None,
     ) -> TensorParallelGroup:
         """Join (rank 0: host) the process groups at ``address:port``; blocks until every rank
         has joined or ``COLLECTIVE_TIMEOUT`` passed. A loopback ``address`` keeps every socket
         of the groups on the loopback interface (``engine/parallel/rendezvous.py``); rank 0 hosts
         the store on ``listener`` when given (a socket bound to ``address:port``; the store
-        takes it over)."""
+        takes it over). ``platform``: this rank's, at its own device (``cuda:r``), which
+        chooses the compute group's communicator."""
         if dist.is_initialized():
             raise RuntimeError(
                 "a tensor-parallel engine already runs in this process: shut it down first"
             )
-        platform = platform_for(device)
         backend = platform.communicator
         pinned = pin_sockets_to_loopback() if is_loopback(address) else {}
         try:

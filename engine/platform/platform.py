@@ -1,12 +1,26 @@
 """One answer to every device question, chosen once from the device.
 
-``platform_for(device)`` returns the ``CpuPlatform`` or the ``CudaPlatform``. It says which
-kernels a step runs (``kernels``: attention, KV write, block copy, the fused draw), the dtype
-``auto`` loads, how large the KV cache may be, what the host does once (malloc settings, the
-OpenMP pool), what the model gets on this device (the CPU's faster exact projections, which
-weight-only quantizations run), whether decode steps are captured as CUDA graphs, where a
-tensor-parallel rank runs and with which torch.distributed backend. Nothing outside
-engine/platform/ branches on ``device.type`` or on a kernel backend's name.
+``platform_for(device)`` makes the platform where the configuration's device is resolved: once
+by ``LLMEngine`` (a tensor-parallel worker rank makes its own, engine/executor/rank.py), which
+hands that object to every part that asks (the runner, the model's preparation, the
+speculator's build, the process groups). It is a ``CpuPlatform`` on the CPU, a
+``CudaPlatform`` on CUDA, and the base ``Platform`` (no special treatment) on any other device.
+It says
+
+* which kernels a step runs (``kernels``: KV write, paged attention, block copy, fused MoE,
+  latent attention, the gated DeltaNet convolution and delta rule, the fused draw;
+  engine/platform/kernel_backend.py) and which ``--attention-backend`` can run here;
+* the dtype ``--dtype auto`` loads (``dtype``) and how large the KV cache may be
+  (``kv_budget_bytes``);
+* what the host does once per runner (``prepare_host``: malloc keeping freed memory) and for
+  the engine thread (``release_thread_pool``: one OpenMP pool);
+* what the model gets on this device (``prepare_model``: the CPU's faster exact projections
+  and packed experts; ``quantizations``: the weight-only schemes that run; ``fused_rms_norm``);
+* whether decode steps are captured as CUDA graphs (``captures_decode_graphs``);
+* where a tensor-parallel rank runs (``rank_device``, ``rank_platform``), what it sets first
+  (``enter_rank``) and its torch.distributed backend (``communicator``, ``group_options``).
+
+Nothing outside engine/platform/ branches on ``device.type`` or on a kernel backend's name.
 """
 
 from __future__ import annotations
@@ -94,6 +108,11 @@ class Platform:
     def rank_device(self, local_rank: int) -> torch.device:
         """The device of the tensor-parallel rank ``local_rank`` of this node."""
         return self.device
+
+    def rank_platform(self, local_rank: int) -> Platform:
+        """The platform of the tensor-parallel rank ``local_rank`` of this node: this kind of
+        device, at ``rank_device(local_rank)`` (``cuda:1`` for rank 1 on CUDA)."""
+        return type(self)(self.rank_device(local_rank))
 
     def enter_rank(self, world_size: int) -> None:
         """Settings of a tensor-parallel worker process, before it loads anything."""

@@ -8,7 +8,7 @@ layout::
                                              shard read alone, each tensor straight to the
                                              rank's device, or the whole model on the CPU)
     (shard_model of a whole model, under tensor parallelism)
-    build_runner(model, config, device)   -> prepare_model, onto the device, ModelRunner
+    build_runner(model, config, platform) -> prepare_model, onto the device, ModelRunner
 """
 
 from __future__ import annotations
@@ -57,22 +57,22 @@ def context_length(config: EngineConfig, native: int) -> int:
 def build_runner(
     model: PreTrainedModel,
     config: EngineConfig,
-    device: torch.device,
+    platform: Platform,
     *,
     max_model_len: int,
     eos_token_ids: Sequence[int] = (),
     group: Callable[[], TensorParallelGroup | None] = lambda: None,
 ) -> ModelRunner:
     """Prepare ``model`` (loaded, and sharded under tensor parallelism) in place, move it to
-    ``device`` and make its runner. ``group`` is called once the model is prepared and gives
-    the tensor-parallel group the runner steps with (a worker rank reports itself loaded and
-    joins then); None without tensor parallelism."""
-    prepare_model(model, config, device)
-    model.to(device)
+    the platform's device and make its runner. ``group`` is called once the model is prepared
+    and gives the tensor-parallel group the runner steps with (a worker rank reports itself
+    loaded and joins then); None without tensor parallelism."""
+    prepare_model(model, config, platform)
+    model.to(platform.device)
     return ModelRunner(
         model,
         config,
-        device,
+        platform,
         max_model_len=max_model_len,
         eos_token_ids=tuple(eos_token_ids),
         tp=group(),

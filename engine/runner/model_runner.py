@@ -22,7 +22,7 @@ from paged_serve.engine.model.body import ModelBody
 from paged_serve.engine.model.logits_head import LogitsHead
 from paged_serve.engine.parallel.step_message import STEP, StepMessage
 from paged_serve.engine.platform.host_tensors import to_device
-from paged_serve.engine.platform.platform import platform_for
+from paged_serve.engine.platform.platform import Platform
 from paged_serve.engine.runner.attention_context import AttentionContext, attention_context
 from paged_serve.engine.runner.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
 from paged_serve.engine.runner.kv_cache import KVCache
@@ -87,7 +87,7 @@ class ModelRunner:
         self,
         model: torch.nn.Module,
         config: EngineConfig,
-        device: torch.device,
+        platform: Platform,
         *,
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
@@ -96,8 +96,8 @@ class ModelRunner:
         self.model = model
         self.tp = tp
         self.eos_token_ids = eos_token_ids  # blocked while a row is short of its min_tokens
-        self.device = device
-        self.platform = platform_for(device)
+        self.platform = platform
+        self.device = device = platform.device
         dtype = next(model.parameters()).dtype
         # Quantized weights are not HF's: in bf16, HF's slow layout for a row alone would buy
         # nothing (in fp32 both layouts take the same time, and HF's keeps the tests exact).
@@ -144,7 +144,11 @@ class ModelRunner:
         self.vocab_size = int(model.config.vocab_size)
         # The decoder body without HF's per-layer Python (engine/model/body.py) for the families
         # it reproduces bit for bit; None runs HF's own decoder forward (every other family).
-        self.body: ModelBody | None = ModelBody(model) if runs_fast_body(model) else None
+        self.body: ModelBody | None = (
+            ModelBody(model, fused_rms_norm=platform.fused_rms_norm)
+            if runs_fast_body(model)
+            else None
+        )
         self.lm_head = LogitsHead.of(model)
         self.graphs: DecodeGraphs | None = None
         self.platform.prepare_host()

@@ -66,9 +66,7 @@ class DraftModelDrafter:
         loaded = load_for(draft_config, platform)
         check_same_vocabulary(target, loaded)
         max_model_len = min(loaded.max_model_len, target.max_model_len)
-        runner = build_runner(
-            loaded.model, draft_config, platform.device, max_model_len=max_model_len
-        )
+        runner = build_runner(loaded.model, draft_config, platform, max_model_len=max_model_len)
         bm = BlockManager(
             runner.kv_cache.num_blocks,
             config.block_size,
