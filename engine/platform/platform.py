@@ -16,7 +16,8 @@ It says
   the engine thread (``release_thread_pool``: one OpenMP pool);
 * what the model gets on this device (``prepare_model``: the CPU's faster exact projections
   and packed experts; ``quantizations``: the weight-only schemes that run; ``fused_rms_norm``);
-* whether decode steps are captured as CUDA graphs (``captures_decode_graphs``);
+* whether decode steps are captured as CUDA graphs (``captures_decode_graphs``) and whether
+  ``--speculative-config auto`` speculates (``speculates_by_default``);
 * where a tensor-parallel rank runs (``rank_device``, ``rank_platform``), what it sets first
   (``enter_rank``) and its torch.distributed backend (``communicator``, ``group_options``).
 
@@ -49,6 +50,9 @@ class Platform:
     communicator = "gloo"  # torch.distributed backend of the compute group
     quantizations: tuple[str, ...] = ()  # weight-only schemes that run here
     fused_rms_norm = False  # F.rms_norm has Hugging Face's bits here (engine/model/body.py)
+    # --speculative-config auto speculates (prompt lookup) here: only where it was measured to
+    # pay (docs/performance.md); a drafted step also runs outside CUDA's decode graphs.
+    speculates_by_default = False
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -128,6 +132,7 @@ class CpuPlatform(Platform):
 
     quantizations = ("int8", "int4")
     fused_rms_norm = True
+    speculates_by_default = True
 
     def prepare_model(self, model: nn.Module, config: EngineConfig) -> None:
         from paged_serve.engine.platform.cpu.linears import speed_up_cpu_linears

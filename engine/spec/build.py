@@ -15,12 +15,13 @@ logger = logging.getLogger(__name__)
 
 
 def speculative_config_for(config: EngineConfig, platform: Platform) -> SpeculativeConfig | None:
-    """The configuration in force: ``"auto"`` is prompt lookup with the defaults on the CPU,
-    where it was measured to pay (docs/performance.md), and none on CUDA, where it was not
-    measured (a drafted step also runs eagerly there, outside the decode graphs)."""
+    """The configuration in force: ``"auto"`` is prompt lookup with the defaults where the
+    platform speculates by default (the CPU, where it was measured to pay: docs/performance.md),
+    and none elsewhere (CUDA, where it was not measured, and a drafted step also runs eagerly,
+    outside the decode graphs)."""
     spec = config.speculative_config
     if spec == "auto":
-        return SpeculativeConfig() if platform.device.type == "cpu" else None
+        return SpeculativeConfig() if platform.speculates_by_default else None
     return spec
 
 
