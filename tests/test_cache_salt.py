@@ -8,7 +8,8 @@ import pytest
 
 from paged_serve.engine import EngineConfig, SamplingParams
 from paged_serve.engine.llm_engine import LLMEngine
-from paged_serve.engine.sched.block_manager import BlockManager, chain_root
+from paged_serve.engine.sched.block_manager import BlockManager
+from paged_serve.engine.sched.prefix_cache import chain_root
 from tests.conftest import assert_pool_clean, loaded, random_prompts, tiny_model
 from tests.test_speculative import ScriptedDrafter, spec_config
 

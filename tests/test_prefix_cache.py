@@ -170,7 +170,7 @@ def test_a_hit_needs_the_whole_prefix_even_when_cache_keys_collide(monkeypatch):
     prefix is never a hit after another prefix that ends in the same tokens."""
     import builtins
 
-    import paged_serve.engine.sched.block_manager as bm_module
+    import paged_serve.engine.sched.prefix_cache as bm_module
     monkeypatch.setattr(bm_module, "prefix_key", lambda parent, toks: repr(toks).encode(), False)
     monkeypatch.setattr(bm_module, "hash", lambda t: builtins.hash(t[1]), False)  # ignores parent
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
@@ -192,7 +192,7 @@ def test_prefix_keys_differ_between_processes():
     import sys
 
     code = (
-        "from engine.sched.block_manager import prefix_key; "
+        "from engine.sched.prefix_cache import prefix_key; "
         "print(prefix_key(b'', (1, 2, 3)).hex())"
     )
     keys = {subprocess.check_output([sys.executable, "-c", code], text=True) for _ in range(2)}

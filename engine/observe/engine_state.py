@@ -33,7 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from paged_serve.engine.sched.block_manager import BlockManager, BlockUsage
+from paged_serve.engine.sched.block_manager import BlockManager
+from paged_serve.engine.sched.block_pool import BlockUsage
 from paged_serve.engine.sched.request import Request
 
 if TYPE_CHECKING:

@@ -1,26 +1,17 @@
-"""The KV block pool: free list, per-request block tables, reference counts, prefix cache.
+"""Per-request block tables over the KV block pool, with copy-on-write and the prefix cache.
 
 Pure Python and torch-free: it hands out block ids; the model runner turns them into slots.
 
-    free pool (LRU order, oldest first)      block tables            prefix cache
-    +----+----+----+----+                    req A: [3, 7, 1]        key(root, toks) -> 3
-    | 5  | 9  | 2  | 8  |  <- pop left       req B: [3, 7, 4]        key(key3, toks) -> 7
-    +----+----+----+----+     push right     (3, 7 have ref 2)       key(...) -> 9 (free, cached)
+    block tables              pool (engine/sched/block_pool.py)    prefix cache (prefix_cache.py)
+    req A: [3, 7, 1]          free list, LRU: [5, 9, 2, 8]          key(root, toks) -> 3
+    req B: [3, 7, 4]          ref counts: 3, 7 held twice            key(key3, toks) -> 7
+                                                                     key(...) -> 9 (free, cached)
 
-* A block with ``ref_count == 0`` sits in the free pool. If it still carries a hash it is a
-  *cached* block: a later request with the same prefix takes it back out of the pool without
-  recomputing it; otherwise it is evicted (its hash dropped) when the pool hands it out.
-* Blocks are keyed only when full and computed. The key chains over (parent key, token ids)
-  through a keyed BLAKE2b digest (the key drawn per process, so nobody can precompute
-  colliding prefixes). A chain starts at its *root*: empty, or the digest of the request's
-  cache salt (``chain_root``; the server salts with the tenant, so one tenant's prefixes never
-  hit for another). A request keeps its root from ``allocate`` to ``free`` and hands it to its
-  forks, so every block it commits extends the same salted chain. A hit is never taken on the
-  key alone: the block's token ids and root must match, and so must its parent, the block a hit
-  was just confirmed at, in the same *generation* (a block's generation counts its reuses, so a
-  parent evicted and refilled since no longer matches). By induction a hit holds exactly the
-  requested prefix, in the requested chain.
-* A request releases its blocks last-first, so leaves are evicted before their parents.
+* A request's table grows as it runs (``allocate``, ``append_slots``), shrinks past rejected
+  drafts (``trim``) and goes back to the pool last-first at ``free``, so leaves are evicted
+  before their parents. Its full, computed blocks are keyed in the prefix cache (``commit``)
+  in the chain of its cache salt: a request keeps its chain root from ``allocate`` to ``free``
+  and hands it to its forks, so every block it commits extends the same salted chain.
 * Shared blocks are never written: prefix hits stop before the block holding the last prompt
   token, and a forked request copies its shared partial last block before writing (the copy
   pairs go to the block-copy kernel).
@@ -28,73 +19,18 @@ Pure Python and torch-free: it hands out block ids; the model runner turns them 
 
 from __future__ import annotations
 
-import hashlib
-import os
-from array import array
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from paged_serve.engine.sched.block_pool import BlockPool, BlockUsage
+from paged_serve.engine.sched.prefix_cache import PrefixCache, chain_root
 from paged_serve.engine.sched.state_slots import StateSlots
-
-_PROCESS_KEY = os.urandom(32)  # keys the prefix digests: they differ in every process
-
-
-def prefix_key(parent_key: bytes, token_ids: tuple[int, ...]) -> bytes:
-    """The cache key of a full block: a digest of its parent block's key and its token ids."""
-    payload = parent_key + array("q", token_ids).tobytes()
-    return hashlib.blake2b(payload, digest_size=32, key=_PROCESS_KEY).digest()
-
-
-def chain_root(cache_salt: str | None) -> bytes:
-    """Where a request's prefix chain starts: empty without a salt (every unsalted request
-    shares it), else a digest of the salt, domain-separated from block keys by ``person``."""
-    if cache_salt is None:
-        return b""
-    return hashlib.blake2b(
-        cache_salt.encode(), digest_size=32, key=_PROCESS_KEY, person=b"cache-salt"
-    ).digest()
-
-
-# The parent of a block in a prefix chain: (block id, its generation), or None for a first block.
-ParentRef = tuple[int, int] | None
-
 
 RECENT_COPIES = 16  # copy-on-write pairs kept for the dashboard
 
 
 class OutOfBlocksError(RuntimeError):
     """The pool has too few free blocks for the requested allocation."""
-
-
-@dataclass(frozen=True, slots=True)
-class BlockUsage:
-    """Pool usage. Token counts are KV slots; utilization = allocated / reserved."""
-
-    allocated_tokens: int
-    reserved_tokens: int
-    internal_fragmentation_tokens: int
-    block_utilization: float
-    used_blocks: int
-    free_blocks: int
-    cached_blocks: int
-
-
-@dataclass(slots=True)
-class _Block:
-    block_id: int
-    ref_count: int = 0
-    num_tokens: int = 0  # slots filled (as seen by the tables holding it)
-    block_hash: bytes | None = None  # prefix_key of its content, while cached
-    token_ids: tuple[int, ...] = ()
-    parent: ParentRef = None  # the block before it in the prefix it was cached for
-    generation: int = 0  # times the block was handed out: a parent reference dates from one
-    root: bytes = b""  # chain_root of the chain it was cached in (a hit must match it too)
-
-    @property
-    def ref(self) -> tuple[int, int]:
-        """How a child block names this block as its parent."""
-        return (self.block_id, self.generation)
 
 
 class BlockManager:
@@ -120,14 +56,13 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.state_slots = state_slots
-        self._blocks = [_Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cache = PrefixCache(block_size)
+        self._pool = BlockPool(num_blocks, forget_key=self._cache.forget)
+        self._blocks = self._pool.blocks  # records by block id
         self._tables: dict[str, list[int]] = {}
         self._num_tokens: dict[str, int] = {}
         self._hashed: dict[str, int] = {}  # request -> number of its leading blocks hashed
         self._roots: dict[str, bytes] = {}  # request -> chain_root of its cache salt
-        self._cache: dict[bytes, int] = {}  # prefix_key -> block id
-        self._num_cached_free = 0  # free blocks that still carry a key (kept for usage())
         # Copy-on-write so far, and the last few (src, dst) pairs (the dashboard flashes them).
         self.copy_on_write_total = 0
         self.recent_copies: deque[tuple[int, int]] = deque(maxlen=RECENT_COPIES)
@@ -140,17 +75,17 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         """Blocks some live request holds (O(1), for per-step gauges)."""
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self._pool.num_free
 
     @property
     def num_cached_blocks(self) -> int:
         """Free blocks the prefix cache still holds, reusable until evicted (O(1))."""
-        return self._num_cached_free
+        return self._pool.num_cached_free
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks no request holds (cached ones included: they can be evicted)."""
-        return len(self._free)
+        return self._pool.num_free
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables[request_id]
@@ -167,32 +102,18 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
-        hits: list[int] = []
-        root = key = chain_root(cache_salt)
-        parent: ParentRef = None
-        for i in range((len(token_ids) - 1) // self.block_size):
-            toks = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
-            key = prefix_key(key, toks)
-            block_id = self._cache.get(key)
-            if block_id is None:
-                break
-            block = self._blocks[block_id]
-            if block.token_ids != toks or block.parent != parent or block.root != root:
-                break
-            hits.append(block_id)
-            parent = block.ref
-        return hits
+        return self._cache.lookup(self._blocks, token_ids, cache_salt)
 
     def can_allocate(self, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
         """Whether ``allocate`` for ``num_tokens`` tokens (reusing ``cached_blocks``) would fit."""
         fresh = self.blocks_for(num_tokens) - len(cached_blocks)
         revived = sum(1 for b in cached_blocks if self._blocks[b].ref_count == 0)
         slot_free = self.state_slots is None or self.state_slots.num_free > 0
-        return fresh + revived <= len(self._free) and slot_free
+        return fresh + revived <= self._pool.num_free and slot_free
 
     def can_append(self, request_id: str, num_tokens: int) -> bool:
         """Whether the request's table can grow to hold ``num_tokens`` tokens."""
-        return self._fresh_blocks_needed(request_id, num_tokens) <= len(self._free)
+        return self._fresh_blocks_needed(request_id, num_tokens) <= self._pool.num_free
 
     # ----------------------------------------------------------------- changes
     def allocate(
@@ -215,13 +136,13 @@ class BlockManager:
         if not self.can_allocate(num_tokens, cached_blocks):
             raise OutOfBlocksError(
                 f"need {self.blocks_for(num_tokens)} blocks for {num_tokens} tokens, "
-                f"{len(self._free)} free"
+                f"{self._pool.num_free} free"
             )
         if self.state_slots is not None and not self.state_slots.num_free:
             raise OutOfBlocksError("no free state slot")
         table: list[int] = []
         for block_id in cached_blocks:
-            self._take(block_id)
+            self._pool.take(block_id)
             table.append(block_id)
         self._tables[request_id] = table
         self._num_tokens[request_id] = len(cached_blocks) * self.block_size
@@ -245,16 +166,16 @@ class BlockManager:
         if num_tokens < old_tokens:
             raise ValueError(f"cannot shrink {request_id!r} from {old_tokens} to {num_tokens}")
         needed = self._fresh_blocks_needed(request_id, num_tokens)
-        if needed > len(self._free):
+        if needed > self._pool.num_free:
             raise OutOfBlocksError(
-                f"request {request_id!r} needs {needed} more blocks, {len(self._free)} free"
+                f"request {request_id!r} needs {needed} more blocks, {self._pool.num_free} free"
             )
         copies: list[tuple[int, int]] = []
         write_from = old_tokens // self.block_size
         if num_tokens > old_tokens and write_from < len(table):
             shared = table[write_from]
             if self._blocks[shared].ref_count > 1:
-                fresh = self._pop_free()
+                fresh = self._pool.pop_free()
                 self._blocks[fresh].num_tokens = self._blocks[shared].num_tokens
                 self._blocks[shared].ref_count -= 1
                 table[write_from] = fresh
@@ -262,7 +183,7 @@ class BlockManager:
                 self.copy_on_write_total += 1
                 self.recent_copies.append((shared, fresh))
         while len(table) < self.blocks_for(num_tokens):
-            table.append(self._pop_free())
+            table.append(self._pool.pop_free())
         for i in range(write_from, len(table)):
             filled = min(self.block_size, num_tokens - i * self.block_size)
             self._blocks[table[i]].num_tokens = max(filled, 0)
@@ -280,11 +201,7 @@ class BlockManager:
             raise ValueError(f"cannot trim {request_id!r} into its cached blocks")
         keep = self.blocks_for(num_tokens)
         for block_id in reversed(table[keep:]):
-            block = self._blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                block.num_tokens = 0
-                self._free[block_id] = None
+            self._pool.release_trimmed(block_id)
         del table[keep:]
         if keep:
             self._blocks[table[-1]].num_tokens = num_tokens - (keep - 1) * self.block_size
@@ -308,11 +225,7 @@ class BlockManager:
                 above = self._blocks[table[i - 1]] if i > 0 else None
                 toks = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
                 # Blocks are keyed in order, so the block above already has its key.
-                block.block_hash = prefix_key(above.block_hash if above else root, toks)
-                block.token_ids = toks
-                block.parent = above.ref if above else None
-                block.root = root
-                self._cache.setdefault(block.block_hash, block.block_id)
+                self._cache.key(block, above, root, toks)
         self._hashed[request_id] = max(start, full)
 
     def fork(self, parent_id: str, child_id: str) -> None:
@@ -340,48 +253,18 @@ class BlockManager:
         del self._hashed[request_id]
         del self._roots[request_id]
         for block_id in reversed(table):
-            block = self._blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.block_hash is None:
-                    block.num_tokens = 0
-                else:
-                    self._num_cached_free += 1
-                self._free[block_id] = None
+            self._pool.release(block_id)
 
     def evict_cached(self) -> int:
         """Drop the cache entry of every free block (``/flush_cache``); returns how many. A
         block some request holds keeps its key (its prefix is still being shared), so after
         this on an idle pool no earlier prefix can hit."""
-        evicted = 0
-        for block_id in self._free:
-            block = self._blocks[block_id]
-            if block.block_hash is None:
-                continue
-            if self._cache.get(block.block_hash) == block_id:
-                del self._cache[block.block_hash]
-            block.block_hash, block.token_ids, block.parent, block.root = None, (), None, b""
-            block.num_tokens = 0
-            evicted += 1
-        self._num_cached_free = 0
-        return evicted
+        return self._pool.evict_cached()
 
     # ----------------------------------------------------------------- metrics
     def usage(self) -> BlockUsage:
         """Usage over blocks held by live requests (cached-but-free blocks are not used)."""
-        used = [b for b in self._blocks if b.ref_count > 0]
-        allocated = sum(b.num_tokens for b in used)
-        reserved = len(used) * self.block_size
-        cached = sum(1 for b in self._free if self._blocks[b].block_hash is not None)
-        return BlockUsage(
-            allocated_tokens=allocated,
-            reserved_tokens=reserved,
-            internal_fragmentation_tokens=reserved - allocated,
-            block_utilization=round(allocated / reserved, 4) if reserved else 0.0,
-            used_blocks=len(used),
-            free_blocks=len(self._free),
-            cached_blocks=cached,
-        )
+        return self._pool.usage(self.block_size)
 
     def pool_map(self) -> str:
         """One character per block, by block id: ``.`` free, ``c`` free but cached (a prefix
@@ -389,14 +272,7 @@ class BlockManager:
 
         Counts agree with ``usage()``: ``u`` + ``s`` = used, ``c`` = cached, ``.`` + ``c`` = free.
         """
-        pool = bytearray(b"." * self.num_blocks)
-        for block_id in self._free:
-            if self._blocks[block_id].block_hash is not None:
-                pool[block_id] = 0x63  # c
-        for table in self._tables.values():
-            for block_id in table:
-                pool[block_id] = 0x75 if self._blocks[block_id].ref_count == 1 else 0x73  # u, s
-        return pool.decode("ascii")
+        return self._pool.pool_map(self._tables.values())
 
     def check_integrity(self) -> None:
         """Raise AssertionError if reference counts, the free pool or the cache disagree."""
@@ -406,29 +282,11 @@ class BlockManager:
                 raise AssertionError(f"{request_id!r}: table length does not match its tokens")
             for block_id in table:
                 refs[block_id] += 1
-        for block in self._blocks:
-            if block.ref_count != refs[block.block_id]:
-                raise AssertionError(
-                    f"block {block.block_id}: ref_count {block.ref_count}, "
-                    f"held by {refs[block.block_id]} tables"
-                )
-            in_free = block.block_id in self._free
-            if in_free != (block.ref_count == 0):
-                raise AssertionError(
-                    f"block {block.block_id}: ref_count {block.ref_count}, in free pool {in_free}"
-                )
-        for h, block_id in self._cache.items():
-            if self._blocks[block_id].block_hash != h:
-                raise AssertionError(
-                    f"cache entry {h} points at block {block_id} with another hash"
-                )
+        self._pool.check_references(refs)
+        self._cache.check_integrity(self._blocks)
         if set(self._roots) != set(self._tables):
             raise AssertionError("chain roots and block tables name different requests")
-        if len(self._free) + sum(1 for r in refs if r) != self.num_blocks:
-            raise AssertionError("blocks lost: free + used != total")
-        cached = sum(1 for b in self._free if self._blocks[b].block_hash is not None)
-        if cached != self._num_cached_free:
-            raise AssertionError(f"{cached} cached free blocks, counted {self._num_cached_free}")
+        self._pool.check_counts(refs)
         if self.state_slots is not None:
             self.state_slots.check_integrity(set(self._tables))
 
@@ -445,28 +303,3 @@ class BlockManager:
         ):
             needed += 1  # copy-on-write of the shared partial block
         return needed
-
-    def _take(self, block_id: int) -> None:
-        """Reference a cached block, reviving it from the free pool if no one held it."""
-        block = self._blocks[block_id]
-        if block.ref_count == 0:
-            del self._free[block_id]
-            self._num_cached_free -= 1  # only keyed blocks are taken back from the pool
-        block.ref_count += 1
-
-    def _pop_free(self) -> int:
-        """Hand out the least recently freed block, evicting its cache entry."""
-        block_id, _ = self._free.popitem(last=False)
-        block = self._blocks[block_id]
-        if block.block_hash is not None:
-            self._num_cached_free -= 1
-            if self._cache.get(block.block_hash) == block_id:
-                del self._cache[block.block_hash]
-            block.block_hash = None
-            block.token_ids = ()
-            block.parent = None
-            block.root = b""
-        block.generation += 1
-        block.ref_count = 1
-        block.num_tokens = 0
-        return block_id
