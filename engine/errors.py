@@ -10,3 +10,11 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped; no request can make progress."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than ``max_waiting`` allows."""

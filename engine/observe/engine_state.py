@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from paged_serve.engine.observe.engine_snapshot import EngineSnapshot
 from paged_serve.engine.sched.block_manager import BlockManager
 from paged_serve.engine.sched.block_pool import BlockUsage
 from paged_serve.engine.sched.request import Request
@@ -91,7 +92,7 @@ class EngineState:
 
     time: float  # Unix seconds when taken
     step: int
-    gauges: object  # engine.async_engine.EngineSnapshot (imported lazily: no cycle)
+    gauges: EngineSnapshot
     kv: BlockPoolState
     running: list[RequestState]
     waiting: list[RequestState]
@@ -126,7 +127,7 @@ def pool_integrity(bm: BlockManager) -> str:
     return "ok"
 
 
-def take_state(engine: LLMEngine, gauges: object) -> EngineState:
+def take_state(engine: LLMEngine, gauges: EngineSnapshot) -> EngineState:
     """The engine's state now. Call between steps (the caller holds the state lock)."""
     bm = engine.block_manager
     scheduler = engine.scheduler
@@ -187,7 +188,7 @@ class StateWatch:
         if not self.broken:
             self._wanted_until = self.clock() + self.window_s
 
-    def after_step(self, engine: LLMEngine, gauges: object) -> None:
+    def after_step(self, engine: LLMEngine, gauges: EngineSnapshot) -> None:
         """After an engine step: take a state if one is wanted and due."""
         if self.clock() > self._wanted_until:
             return  # nobody watches: this comparison is the whole cost
@@ -198,7 +199,7 @@ class StateWatch:
             self._wanted_until = float("-inf")
             self.broken = True
 
-    def take_if_due(self, engine: LLMEngine, gauges: object) -> EngineState | None:
+    def take_if_due(self, engine: LLMEngine, gauges: EngineSnapshot) -> EngineState | None:
         """Take a state unless the latest is of this moment (``gauges``, the snapshot of the
         last step) or the next is not due yet; the latest state either way."""
         now = self.clock()
