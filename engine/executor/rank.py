@@ -27,9 +27,9 @@ from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.engine_args import add_engine_args, engine_kwargs
 from paged_serve.engine.parallel.group import TensorParallelGroup
 from paged_serve.engine.parallel.sharding import shard_model
-from paged_serve.engine.parallel.step_message import SHUTDOWN
 from paged_serve.engine.platform.platform import platform_for
 from paged_serve.engine.runner.build import build_runner, context_length, load_for
+from paged_serve.engine.runner.step_message import SHUTDOWN, unpack_step
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +106,7 @@ def run_worker(spec: WorkerSpec, pipe: Connection | None) -> None:
             shard_model(model, rank=spec.rank, world_size=world)
         runner = build_runner(model, config, platform, max_model_len=max_model_len, group=join)
         while True:
-            message = group.receive_step()
+            message = unpack_step(group.receive_packed_step())
             if message.kind == SHUTDOWN:
                 break
             runner.run_worker_step(message)

@@ -47,8 +47,8 @@ from paged_serve.engine.parallel.sharding import (
     shard_model,
     shard_shape,
 )
-from paged_serve.engine.parallel.step_message import StepMessage
 from paged_serve.engine.platform.platform import Platform
+from paged_serve.engine.runner.step_message import StepMessage, pack_step
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ class TensorParallelWorkers:
         group = self.group
         if group is not None and not group.closed and not self.failed and self.alive():
             try:
-                group.send_step(StepMessage.shutdown())
+                group.send_packed_step(pack_step(StepMessage.shutdown()))
             except RuntimeError:
                 logger.warning("tensor-parallel shutdown message failed: stopping the workers")
         for proc in self.processes.values():

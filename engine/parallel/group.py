@@ -14,8 +14,9 @@ Two torch.distributed groups per engine:
 Both meet through the driver's store; for a loopback address every socket they listen on stays
 on the loopback interface (``engine/parallel/rendezvous.py``).
 
-The step message goes out in one broadcast of ``FIRST_CHUNK`` int64 entries (length first),
-plus a second broadcast of the rest only when a step's metadata is larger (long prefills).
+A step goes out as one flat int64 array (the runner's packed step message,
+engine/runner/step_message.py): one broadcast of ``FIRST_CHUNK`` entries (length first), plus a
+second broadcast of the rest only when a step's metadata is larger (long prefills).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from paged_serve.engine.parallel.rendezvous import (
     pin_sockets_to_loopback,
     restore_environment,
 )
-from paged_serve.engine.parallel.step_message import StepMessage, pack_step, unpack_step
 from paged_serve.engine.platform.platform import Platform
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
@@ -115,9 +115,8 @@ class TensorParallelGroup:
         """True when every rank passed True (every rank must call it)."""
         return bool(self.min_over_ranks(int(flag)))
 
-    def send_step(self, message: StepMessage) -> None:
-        """Driver: broadcast ``message`` to the workers."""
-        packed = pack_step(message)
+    def send_packed_step(self, packed: torch.Tensor) -> None:
+        """Driver: broadcast a packed step message (1-D int64, on the CPU) to the workers."""
         n = packed.numel()
         head = min(n, FIRST_CHUNK - 1)
         first = self._first
@@ -127,8 +126,8 @@ class TensorParallelGroup:
         if n > head:
             dist.broadcast(packed[head:].contiguous(), src=0, group=self.step_channel)
 
-    def receive_step(self) -> StepMessage:
-        """Worker: wait for the driver's next message."""
+    def receive_packed_step(self) -> torch.Tensor:
+        """Worker: wait for the driver's next packed step message (1-D int64)."""
         first = self._first
         dist.broadcast(first, src=0, group=self.step_channel)
         n = int(first[0])
@@ -138,7 +137,7 @@ class TensorParallelGroup:
             rest = torch.empty(n - head, dtype=torch.int64)
             dist.broadcast(rest, src=0, group=self.step_channel)
             packed = torch.cat([packed, rest])
-        return unpack_step(packed)
+        return packed
 
     def close(self) -> None:
         """Leave the groups (idempotent); the process may then join another engine's."""

@@ -20,7 +20,6 @@ from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.model.architecture import runs_fast_body
 from paged_serve.engine.model.body import ModelBody
 from paged_serve.engine.model.logits_head import LogitsHead
-from paged_serve.engine.parallel.step_message import STEP, StepMessage
 from paged_serve.engine.platform.host_tensors import to_device
 from paged_serve.engine.platform.platform import Platform
 from paged_serve.engine.runner.attention_context import AttentionContext, attention_context
@@ -34,6 +33,7 @@ from paged_serve.engine.runner.prompt_logprobs import (
 )
 from paged_serve.engine.runner.state_cache import StateCache, linear_state_shape
 from paged_serve.engine.runner.step_inputs import StepInputs, flatten_step
+from paged_serve.engine.runner.step_message import STEP, StepMessage, pack_step
 from paged_serve.engine.sample.sampler import Sampler
 from paged_serve.engine.sched.batch import ScheduledBatch, StepResult
 from paged_serve.engine.sched.forks import sampling_rows
@@ -281,7 +281,8 @@ class ModelRunner:
         """Queue the step's device work: copy-on-write, forward, sampling. Never syncs."""
         inputs = flatten_step(batch, block_tables, self.block_size)
         if self.tp is not None:  # the workers run the same copies and forward on their shards
-            self.tp.send_step(StepMessage(STEP, batch.block_copies, inputs, batch.state_copies))
+            message = StepMessage(STEP, batch.block_copies, inputs, batch.state_copies)
+            self.tp.send_packed_step(pack_step(message))
         self._copy_blocks(batch.block_copies)
         self._copy_states(batch.state_copies)
         rows = sampling_rows(batch)
