@@ -38,7 +38,7 @@ class EngineConfig:
     seed: where the seeds of requests that give none come from; None (the default) draws them
     from the OS, so a restart does not repeat the same "random" outputs; an integer makes them
     reproducible from run to run.
-    tensor_parallel_size: processes the model is sharded over (``engine/parallel/sharding.py``):
+    tensor_parallel_size: processes the model is sharded over (``engine/model/sharding.py``):
     this engine process is rank 0 and starts the others (``engine/executor/workers.py``).
     cpu_decode_kernel: on the CPU (the torch attention backend), decode-only steps attend with
     the C kernel that reads the paged cache in place (``kernels/cpu/decode_attention.py``, built

@@ -1,5 +1,5 @@
 """A tensor-parallel rank reads its own shard from a safetensors folder
-(engine/parallel/shard_loading.py): bit for bit what sharding the whole model gives, for every
+(engine/model/shard_loading.py): bit for bit what sharding the whole model gives, for every
 family tensor parallelism serves, from sharded and single-file checkpoints, with tied and untied
 heads, per-expert MoE checkpoints included; the whole model where the files cannot be read
 name for name; and a TP=2 engine on a folder serves HF's greedy tokens."""
@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from paged_serve.engine import LLM, SamplingParams
-from paged_serve.engine.parallel.shard_loading import checkpoint_files, load_shard
-from paged_serve.engine.parallel.sharding import shard_model
+from paged_serve.engine.model.shard_loading import checkpoint_files, load_shard
+from paged_serve.engine.model.sharding import shard_model
 from tests.conftest import assert_pool_clean, hf_greedy, random_prompts, tiny_model
 from tests.test_model_coverage import tiny_architecture
 

@@ -21,7 +21,7 @@ from paged_serve.engine import LLM, SamplingParams
 from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.executor.workers import TensorParallelError, TensorParallelWorkers
 from paged_serve.engine.model.fused_projections import fuse_projections
-from paged_serve.engine.parallel.sharding import shard_model, shard_shape
+from paged_serve.engine.model.sharding import shard_model, shard_shape
 from paged_serve.engine.platform.cpu.linears import speed_up_cpu_linears
 from paged_serve.engine.platform.platform import platform_for
 from paged_serve.engine.runner.step_inputs import StepInputs

@@ -25,8 +25,8 @@ from transformers import PreTrainedModel
 
 from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.engine_args import add_engine_args, engine_kwargs
+from paged_serve.engine.model.sharding import shard_model
 from paged_serve.engine.parallel.group import TensorParallelGroup
-from paged_serve.engine.parallel.sharding import shard_model
 from paged_serve.engine.platform.platform import platform_for
 from paged_serve.engine.runner.build import build_runner, context_length, load_for
 from paged_serve.engine.runner.step_message import SHUTDOWN, unpack_step

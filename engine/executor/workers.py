@@ -39,14 +39,14 @@ from transformers import PreTrainedModel
 
 from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.executor.rank import WorkerSpec, run_worker
-from paged_serve.engine.parallel.group import TensorParallelGroup
-from paged_serve.engine.parallel.rendezvous import Rendezvous
-from paged_serve.engine.parallel.sharding import (
+from paged_serve.engine.model.sharding import (
     check_shardable,
     plain_projections,
     shard_model,
     shard_shape,
 )
+from paged_serve.engine.parallel.group import TensorParallelGroup
+from paged_serve.engine.parallel.rendezvous import Rendezvous
 from paged_serve.engine.platform.platform import Platform
 from paged_serve.engine.runner.step_message import StepMessage, pack_step
 

@@ -38,7 +38,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from paged_serve.engine.parallel.shard_loading import (
+from paged_serve.engine.model.shard_loading import (
     INDEX_FILE,
     MXFP4_GROUP,
     Mxfp4Stored,

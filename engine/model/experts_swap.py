@@ -10,7 +10,7 @@ reads in the layout the module declares (``is_transposed``) and whose own gate i
 (``_apply_gate``: SwiGLU, gpt-oss's clamped SwiGLU on interleaved columns). The step's kernel
 backend computes the pairs: on CUDA the Triton kernel of ``kernels/triton/fused_moe.py``, on the
 CPU the grouped pass of ``engine/platform/cpu/moe.py``. Under tensor parallelism each rank
-holds a slice of every expert's width (engine/parallel/sharding.py), and the partial sums are
+holds a slice of every expert's width (engine/model/sharding.py), and the partial sums are
 all-reduced here.
 """
 

@@ -37,7 +37,7 @@ from transformers import (
 
 from paged_serve.engine.config import cache_root
 from paged_serve.engine.model.checkpoint_check import check_checkpoint, check_loading_info
-from paged_serve.engine.parallel.shard_loading import CPU, load_shard
+from paged_serve.engine.model.shard_loading import CPU, load_shard
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ def load_model_shard(
     device: torch.device = CPU,
 ) -> LoadedModel | None:
     """Rank ``rank``'s tensor-parallel shard of ``model`` read from its safetensors files alone,
-    each tensor put on ``device`` as it is read (engine/parallel/shard_loading.py); None where
+    each tensor put on ``device`` as it is read (engine/model/shard_loading.py); None where
     only the whole model can be read."""
     start = time.perf_counter()
     path, name = resolve_model_path(model)

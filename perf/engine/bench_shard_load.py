@@ -8,7 +8,7 @@ the parameters it ends up holding:
 * ``whole``: ``load_model`` (``from_pretrained``), what TP=1 does and what every rank did
   before shard loading;
 * ``whole + shard_model``: that, then sharded for rank 0 of 2 (the old per-rank path);
-* ``shard r/2``: ``load_model_shard`` for rank r of 2 (engine/parallel/shard_loading.py).
+* ``shard r/2``: ``load_model_shard`` for rank r of 2 (engine/model/shard_loading.py).
 
 Every parameter is read once after the load, so those still backed by a file mapping
 (``from_pretrained`` may leave a same-dtype tensor on the mapped file) are resident too. The
@@ -67,7 +67,7 @@ def _status_kb(field: str) -> int:
 def measure(folder: str, mode: str) -> dict:
     """One load in this process (run through ``--child``)."""
     from paged_serve.engine.model.loader import load_model, load_model_shard
-    from paged_serve.engine.parallel.sharding import shard_model
+    from paged_serve.engine.model.sharding import shard_model
 
     before = _status_kb("VmRSS")
     if mode.startswith("shard"):

@@ -42,7 +42,7 @@ from paged_serve.engine.platform.cpu.packed_experts import restore_plain_experts
 @dataclass(frozen=True, slots=True)
 class ShardSource:
     """Where a rank's tensor of a model sharded on the meta device comes from (read by
-    engine/parallel/shard_loading.py): ``ranges`` ``[start, stop)`` of the full tensor ``full``
+    engine/model/shard_loading.py): ``ranges`` ``[start, stop)`` of the full tensor ``full``
     along ``dim``, concatenated (no ranges: all of it), or zeros of the rank's shape."""
 
     full: torch.Tensor

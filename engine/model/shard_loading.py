@@ -49,7 +49,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
-from paged_serve.engine.parallel.sharding import SOURCE, ShardSource, check_shardable, shard_model
+from paged_serve.engine.model.sharding import SOURCE, ShardSource, check_shardable, shard_model
 
 logger = logging.getLogger(__name__)
 
