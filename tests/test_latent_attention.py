@@ -9,8 +9,8 @@ import torch
 from transformers import DeepseekV3Config
 
 from paged_serve.engine import LLM, SamplingParams
+from paged_serve.engine.kv.kv_cache import KVCache, cache_layout, per_head_elements_per_token
 from paged_serve.engine.model.latent_attention import absorb_latent_attention, is_latent_attention
-from paged_serve.engine.runner.kv_cache import KVCache, cache_layout, per_head_elements_per_token
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts
 from tests.test_model_coverage import tiny_architecture
 

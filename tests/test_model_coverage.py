@@ -53,8 +53,8 @@ from transformers import (
 )
 
 from paged_serve.engine import LLM, SamplingParams
-from paged_serve.engine.runner.kv_cache import KVCache, attention_layer_ids, cache_layout
-from paged_serve.engine.runner.state_cache import linear_layer_ids
+from paged_serve.engine.kv.kv_cache import KVCache, attention_layer_ids, cache_layout
+from paged_serve.engine.kv.state_cache import linear_layer_ids
 from tests.conftest import TINY_VOCAB, assert_pool_clean, hf_greedy, loaded, random_prompts
 
 COMMON = dict(
@@ -283,7 +283,7 @@ def test_preemption(expected) -> None:
 
 def state_bytes(model: PreTrainedModel, max_num_seqs: int) -> int:
     """What a hybrid model's state slots take of the KV budget (0 for other models)."""
-    from paged_serve.engine.runner.state_cache import StateCache, linear_state_shape
+    from paged_serve.engine.kv.state_cache import StateCache, linear_state_shape
 
     shape = linear_state_shape(model.config)
     if shape is None:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
+from paged_serve.engine.kv.attention_context import current_attention_context
 from paged_serve.engine.model.architecture import check_servable
 from paged_serve.engine.model.latent_attention import (
     install_latent_attention,
     latent_attention_flat,
 )
 from paged_serve.engine.model.linear_attention import install_linear_attention
-from paged_serve.engine.runner.attention_context import current_attention_context
 
 ATTN_NAME = "paged_serve"
 

@@ -24,7 +24,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.integrations.moe import ExpertsInterface
 
-from paged_serve.engine.runner.attention_context import current_attention_context
+from paged_serve.engine.kv.attention_context import current_attention_context
 
 EXPERTS_NAME = "paged_serve"
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paged_serve.engine.runner.attention_context import current_attention_context
+from paged_serve.engine.kv.attention_context import current_attention_context
 
 LATENT_ATTRIBUTES = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 

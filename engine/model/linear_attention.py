@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paged_serve.engine.runner.attention_context import current_attention_context
+from paged_serve.engine.kv.attention_context import current_attention_context
 
 MIXER_PARTS = ("conv1d", "A_log", "dt_bias", "norm", "out_proj")
 

@@ -1,3 +1,4 @@
-"""Running a step on the device: the model runner, the KV cache, decode graphs, the flattened step
-inputs, the attention backend and the per-step attention context, prompt scoring.
+"""Running a step on the device: the model runner (it owns the KV and state caches of
+engine/kv/, the kernel backend and the sampler), decode graphs, the flattened step inputs and
+their packed message for tensor-parallel workers, prompt scoring, and building a runner.
 """

@@ -34,11 +34,11 @@ from typing import Protocol
 
 import torch
 
+from paged_serve.engine.kv.attention_context import AttentionContext, attention_context
+from paged_serve.engine.kv.kv_cache import KVCache
+from paged_serve.engine.kv.state_cache import StateCache
 from paged_serve.engine.platform.host_tensors import host_tensor
 from paged_serve.engine.platform.kernel_backend import KernelBackend
-from paged_serve.engine.runner.attention_context import AttentionContext, attention_context
-from paged_serve.engine.runner.kv_cache import KVCache
-from paged_serve.engine.runner.state_cache import StateCache
 from paged_serve.engine.runner.step_inputs import StepInputs
 
 Forward = Callable[[], object]  # a forward that reads and writes only static buffers

@@ -17,21 +17,21 @@ from typing import TYPE_CHECKING
 import torch
 
 from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.kv.attention_context import AttentionContext, attention_context
+from paged_serve.engine.kv.kv_cache import KVCache
+from paged_serve.engine.kv.state_cache import StateCache, linear_state_shape
 from paged_serve.engine.model.architecture import runs_fast_body
 from paged_serve.engine.model.body import ModelBody
 from paged_serve.engine.model.logits_head import LogitsHead
 from paged_serve.engine.platform.host_tensors import to_device
 from paged_serve.engine.platform.platform import Platform
-from paged_serve.engine.runner.attention_context import AttentionContext, attention_context
 from paged_serve.engine.runner.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
-from paged_serve.engine.runner.kv_cache import KVCache
 from paged_serve.engine.runner.prompt_logprobs import (
     PromptScores,
     PromptScoring,
     plan_prompt_scoring,
     score_prompt,
 )
-from paged_serve.engine.runner.state_cache import StateCache, linear_state_shape
 from paged_serve.engine.runner.step_inputs import StepInputs, flatten_step
 from paged_serve.engine.runner.step_message import STEP, StepMessage, pack_step
 from paged_serve.engine.sample.sampler import Sampler

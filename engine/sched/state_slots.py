@@ -1,6 +1,6 @@
 """State slots: which sequence holds which linear-attention state (pure Python, torch-free).
 
-A hybrid model's sequence needs one slot of the state cache (``engine/runner/state_cache.py``)
+A hybrid model's sequence needs one slot of the state cache (``engine/kv/state_cache.py``)
 for as long as it holds KV blocks, so the block manager takes and returns a slot wherever it
 allocates, forks and frees a table. There are ``max_num_seqs`` slots: every running sequence is
 a seat, so they never run short of the running set. A fork's slot starts as a copy of its

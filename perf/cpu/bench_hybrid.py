@@ -33,8 +33,8 @@ from transformers import (
     Qwen3NextForCausalLM,
 )
 
-from paged_serve.engine.runner.kv_cache import KVCache, attention_layer_ids, cache_layout
-from paged_serve.engine.runner.state_cache import linear_state_shape
+from paged_serve.engine.kv.kv_cache import KVCache, attention_layer_ids, cache_layout
+from paged_serve.engine.kv.state_cache import linear_state_shape
 from perf.cpu.bench_moe import hf_decoder, median_ms, paged_decoder
 
 

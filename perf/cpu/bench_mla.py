@@ -28,7 +28,7 @@ import json
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from paged_serve.engine.runner.kv_cache import KVCache, cache_layout, per_head_elements_per_token
+from paged_serve.engine.kv.kv_cache import KVCache, cache_layout, per_head_elements_per_token
 from perf.cpu.bench_moe import hf_step_ms, paged_step_ms
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_serve.engine.runner.state_cache import linear_layer_ids
+from paged_serve.engine.kv.state_cache import linear_layer_ids
 
 logger = logging.getLogger(__name__)
 

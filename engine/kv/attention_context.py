@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from paged_serve.engine.kv.kv_cache import KVCache
+    from paged_serve.engine.kv.state_cache import StateCache
     from paged_serve.engine.platform.kernel_backend import KernelBackend
-    from paged_serve.engine.runner.kv_cache import KVCache
-    from paged_serve.engine.runner.state_cache import StateCache
 
 
 @dataclass(frozen=True, slots=True)
