@@ -60,7 +60,7 @@ class StepOutputs:
         """Each sampled token to its request: an output for every request that produced a
         token or ended. ``accepted``: per drafted request id, the drafts its rows confirmed;
         such a request has ``len(draft) + 1`` consecutive rows and emits the first
-        ``accepted + 1`` of them (``engine/spec/verify.py``)."""
+        ``accepted + 1`` of them (``engine/sample/sampling_rows.py``)."""
         accepted = accepted or {}
         now = time.monotonic()
         outputs: list[RequestOutput] = []

@@ -8,10 +8,10 @@ import pytest
 from paged_serve.engine.sampling_params import SamplingParams
 from paged_serve.engine.sched.block_manager import BlockManager
 from paged_serve.engine.sched.request import Request
+from paged_serve.engine.sched.scheduler import accepted_lengths
 from paged_serve.engine.spec.config import SpeculativeConfig
 from paged_serve.engine.spec.ngram import NgramDrafter
 from paged_serve.engine.spec.speculator import MAX_PAUSE_STEPS, Speculator
-from paged_serve.engine.spec.verify import accepted_lengths
 
 
 def request(tokens: list[int], output: list[int] = (), rid: str = "r", **params) -> Request:

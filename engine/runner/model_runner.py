@@ -35,8 +35,8 @@ from paged_serve.engine.runner.prompt_logprobs import (
 from paged_serve.engine.runner.step_inputs import StepInputs, flatten_step
 from paged_serve.engine.runner.step_message import STEP, StepMessage, pack_step
 from paged_serve.engine.sample.sampler import Sampler
+from paged_serve.engine.sample.sampling_rows import sampling_rows
 from paged_serve.engine.sched.batch import ScheduledBatch, StepResult
-from paged_serve.engine.sched.forks import sampling_rows
 
 if TYPE_CHECKING:
     from paged_serve.engine.parallel.group import TensorParallelGroup

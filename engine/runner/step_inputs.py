@@ -50,10 +50,10 @@ def flatten_step(
 ) -> StepInputs:
     """The step's tokens in scheduled order, with their slots in each request's blocks.
 
-    A drafted request (``engine/spec/verify.py``) enters as ``k + 1`` one-token sequences over
-    its one block table, the ``j``-th attending to the context up to its own position: causal
-    attention over the draft, as a prefill chunk would compute it, in the shape of decode rows
-    (the CPU's decode kernel, the decode graphs)."""
+    A drafted request (``engine/sample/sampling_rows.py``) enters as ``k + 1`` one-token
+    sequences over its one block table, the ``j``-th attending to the context up to its own
+    position: causal attention over the draft, as a prefill chunk would compute it, in the
+    shape of decode rows (the CPU's decode kernel, the decode graphs)."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []

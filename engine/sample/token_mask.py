@@ -13,10 +13,10 @@ than that, is handed back as late, and the engine fails that request alone with
 ``MaskFillTimeout``'s message. A row that never got a thread by then (the threads are busy with
 a late row) is filled on the engine thread instead, so one slow grammar never holds the others.
 
-A drafted sequence's ``k + 1`` verification rows (engine/spec/verify.py) are one walk on one
-thread, over a fork of its matcher: fill row 0, accept ``d1``, fill row 1, ... Each row has the
-budget a row has without drafts: ``fill_timeout_s`` of its own fill, counted from when that
-fill began or the forward ended, whichever is later, so drafting changes how long a step
+A drafted sequence's ``k + 1`` verification rows (engine/sample/sampling_rows.py) are one walk
+on one thread, over a fork of its matcher: fill row 0, accept ``d1``, fill row 1, ... Each row
+has the budget a row has without drafts: ``fill_timeout_s`` of its own fill, counted from when
+that fill began or the forward ended, whichever is later, so drafting changes how long a step
 waits, never which request fails or where. The first late row ends the walk, and is the only
 one of its rows reported: the request emits the rows before it (when their drafts hold) and
 ends there, having emitted what it would have without drafts (engine/step_outputs.py).

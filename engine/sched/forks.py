@@ -9,7 +9,8 @@
 
 * The first sample carries the others as *pending forks* until its prompt is computed. It
   holds a running seat for each of them (``group_size``), and the step that computes its last
-  prompt token samples a row for each of them from the same logits (``sampling_rows``).
+  prompt token samples a row for each of them from the same logits
+  (``sampling_rows``, engine/sample/sampling_rows.py).
 * After that step each pending fork gets the parent's block table, shared by reference count
   (``join_forks``), and the scheduler runs it as a request of its own.
 * A sample that ends while forks still wait on it (an abort mid-prefill) hands them to the
@@ -30,7 +31,6 @@ from paged_serve.engine.sampling_params import SamplingParams
 from paged_serve.engine.sched.batch import ScheduledBatch
 from paged_serve.engine.sched.block_manager import BlockManager
 from paged_serve.engine.sched.request import Request
-from paged_serve.engine.spec.verify import verify_rows
 
 
 def sample_ids(request_id: str, n: int) -> list[str]:
@@ -79,19 +79,6 @@ def group_size(request: Request) -> int:
 def with_pending_forks(requests: Iterable[Request]) -> list[Request]:
     """Each request followed by its pending forks."""
     return [r for request in requests for r in (request, *request.pending_forks)]
-
-
-def sampling_rows(batch: ScheduledBatch) -> list[Request]:
-    """The requests that sample this step, each followed by its pending forks (they sample
-    their first token from their parent's logits row); a drafted request's rows are its
-    verification rows (``engine/spec/verify.py``)."""
-    rows: list[Request] = []
-    for s in batch.requests:
-        if s.draft:
-            rows += verify_rows(s.request, s.draft)
-        elif s.samples:
-            rows += (s.request, *s.request.pending_forks)
-    return rows
 
 
 def join_forks(batch: ScheduledBatch, block_manager: BlockManager) -> list[Request]:

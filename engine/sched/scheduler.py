@@ -16,13 +16,49 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
 
 from paged_serve.engine.sched.batch import ScheduledBatch, ScheduledRequest, StepResult
 from paged_serve.engine.sched.block_manager import BlockManager
 from paged_serve.engine.sched.forks import detach, group_size, join_forks
 from paged_serve.engine.sched.request import Request, RequestStatus
-from paged_serve.engine.spec.speculator import Speculator
-from paged_serve.engine.spec.verify import accepted_lengths
+
+
+class DraftSource(Protocol):
+    """What the scheduler asks of a speculator (engine/spec/speculator.py ``Speculator``)."""
+
+    def drafts(self, candidates: Sequence[Request], num_running: int) -> dict[str, list[int]]:
+        """Drafts for the decoding ``candidates`` by request id (absent: none this step)."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Forget a sequence that ended."""
+        ...
+
+
+def accepted_lengths(
+    drafts: dict[str, Sequence[int]], row_ids: Sequence[str], tokens: Sequence[int]
+) -> dict[str, int]:
+    """Per drafted request id, how many of its drafts its rows' draws confirmed: the longest
+    run ``d1 .. da`` where row ``j`` drew ``d(j+1)`` (engine/sample/sampling_rows.py).
+
+    ``row_ids``/``tokens``: the step's sampled rows in order (a drafted request's ``k + 1``
+    rows are consecutive) and the token each drew.
+    """
+    accepted: dict[str, int] = {}
+    i = 0
+    while i < len(row_ids):
+        draft = drafts.get(row_ids[i])
+        if draft is None:
+            i += 1
+            continue
+        a = 0
+        while a < len(draft) and tokens[i + a] == draft[a]:
+            a += 1
+        accepted[row_ids[i]] = a
+        i += len(draft) + 1
+    return accepted
 
 
 class Scheduler:
@@ -34,7 +70,7 @@ class Scheduler:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        speculator: Speculator | None = None,
+        speculator: DraftSource | None = None,
     ):
         self.block_manager = block_manager
         self.speculator = speculator
@@ -144,7 +180,7 @@ class Scheduler:
         then the pending forks of every prompt the step completed join the running set.
 
         Returns, per drafted request id, how many of its drafts held: the run its rows' draws
-        confirmed (``engine/spec/verify.py``), cut at a row that failed to sample."""
+        confirmed (``accepted_lengths``), cut at a row that failed to sample."""
         bm = self.block_manager
         accepted = accepted_lengths(batch.drafts, result.request_ids, result.token_ids)
         for request_id, (row, _) in result.failed.items():

@@ -14,8 +14,8 @@ class Drafter(Protocol):
     ``propose`` gets the sequences that may speculate this step and each one's most tokens
     (``limits[i] >= 1``); it returns one list per sequence, at most that long (empty: no
     guess). A guess is only a guess: the target model's own draw decides every token
-    (``engine/spec/verify.py``), so a wrong one costs time, never output. ``release`` forgets a
-    sequence that ended (its index, its draft KV blocks).
+    (``engine/sample/sampling_rows.py``), so a wrong one costs time, never output.
+    ``release`` forgets a sequence that ended (its index, its draft KV blocks).
     """
 
     def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> list[list[int]]: ...

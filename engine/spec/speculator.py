@@ -20,7 +20,7 @@ no more tokens than keeps its rows' fills, at their last measured cost, within o
 ``--grammar-fill-timeout`` (none once a fill takes half of it; none with an xgrammar whose
 matchers cannot ``fork``, which filling drafted rows needs). Pacing
 changes how many tokens a step yields, never which: the target's draw decides each
-(``engine/spec/verify.py``).
+(``engine/sample/sampling_rows.py``).
 """
 
 from __future__ import annotations

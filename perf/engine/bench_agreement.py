@@ -38,8 +38,8 @@ import torch
 
 from paged_serve.engine.llm import LLM
 from paged_serve.engine.llm_engine import LLMEngine
+from paged_serve.engine.sample.sampling_rows import sampling_rows
 from paged_serve.engine.sampling_params import SamplingParams
-from paged_serve.engine.sched.forks import sampling_rows
 
 
 @dataclass(slots=True)
