@@ -82,10 +82,10 @@ export PAGED_SERVE_PERF_JSON="$LOG_DIR/perf.json"
 
 say() { echo "gpu-check: $*"; }
 # The engine's CUDA-only tests (real graph capture, sync debug mode); the rest of tests/ is CPU's.
-ENGINE_TESTS="tests/test_decode_graphs.py tests/test_no_host_sync.py"
+ENGINE_TESTS="tests/engine/runner/test_decode_graphs.py tests/engine/runner/test_no_host_sync.py"
 # The checks of what the interpreter cannot show (the gpu_hazard marker): reduction order, NaN
 # handling in GPU reductions, graphs vs eager.
-HAZARD_TESTS="tests/kernels/test_sampling_hazards.py tests/test_decode_graphs.py"
+HAZARD_TESTS="tests/kernels/test_sampling_hazards.py tests/engine/runner/test_decode_graphs.py"
 HELPER=("$PY" "$REPO/ci/gpu_check.py")
 
 # ------------------------------------------------------------------------------ prerequisites

@@ -9,9 +9,9 @@ worker from it: 0.3 s a TP=2 engine after the first (``LLM(loaded=..., tensor_pa
 of a tiny Llama, 8.0-8.3 s with spawn). What a worker receives is the same: the process object
 and its ``WorkerSpec`` (the model included) are pickled and sent as under ``spawn``, and the
 worker runs ``run_worker`` in a process of its own. The server CLI's tensor-parallel tests
-(tests/server_tp, tests/test_tp_faults.py) start real ``paged-serve`` processes, which spawn, and
-an engine on a model of more than ``MAX_SHARED_TENSORS`` tensors (the default model) spawns.
-"""
+(tests/server_tp, tests/engine/executor/test_tp_faults.py) start real ``paged-serve`` processes,
+which spawn, and an engine on a model of more than ``MAX_SHARED_TENSORS`` tensors (the default
+model) spawns. """
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """Which JSON-schema keywords the grammar library (xgrammar 0.2.9) enforces exactly, and what
 becomes of the rest: rewritten into a form it does enforce, or refused with the keyword's path.
 
-``enforceable_schema(schema)`` returns the schema to compile: a copy, rewritten where a keyword
-can be enforced through another one, or raises ValueError naming the first keyword (and its
-path) whose constraint the grammar would silently weaken. Every verdict below is decided by
-tests/test_schema_soundness.py, which compiles each case, checks with a JSON-schema validator
-(``jsonschema``) that every string the grammar admits validates, and shows for each refusal a
-string that the unguarded grammar admits although the validator rejects it.
+``enforceable_schema(schema)`` returns the schema to compile: a copy, rewritten where a keyword can
+be enforced through another one, or raises ValueError naming the first keyword (and its path) whose
+constraint the grammar would silently weaken. Every verdict below is decided by
+tests/engine/grammar/test_schema_soundness.py, which compiles each case, checks with a JSON-schema
+validator (``jsonschema``) that every string the grammar admits validates, and shows for each
+refusal a string that the unguarded grammar admits although the validator rejects it.
 
 Rewritten (so that they hold):
 

@@ -15,7 +15,7 @@ reader, so it admits a subset of what the pattern allows where the three readers
 
 It also works around a bug of xgrammar 0.2.9: an optional group that holds a quantifier loses
 its other parts (``(?:xb+)?`` admits ``b``), while the same group with ``{0,1}`` is exact, so
-``)?`` becomes ``){0,1}`` there. tests/test_schema_soundness.py checks each rule.
+``)?`` becomes ``){0,1}`` there. tests/engine/grammar/test_schema_soundness.py checks each rule.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ A JSON schema that xgrammar would silently weaken (a keyword it ignores, such as
 or ``pattern`` beside ``maxLength``) is refused, and one it would misread (a ``required`` key
 missing from ``properties``, ``format: date``) is rewritten into a form it holds, so an accepted
 constraint always holds: ``engine/grammar/json_schema_rules.py`` says which, and
-tests/test_schema_soundness.py checks each verdict against a JSON-schema validator.
+tests/engine/grammar/test_schema_soundness.py checks each verdict against a JSON-schema validator.
 """
 
 from __future__ import annotations

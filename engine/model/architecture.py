@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 from paged_serve.engine.model.latent_attention import unservable_latent_reason
 from paged_serve.engine.model.linear_attention import linear_attention_layers
 
-# Decoders engine/model/body.py runs op for op (tests/test_model_body.py).
+# Decoders engine/model/body.py runs op for op (tests/engine/model/test_model_body.py).
 FAST_BODY_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",

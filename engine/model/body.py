@@ -12,12 +12,12 @@ step, about 60-150 us a layer (docs/performance.md). ``ModelBody`` runs the same
                 h       = h + down_proj(act(gate) * up)   with gate, up = split(gate_up(norm_2(h)))
     h = norm(h)
 
-with the same torch ops on the same values in the same order (on the CPU the norms take fewer
-ops that give the same bits, ``RMSNorm``), so it equals HF's forward bit for bit in every dtype
-(tests/test_model_body.py), over the flat ``[T, H, D]`` layout the paged attention takes, with
-no transposes. It calls the projection modules the model holds when the runner is built (fused
-or not, quantized or not, tensor-parallel shards) and reads the norms' weights, so module swaps
-must come before, as ``prepare_model`` does. It runs the families of
+with the same torch ops on the same values in the same order (on the CPU the norms take fewer ops
+that give the same bits, ``RMSNorm``), so it equals HF's forward bit for bit in every dtype
+(tests/engine/model/test_model_body.py), over the flat ``[T, H, D]`` layout the paged attention
+takes, with no transposes. It calls the projection modules the model holds when the runner is built
+(fused or not, quantized or not, tensor-parallel shards) and reads the norms' weights, so module
+swaps must come before, as ``prepare_model`` does. It runs the families of
 ``architecture.FAST_BODY_ARCHITECTURES``; the runner runs HF's own decoder forward for the rest.
 """
 

@@ -2,7 +2,7 @@
 folder's conftest: completions and chat (whole and streamed, n > 1, logprobs, logit bias),
 token-id prompts, prompt scoring equal to Hugging Face, grammar-constrained outputs, health and
 metrics. (Seeded sampling and batching at TP > 1 are checked token for token against TP=1 in
-``tests/test_tensor_parallel.py``, on tiny models, where they cost far less.)
+``tests/engine/parallel/test_tensor_parallel.py``, on tiny models, where they cost far less.)
 
 The tests are imported, so pytest runs them here with this folder's fixtures; each one checks
 the block pool afterwards (``pool_clean``).

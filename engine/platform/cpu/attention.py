@@ -10,17 +10,17 @@ the first layer for the others::
     layer i:  plan.run(q, k_cache, v_cache, scale)                                  # tensor work
 
 They are keyed on the identity of those tensors (held, so an id is never reused while it is the
-key). The plan computes in the model's own dtype, as Hugging Face's ``sdpa`` attention does,
-with HF's layout: in fp32 it equals the fp32 reference ``paged_attention_ref`` up to rounding,
-and in bf16 each sequence gets what HF computes for it alone, so a request alone decodes HF's
-own bf16 tokens (tests/test_cpu_attention.py, tests/test_greedy_equality.py). With
-``group_alone`` (the runner sets it for weight-only quantized bf16 models, whose tokens are not
-HF's anyway) a decode row alone takes the grouped layout too, 3-4.5x faster in bf16.
+key). The plan computes in the model's own dtype, as Hugging Face's ``sdpa`` attention does, with
+HF's layout: in fp32 it equals the fp32 reference ``paged_attention_ref`` up to rounding, and in
+bf16 each sequence gets what HF computes for it alone, so a request alone decodes HF's own bf16
+tokens (tests/engine/platform/cpu/test_cpu_attention.py, tests/engine/test_greedy_equality.py). With
+``group_alone`` (the runner sets it for weight-only quantized bf16 models, whose tokens are not HF's
+anyway) a decode row alone takes the grouped layout too, 3-4.5x faster in bf16.
 
 A step whose every sequence brings one token (a decode-only step) skips the plan when the
 runner hands in ``decode_kernel``: the C kernel of ``kernels/cpu/decode_attention.py`` reads the
 cache blocks in place, with no gather, in fp32 (equal to the reference up to fp32 rounding,
-so fp32 greedy tokens still equal HF's: tests/test_greedy_equality.py). An unquantized bf16
+so fp32 greedy tokens still equal HF's: tests/engine/test_greedy_equality.py). An unquantized bf16
 row alone stays on the plan, so that it keeps HF's own bf16 tokens. Steps with a prefill chunk
 run the plan for every row. Every step's K/V write goes through the kernel's ``write_kv`` (a
 ``memcpy`` a row, bit-exact) when the tensors suit it.

@@ -6,8 +6,8 @@ so that a sequence alone gets HF's own blocking and rounding in every dtype.
 The plan is derived from a step's metadata alone (host copies of ``cu_seqlens_q``, ``seq_lens``
 and the block tables), so one plan serves every layer of the step
 (``engine/platform/cpu/attention.py`` keeps it). The fp32 oracle it is tested against is
-``paged_serve.kernels.reference.paged_attention_ref`` (tests/test_cpu_attention.py).
-"""
+``paged_serve.kernels.reference.paged_attention_ref``
+(tests/engine/platform/cpu/test_cpu_attention.py). """
 
 from __future__ import annotations
 

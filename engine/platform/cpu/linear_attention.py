@@ -9,8 +9,8 @@ and one token at a time. Serving on the CPU needs two shapes fast, so this modul
   form (``kernels/triton/delta_rule.py`` explains it; here ``(I + L)^-1`` is a unit-triangular
   solve), the convolution as ``K`` shifted multiply-adds.
 
-tests/test_cpu_linear_attention.py checks both against the references in float64.
-"""
+tests/engine/platform/cpu/test_cpu_linear_attention.py checks both against the references in
+float64. """
 
 from __future__ import annotations
 

@@ -6,9 +6,9 @@ lm-eval's ``local-completions`` model talks to the server as it would to vLLM: i
 downloaded), scores each choice with ``echo`` + ``logprobs`` + ``max_tokens: 1`` on token-id
 prompts (several per request), and generates with ``stop``. Each choice's score is checked
 against Hugging Face's log-likelihood (one full fp32 forward), and each generation against the
-server's own greedy completion of the same prompt (which tests/test_default_model.py holds to
-HF's). The data are JSON lines read by the ``datasets`` json builder with the hub turned off.
-"""
+server's own greedy completion of the same prompt (which tests/engine/model/test_default_model.py
+holds to HF's). The data are JSON lines read by the ``datasets`` json builder with the hub turned
+off. """
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from paged_serve.engine.model.checkpoint_check import check_checkpoint
 from paged_serve.engine.model.loader import default_gguf_path, load_model, load_model_shard
 from tests.conftest import tiny_model
-from tests.test_model_coverage import ARCHITECTURES, tiny_architecture
+from tests.engine.model.test_model_coverage import ARCHITECTURES, tiny_architecture
 
 CPU = torch.device("cpu")
 DROPPED = (

@@ -1,7 +1,7 @@
 """Weight-only int8 and int4 under tensor parallelism: every rank quantizes its own shards after
 sharding, and a TP=2 quantized engine's greedy tokens equal Hugging Face on the weights it
-multiplies by. (Its own module: the TP engines of tests/test_tensor_parallel.py hold the process
-group until that module ends.)"""
+multiplies by. (Its own module: the TP engines of tests/engine/parallel/test_tensor_parallel.py hold
+the process group until that module ends.)"""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from paged_serve.engine import LLM, SamplingParams
 from paged_serve.engine.model.shard_loading import checkpoint_files, load_shard
 from paged_serve.engine.model.sharding import shard_model
 from tests.conftest import assert_pool_clean, hf_greedy, random_prompts, tiny_model
-from tests.test_model_coverage import tiny_architecture
+from tests.engine.model.test_model_coverage import tiny_architecture
 
 # every family tensor parallelism shards (olmo2, olmoe and phi3 are refused: a norm over all
 # heads, a fused qkv projection), the MoE ones stored per expert as transformers saves them
@@ -105,7 +105,7 @@ def test_mxfp4_experts_are_read_and_dequantised_per_rank(tmp_path: Path):
     columns, interleaved gate/up pairs) and its groups of ``down_proj_blocks`` (input features),
     and dequantises them: equal to transformers' dequantisation of the whole model, sharded."""
     from paged_serve.engine.model.loader import load_model
-    from tests.test_loading import save_mxfp4_gpt_oss
+    from tests.engine.model.test_loading import save_mxfp4_gpt_oss
 
     save_mxfp4_gpt_oss(tmp_path)
     for rank in (0, 1):
@@ -131,7 +131,7 @@ def test_what_does_not_shard_is_refused_before_any_tensor_is_read(tmp_path: Path
 @pytest.mark.parametrize("checkpoint", ["qwen3_moe", "gpt_oss_mxfp4"])
 def test_a_tp2_engine_on_a_folder_loads_shards_and_equals_hf(checkpoint: str, tmp_path: Path):
     if checkpoint == "gpt_oss_mxfp4":
-        from tests.test_loading import save_mxfp4_gpt_oss
+        from tests.engine.model.test_loading import save_mxfp4_gpt_oss
 
         model = save_mxfp4_gpt_oss(tmp_path)
     else:

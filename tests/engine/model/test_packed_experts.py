@@ -21,7 +21,7 @@ from paged_serve.engine.platform.cpu.packed_experts import (
 )
 from paged_serve.engine.sampling_params import SamplingParams
 from tests.conftest import assert_pool_clean, hf_greedy, loaded
-from tests.test_model_coverage import tiny_architecture
+from tests.engine.model.test_model_coverage import tiny_architecture
 
 
 def test_each_expert_is_f_linear_to_fp32_rounding() -> None:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from paged_serve.engine import LLM, SamplingParams
 from paged_serve.engine.model.loader import load_model, quantized_checkpoint_options
 from tests.conftest import assert_pool_clean, hf_greedy, random_prompts, tiny_model
-from tests.test_model_coverage import tiny_architecture
+from tests.engine.model.test_model_coverage import tiny_architecture
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

@@ -38,7 +38,7 @@ def test_families_through_the_kernels(name: str):
     """gpt-oss (the fused-MoE kernel with biases and its clamped gate, attention sinks, sliding
     layers), Gemma 2 (soft-capped scores) and DeepSeek-V3 (the latent write and the MLA kernel
     over chunks of 24 tokens) on the triton backend: HF's greedy tokens."""
-    from tests.test_model_coverage import tiny_architecture
+    from tests.engine.model.test_model_coverage import tiny_architecture
 
     hf = tiny_architecture(name)
     llm = LLM(

@@ -1,6 +1,6 @@
 """Multi-head latent attention (engine/model/latent_attention.py) beyond the greedy scenarios of
-tests/test_model_coverage.py: what the cache holds, what the swap leaves of the module, and the
-memory figure the latent layout buys."""
+tests/engine/model/test_model_coverage.py: what the cache holds, what the swap leaves of the module,
+and the memory figure the latent layout buys."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from paged_serve.engine import LLM, SamplingParams
 from paged_serve.engine.kv.kv_cache import KVCache, cache_layout, per_head_elements_per_token
 from paged_serve.engine.model.latent_attention import absorb_latent_attention, is_latent_attention
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts
-from tests.test_model_coverage import tiny_architecture
+from tests.engine.model.test_model_coverage import tiny_architecture
 
 
 def test_deepseek_v3_caches_its_latent_not_per_head_keys_and_values():

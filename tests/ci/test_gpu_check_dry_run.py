@@ -18,7 +18,7 @@ from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "ci" / "gpu-check.sh"
 
 
@@ -62,7 +62,8 @@ def test_dry_run_prints_every_step(dry_run):
     assert "-m pytest -q -p no:cacheprovider tests/kernels -m 'cuda and not gpu_hazard'" in out
     assert "tests/kernels -m 'not cuda and not gpu_hazard'" in out
     assert (
-        "tests/test_decode_graphs.py tests/test_no_host_sync.py -m 'cuda and not gpu_hazard'" in out
+        "tests/engine/runner/test_decode_graphs.py tests/engine/runner/test_no_host_sync.py"
+        " -m 'cuda and not gpu_hazard'" in out
     )
     assert "-m pytest -q -p no:cacheprovider perf" in out
     assert "--compare-eager" in out
@@ -91,7 +92,7 @@ def test_dry_run_runs_the_kernel_hazards_first(dry_run):
     hazards = next(line for line in dry_run.stdout.splitlines() if line.startswith("  1. "))
     assert hazards.endswith(
         "-m pytest -q -p no:cacheprovider tests/kernels/test_sampling_hazards.py "
-        "tests/test_decode_graphs.py -m gpu_hazard"
+        "tests/engine/runner/test_decode_graphs.py -m gpu_hazard"
     )
 
 
@@ -100,7 +101,7 @@ def test_the_hazard_step_selects_the_gpu_checks_the_issue_asks_for():
     (interpreter-sized and 154,200-row CUDA versions), the invalid rows and the CUDA graphs vs
     eager vs HF comparison. (The other steps' expressions, ``... and not gpu_hazard`` as
     ``test_dry_run_prints_every_step`` holds them, exclude these by pytest's own semantics.)"""
-    files = ["tests/kernels/test_sampling_hazards.py", "tests/test_decode_graphs.py"]
+    files = ["tests/kernels/test_sampling_hazards.py", "tests/engine/runner/test_decode_graphs.py"]
 
     def collect(*args: str) -> set[str]:
         out = subprocess.run(
@@ -118,7 +119,7 @@ def test_the_hazard_step_selects_the_gpu_checks_the_issue_asks_for():
         "tests/kernels/test_sampling_hazards.py::test_top_p_near_boundary_never_leaves_the_support",
         "tests/kernels/test_sampling_hazards.py::test_top_p_near_boundary_sweep_cuda",
         "tests/kernels/test_sampling_hazards.py::test_non_finite_rows_give_minus_one",
-        "tests/test_decode_graphs.py::test_cuda_graphs_equal_eager_and_hf",
+        "tests/engine/runner/test_decode_graphs.py::test_cuda_graphs_equal_eager_and_hf",
     }
 
 

@@ -11,7 +11,7 @@ from paged_serve.engine.llm_engine import LLMEngine
 from paged_serve.engine.sched.block_manager import BlockManager
 from paged_serve.engine.sched.prefix_cache import chain_root
 from tests.conftest import assert_pool_clean, loaded, random_prompts, tiny_model
-from tests.test_speculative import ScriptedDrafter, spec_config
+from tests.engine.spec.test_speculative import ScriptedDrafter, spec_config
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -1,6 +1,6 @@
 """Hybrid linear-attention models (Qwen3-Next, Qwen3.5) in the engine: what their state slots
-must get right beyond tests/test_model_coverage.py's scenarios, which they pass too (greedy ==
-HF alone, batched through chunked prefill, after preemption; logprobs; seeded n = 2).
+must get right beyond tests/engine/model/test_model_coverage.py's scenarios, which they pass too
+(greedy == HF alone, batched through chunked prefill, after preemption; logprobs; seeded n = 2).
 
 * A fork starts from its parent's state: sample ``i`` of a seeded ``n = 2`` request equals a
   single request with seed ``seed + i`` (which never forks).
@@ -18,7 +18,7 @@ from paged_serve.engine import LLM, SamplingParams
 from paged_serve.engine.runner.decode_graphs import DecodeGraphs, EagerReplay
 from paged_serve.engine.sched.state_slots import StateSlots
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts
-from tests.test_model_coverage import tiny_architecture
+from tests.engine.model.test_model_coverage import tiny_architecture
 
 PROMPTS = random_prompts([1, 17, 33, 40], seed=31)
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -124,7 +124,7 @@ def test_a_qwen3_5_vision_language_checkpoint_serves_its_text_model(tmp_path) ->
     ``generate`` gives for text."""
     import transformers
 
-    from tests.test_model_coverage import COMMON, HYBRID
+    from tests.engine.model.test_model_coverage import COMMON, HYBRID
 
     config = transformers.Qwen3_5Config(
         text_config={**COMMON, **HYBRID},

@@ -16,7 +16,7 @@ from paged_serve.engine.platform.kernel_backend import make_kernels
 from paged_serve.kernels.cpu import decode_attention as cpu_decode_attention
 from paged_serve.kernels.cpu.decode_attention import CpuDecodeAttention
 from paged_serve.kernels.reference import paged_attention_ref, write_kv_ref
-from tests.test_cpu_attention import _batch
+from tests.engine.platform.cpu.test_cpu_attention import _batch
 
 BF16_ULP = 2.0**-7  # bf16 keeps 8 significant bits: one rounding moves a value by < 2^-8 of it
 

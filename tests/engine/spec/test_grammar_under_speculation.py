@@ -22,7 +22,7 @@ from paged_serve.engine import SamplingParams
 from paged_serve.engine.grammar.structured_output import StructuredOutput
 from paged_serve.engine.llm_engine import LLMEngine
 from tests.conftest import assert_pool_clean, tokenizer_engine
-from tests.test_speculative import ScriptedDrafter, spec_config
+from tests.engine.spec.test_speculative import ScriptedDrafter, spec_config
 
 FILL_TIMEOUT_S = 0.5
 DRAFTS = 8  # a drafted step's 9 rows, filled one after another, exceed one row's budget

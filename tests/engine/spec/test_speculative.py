@@ -105,7 +105,7 @@ def test_partly_right_drafts_change_no_token(family):
     """Batched prompts of different lengths, greedy: accepted runs of every length, the
     rejected positions trimmed, the same tokens (softmax, sliding-window and sink attention,
     MoE, latent attention)."""
-    from tests.test_model_coverage import tiny_architecture
+    from tests.engine.model.test_model_coverage import tiny_architecture
 
     model = tiny_model(family) if family in ("llama", "qwen3") else tiny_architecture(family)
     expected, _ = run(engine_for(model, None), PROMPTS, greedy())
@@ -442,7 +442,7 @@ def test_a_draft_model_with_another_vocabulary_is_refused(llama, draft_folders):
 def test_hybrid_models_do_not_speculate():
     """A recurrent state cannot give back rejected drafts: refused when asked for, off by
     default."""
-    from tests.test_model_coverage import tiny_architecture
+    from tests.engine.model.test_model_coverage import tiny_architecture
 
     model = tiny_architecture("qwen3_next")
     assert engine_for(model, "auto").speculator is None

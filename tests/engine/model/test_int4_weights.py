@@ -36,7 +36,7 @@ from tests.conftest import (
     quantized_twin,
     tiny_model,
 )
-from tests.test_model_coverage import tiny_architecture
+from tests.engine.model.test_model_coverage import tiny_architecture
 
 CPU = torch.device("cpu")
 

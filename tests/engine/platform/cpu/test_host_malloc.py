@@ -55,7 +55,7 @@ def _loop_faults(mode: str) -> int:
         capture_output=True,
         text=True,
         check=True,
-        cwd=Path(__file__).resolve().parents[1],  # the repository root: engine/ importable
+        cwd=Path(__file__).resolve().parents[4],  # the repository root: engine/ importable
     )
     return int(done.stdout.split()[-1])
 

@@ -123,7 +123,7 @@ def test_seeded_n3_equals_tp1(family):
 def test_verified_drafts_equal_hf(family):
     """Speculation on the driver, verification rows on both ranks: partly wrong drafts change
     no token (the TP=2 engine's own prompt lookup rarely fires on random weights)."""
-    from tests.test_speculative import ScriptedDrafter
+    from tests.engine.spec.test_speculative import ScriptedDrafter
 
     _, model, prompts, want, _, tp2 = family
     speculator = tp2.engine.speculator

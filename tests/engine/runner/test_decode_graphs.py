@@ -208,7 +208,7 @@ def test_triton_kernels_in_the_graph_path():
 def test_latent_attention_in_the_graph_path():
     """DeepSeek-V3's latent cache and MLA kernel through the graphs' static buffers (padding rows
     write no latent entry): HF's greedy tokens."""
-    from tests.test_model_coverage import tiny_architecture
+    from tests.engine.model.test_model_coverage import tiny_architecture
 
     model = tiny_architecture("deepseek_v3")
     prompts = random_prompts([1, 17, 33], seed=31)

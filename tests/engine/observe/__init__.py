@@ -1,0 +1,1 @@
+"""Tests of engine/observe/: the engine-state snapshot the dashboard reads."""

@@ -1,0 +1,1 @@
+"""Tests of engine/platform/: the Triton backend end to end and the dtype choice."""
