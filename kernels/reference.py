@@ -330,8 +330,8 @@ def first_argmax(logits: torch.Tensor) -> torch.Tensor:
     row's maximum), ``[B]`` int64, found in two levels: the maximum of each chunk of
     ``ARGMAX_CHUNK`` logits, the first chunk holding the row's maximum, the first maximum within
     it (the tail past the last whole chunk compared apart). 145 against 1,021 us for 24 rows of
-    49,152 on the 2-core CPU (docs/performance.md). A row holding NaN gets some index: callers
-    mark those rows invalid (``invalid_rows``)."""
+    49,152 on the 2-core CPU (docs/measurements/cpu-kernels.md). A row holding NaN gets some index:
+    callers mark those rows invalid (``invalid_rows``)."""
     rows, vocab = logits.shape
     chunks = vocab // ARGMAX_CHUNK
     if chunks < 2:

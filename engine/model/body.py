@@ -3,7 +3,8 @@
 Hugging Face's ``LlamaModel.forward`` wraps the arithmetic of each layer in Python: decorators,
 keyword plumbing, a module call per norm and projection, the attention interface lookup, views
 and transposes between layouts. On the 2-core CPU that cost 1.7-4.4 ms of a 20-60 ms decode
-step, about 60-150 us a layer (docs/performance.md). ``ModelBody`` runs the same arithmetic::
+step, about 60-150 us a layer (docs/measurements/cpu-kernels.md). ``ModelBody`` runs the same
+arithmetic::
 
     h = embed(ids);  cos, sin = rotary(h, positions)
     per layer:  q, k, v = split(qkv_proj(norm_1(h)))      (Qwen3: q_norm, k_norm per head)
@@ -52,9 +53,10 @@ class RMSNorm:
 
         On the CPU ``F.rms_norm`` computes the fp32 part with the same bits as HF's five ops
         (tested), in fewer ops: about 2.4 (bf16) and 5.5 (fp32) us less for a 576-wide row
-        (docs/performance.md). In fp32 it takes the weight too (the same product); in bf16 the
-        weight comes after the cast, as in HF, since ``F.rms_norm`` with a bf16 weight rounds
-        once where HF rounds twice. Its bits were checked on the CPU only, so other devices run
+        (docs/measurements/cpu-kernels.md). In fp32 it takes the weight too (the same product); in
+        bf16 the weight comes after the cast, as in HF, since ``F.rms_norm`` with a bf16 weight
+        rounds once where HF rounds twice. Its bits were checked on the CPU only, so other devices
+        run
         ``hf_ops``."""
         if not self.fused:
             return self.hf_ops(x)

@@ -22,8 +22,8 @@ Two kernels multiply by these weights, chosen per call by the number of rows (to
   torch's int4 kernel's cost grows with every row while the GEMM's barely does.
 
 Measured on this 2-core box, SmolLM2-135M's 30 layers of projections, bf16 activations
-(docs/performance.md): the int4 kernel takes 3.9 ms at 1 row against 14.9 ms for the packed
-bf16 GEMM, 11.0 against 11.6 ms at 8 rows, and 16.4 against 13.2 ms at 12. So the memory cost
+(docs/measurements/cpu-kernels.md): the int4 kernel takes 3.9 ms at 1 row against 14.9 ms for the
+packed bf16 GEMM, 11.0 against 11.6 ms at 8 rows, and 16.4 against 13.2 ms at 12. So the memory cost
 is the bf16 copy plus the codes (1.28x bf16 weights): this mode buys decode latency, not
 memory.
 
@@ -33,8 +33,8 @@ tokens far more than its layers' Q4_1 codes do. The activations are rounded to b
 kernels and the output returned in the input's dtype (torch's int4 kernel has no fast fp32
 path: 30 layers at 1 row take 98 ms with fp32 activations).
 
-This is an approximation of the model, not the model: docs/performance.md reports how often its
-greedy tokens agree with Hugging Face's and where it pays.
+This is an approximation of the model, not the model: docs/measurements/cpu-kernels.md reports how
+often its greedy tokens agree with Hugging Face's and where it pays.
 """
 
 from __future__ import annotations

@@ -8,11 +8,12 @@ in [-127, 127] and ``scale = max|row| / 127``. torch's CPU kernel (``aten._weigh
 multiplies bf16 activations by the int8 rows and then by the scales; the input is rounded to
 bf16 for it and the output returned in the input's dtype, because the kernel's fp32 path is the
 slow one (30 layers' projections at 1 token, 2 threads: 65.9 ms with fp32 activations, 11.1 ms
-with bf16, against 38.9 ms fp32 and 20.8 ms bf16 unquantized; docs/performance.md). The
+with bf16, against 38.9 ms fp32 and 20.8 ms bf16 unquantized; docs/measurements/cpu-kernels.md). The
 embeddings stay as they are (a lookup reads one row per token).
 
 This is an approximation of the model, not the model: the tokens differ from Hugging Face's
-(docs/performance.md reports the agreement rate and where it pays).
+(bf16 + int8: 0 of 4 prompts exact, 21.6 % of greedy tokens agreeing, in the
+serving run recorded in `git show c3a5cfe^:docs/performance.md`).
 """
 
 from __future__ import annotations

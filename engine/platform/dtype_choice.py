@@ -4,9 +4,9 @@ CUDA: bfloat16. CPU: bfloat16 where the CPU multiplies bf16 natively (AVX512-BF1
 float32 elsewhere. On this project's 2-core AVX512-BF16 box a bf16 decode step of the default
 model is 1.35x (8 streams) to 1.5x (24 streams) faster than fp32, each on its fastest kernels,
 and about as fast at 1 stream (31.3 against 28.0 ms: there fp32's column split streams its
-weights faster than oneDNN streams bf16's; docs/performance.md, "Where a decode step goes"),
-while a CPU without those instructions would convert every bf16 weight to fp32 on the fly and
-gain nothing.
+weights faster than oneDNN streams bf16's; docs/measurements/cpu-kernels.md, "Where a decode step
+goes"), while a CPU without those instructions would convert every bf16 weight to fp32 on the fly
+and gain nothing.
 ``--dtype float32`` keeps the exact equality with Hugging Face fp32 ``generate``.
 """
 

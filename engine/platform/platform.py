@@ -51,7 +51,7 @@ class Platform:
     quantizations: tuple[str, ...] = ()  # weight-only schemes that run here
     fused_rms_norm = False  # F.rms_norm has Hugging Face's bits here (engine/model/body.py)
     # --speculative-config auto speculates (prompt lookup) here: only where it was measured to
-    # pay (docs/performance.md); a drafted step also runs outside CUDA's decode graphs.
+    # pay (docs/measurements/speculation.md); a drafted step also runs outside CUDA's decode graphs.
     speculates_by_default = False
 
     def __init__(self, device: torch.device):

@@ -4,8 +4,9 @@
 row: two sorts of the vocabulary and a search of each token's place among the sorted probabilities,
 whether or not the row asks for top-k or top-p. On the 2-core CPU that was 10.4 ms for one row
 of 49,152 tokens and 52.7 ms for 8, more than the whole greedy bf16 step at 8 streams, for
-requests at the OpenAI default (temperature 1, no top-k, no top-p; docs/performance.md).
-:func:`sample_eager` returns the same tokens and logprobs, bit for bit
+requests at the OpenAI default (temperature 1, no top-k, no top-p;
+docs/measurements/cpu-kernels.md). :func:`sample_eager` returns the same tokens and logprobs, bit
+for bit
 (tests/engine/sample/test_eager_sampling.py), and does per row only what the row asks for:
 
 - no filter: the softmax and the race over the whole batch, as the reference does them (min-p

@@ -16,9 +16,9 @@ logger = logging.getLogger(__name__)
 
 def speculative_config_for(config: EngineConfig, platform: Platform) -> SpeculativeConfig | None:
     """The configuration in force: ``"auto"`` is prompt lookup with the defaults where the
-    platform speculates by default (the CPU, where it was measured to pay: docs/performance.md),
-    and none elsewhere (CUDA, where it was not measured, and a drafted step also runs eagerly,
-    outside the decode graphs)."""
+    platform speculates by default (the CPU, where it was measured to pay:
+    docs/measurements/speculation.md), and none elsewhere (CUDA, where it was not measured, and a
+    drafted step also runs eagerly, outside the decode graphs)."""
     spec = config.speculative_config
     if spec == "auto":
         return SpeculativeConfig() if platform.speculates_by_default else None

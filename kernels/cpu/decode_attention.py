@@ -20,7 +20,7 @@ Measured on the 2-core CPU (``python -m perf.cpu.bench_attention``: one layer of
 shape, 9 query heads over 3 KV heads of 64, blocks of 16, 30 layers' caches read in turn, 2
 threads), against the torch path (gather and SDPA), at a 128-token context: fp32 1 row 47
 against 148 us, 24 rows 377 against 763 us; bf16 24 rows 321 against 759 us. The engine's
-decode step and the servers: docs/performance.md.
+decode step and the servers: docs/measurements/cpu-kernels.md.
 
 It computes in fp32 with its own order of sums and its own exponential (Cephes' polynomial:
 within 1.02 ulp of e^x over [-87.2, 0], checked at every 7th float), so its outputs equal the

@@ -67,8 +67,8 @@ class SpeedGoals:
     device type. The report says whether the run met its device's goal; nothing asserts it.
 
     The CPU goal is the lower one because there both systems spend most of their time in the
-    same torch matmuls (docs/performance.md, "Where paged-serve's time goes"): only batching
-    and scheduling can win. On a GPU the paged kernels and decode graphs add their share.
+    same torch matmuls (docs/measurements/engine-vs-hf.md, "Where paged-serve's time goes"): only
+    batching and scheduling can win. On a GPU the paged kernels and decode graphs add their share.
     """
 
     cuda: float

@@ -110,7 +110,7 @@ def decode_heavy(tokenizer: Any, num_requests: int = 24, seed: int = 0) -> Servi
 
 
 def long_prompt(tokenizer: Any, num_requests: int = 24, seed: int = 0) -> ServingWorkload:
-    """``perf.engine.bench_e2e``'s default mix (the figures in docs/performance.md)."""
+    """``perf.engine.bench_e2e``'s default mix (figures in docs/measurements/engine-vs-hf.md)."""
     w = make_workload(
         tokenizer,
         tokenizer.vocab_size,

@@ -85,7 +85,7 @@ def test_prefix_cache_off_gives_same_tokens(expected):
 def test_bf16_alone_equals_hf_bf16(tiny_family):
     """In bf16 a request alone computes what HF computes for it (the CPU backend attends in the
     model's dtype with HF's layout; packed projections are exact), so the tokens are equal too.
-    Batching changes bf16 rounding (docs/performance.md measures by how much)."""
+    Batching changes bf16 rounding (docs/measurements/engine-vs-hf.md measures by how much)."""
     _, model = tiny_family
     model = copy.deepcopy(model).to(torch.bfloat16)
     llm = LLM(loaded=loaded(model), kv_cache_memory=4 << 20)

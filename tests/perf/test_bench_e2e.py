@@ -11,7 +11,8 @@ from perf.engine.e2e_workload import SystemResult, agreement
 
 
 def test_speed_goals_are_pinned():
-    # The documented targets (docs/performance.md); ci/gpu_check.py reports against the GPU one.
+    # The documented targets (docs/measurements/engine-vs-hf.md, gpu.md); ci/gpu_check.py reports
+    # against the GPU one.
     assert (E2E_GOALS.cuda, E2E_GOALS.cpu) == (3.0, 1.5)
     assert E2E_GOALS.for_device(torch.device("cuda", 0)) == 3.0
     assert E2E_GOALS.for_device(torch.device("cpu")) == 1.5

@@ -37,7 +37,7 @@ def gather_blocks(caches: torch.Tensor, blocks: torch.Tensor, max_len: int) -> t
     One call over the caches' second dimension suits small gathers (one call's overhead); from
     ``SPLIT_GATHER_BYTES`` a cache, one call per cache over its first dimension, which torch
     spreads over its threads (2 threads: 81 against 143 us for 24 sequences of 128 fp32
-    tokens, 203 against 410 at 256; docs/performance.md).
+    tokens, 203 against 410 at 256; docs/measurements/cpu-kernels.md).
     """
     count, num_blocks, block_size, num_heads, head_dim = caches.shape
     num_seqs, per_seq = blocks.shape
@@ -85,9 +85,9 @@ class UniformGroup:
     GQA in the kernel, so a sequence alone gets HF's blocking and rounding in every dtype. Two
     or more decode rows in a step are grouped instead, ``[S, Hkv, G, D]`` (the G query heads of
     one KV head as G query rows): torch's bf16 CPU kernel takes 5x longer on the HF layout at 8
-    rows and more (docs/performance.md), and batching changes bf16 rounding anyway. ``group_alone``
-    groups a decode row alone too (3x faster in bf16 at a 128-token context, 4.5x at 512), for
-    callers whose weights are not HF's anyway (weight-only quantization).
+    rows and more (docs/measurements/cpu-kernels.md), and batching changes bf16 rounding anyway.
+    ``group_alone`` groups a decode row alone too (3x faster in bf16 at a 128-token context, 4.5x at
+    512), for callers whose weights are not HF's anyway (weight-only quantization).
     """
 
     rows: torch.Tensor | None
@@ -220,7 +220,7 @@ class UniformGroup:
 # starts a new group once it is at most half as long as the group's longest and the padding it
 # and the rows after it would add is at least this many tokens. The trade, estimated from a
 # 24-stream fp32 profile on the 2-core CPU: a padded token costs about 0.3 us a layer (gather
-# and attention), a group's extra calls tens of us. Measured: docs/performance.md.
+# and attention), a group's extra calls tens of us. Measured: docs/measurements/cpu-kernels.md.
 MIN_PADDING_SAVED = 256  # tokens
 
 

@@ -8,8 +8,9 @@ top of a heap above its trim threshold; either way the next step faults the page
 4 KiB page at a time, each zeroed by the kernel. That prefill step took 236,000-315,000 minor
 page faults and 2.31-2.70 s (median 2.55); with the settings below, 6,800-25,500 faults and
 2.11-2.46 s (median 2.16). Through the server, whose engine thread allocates from its own malloc
-arena, the decode-heavy mix ran at 122-139 output tok/s against 92-114 (docs/performance.md).
-Decode steps, whose temporaries are small, fault about as rarely either way once warm.
+arena, the decode-heavy mix ran at 122-139 output tok/s against 92-114
+(docs/measurements/cpu-kernels.md). Decode steps, whose temporaries are small, fault about as rarely
+either way once warm.
 
 ``keep_freed_memory`` raises the mmap threshold to glibc's largest (32 MiB on 64-bit: bigger
 blocks, like the KV cache, are still mapped apart) and the trim threshold to the largest value

@@ -9,7 +9,7 @@ order of the sums):
 (``Fp32Linear``). torch's fp32 ``F.linear`` (MKL) runs a few-row product on one core on some
 CPUs (2.3-4.2x slower than either kernel below at 1 row on this project's AMD box). Two
 kernels use every core, and which of them streams an fp32 weight faster at 1 to ``FEW_ROWS``
-rows depends on the CPU (docs/performance.md, "The CPU projections"):
+rows depends on the CPU (docs/measurements/cpu-kernels.md, "The CPU projections"):
 
 * ``columns``: the weight's output rows split into one contiguous block per thread of torch's
   CPU ``bmm``, each block multiplying the inputs as columns::

@@ -6,9 +6,9 @@ form, engine/platform/cpu/packed_experts.py, engine/model/int8_weights.py, int4_
 model's gate between the two, the routing weights applied before the per-token sum. Experts nobody
 chose cost nothing: a decode row of a top-2 model reads two experts' weights, not all of them.
 (``torch._grouped_mm`` does the same in one call, but on the CPU it runs one GEMM per expert, chosen
-or not: 16 GEMMs, 744 us a call at 16 experts, top-2 and 1 stream; docs/performance.md, "Mixture of
-experts".) The semantics are ``paged_serve.kernels.reference.fused_moe_ref``'s, which the Triton
-kernel also follows.
+or not: 16 GEMMs, 744 us a call at 16 experts, top-2 and 1 stream;
+docs/measurements/model-families.md, "Mixture of experts".) The semantics are
+``paged_serve.kernels.reference.fused_moe_ref``'s, which the Triton kernel also follows.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ The server loads and prepares the model on its main thread (one pool) and steps 
 engine thread (a second pool): on a 2-core machine that is 3 managed threads for 2 CPUs, so
 every step ran throttled. Measured, SmolLM2-135M bf16 decoding one stream: 33.3 ms per step on
 the main thread, 52.0 ms on the engine thread, 33.3 ms on the engine thread once the main
-thread's pool is freed (docs/performance.md). ``omp_pause_resource_all`` (OpenMP 5.0) frees the
-calling thread's pool; a later parallel region on that thread would build a new one, so the
-thread that loaded the model should leave CPU tensor work to the engine thread afterwards.
+thread's pool is freed (docs/measurements/cpu-kernels.md). ``omp_pause_resource_all`` (OpenMP 5.0)
+frees the calling thread's pool; a later parallel region on that thread would build a new one, so
+the thread that loaded the model should leave CPU tensor work to the engine thread afterwards.
 """
 
 from __future__ import annotations

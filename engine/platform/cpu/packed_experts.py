@@ -6,10 +6,10 @@ CPUs (engine/platform/cpu/linears.py). ``PackedExperts`` holds each expert's ``[
 weight in oneDNN's blocked layout instead, packed once at load, and multiplies with
 ``_linear_pointwise``, as ``Fp32Linear`` does for the projections: ``F.linear``'s products, up
 to the order of their sums. The packed copies replace the plain weights (the experts are held
-once either way). On the 2-core AMD box (``python -m perf.cpu.bench_moe``, docs/performance.md,
-"Mixture of experts") a decode step of the random Qwen3-MoE took 9.3-11.6 ms against 16.4 at 1
-stream, 23.5-25.8 against 46.0 at 8. bf16 experts stay on ``F.linear`` (oneDNN already): packed
-they took 10.3 against 7.3 ms at 1 stream.
+once either way). On the 2-core AMD box (``python -m perf.cpu.bench_moe``,
+docs/measurements/model-families.md, "Mixture of experts") a decode step of the random Qwen3-MoE
+took 9.3-11.6 ms against 16.4 at 1 stream, 23.5-25.8 against 46.0 at 8. bf16 experts stay on
+``F.linear`` (oneDNN already): packed they took 10.3 against 7.3 ms at 1 stream.
 """
 
 from __future__ import annotations
