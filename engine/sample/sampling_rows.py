@@ -10,7 +10,8 @@ Verification: the target scores a drafted sequence's ``k + 1`` positions in one 
 its own draw decides every token. A sequence whose last token is ``t`` (position ``p``) and
 whose draft is ``d1 .. dk`` runs ``t d1 .. dk`` at positions ``p .. p + k`` as ``k + 1``
 one-token decode rows over its paged KV (engine/runner/step_inputs.py ``flatten_step``: causal
-over the draft, as a prefill chunk would compute it), and its LM head runs at all of them. Row ``j`` is sampled as the sequence's ordinary next row would be after ``d1 .. dj``: its
+over the draft, as a prefill chunk would compute it), and its LM head runs at all of them.
+Row ``j`` is sampled as the sequence's ordinary next row would be after ``d1 .. dj``: its
 step (the seed's position), its penalties and ``min_tokens`` see ``d1 .. dj`` as output, its
 grammar mask is the matcher's after them (``DraftedMatcher``, engine/sample/token_mask.py).
 Row ``j``'s draw ``x_j`` is then exactly the token plain decoding would draw there whenever
