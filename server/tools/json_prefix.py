@@ -257,6 +257,7 @@ class GrowingDump:
         self.text = ""  # the text last read
         self.fixed: str | None = None  # its fixed dump
         self.resume: int | None = None  # where its open string's decoded part ends
+        self.whole = False  # the text holds the whole object: its fixed dump is the final one
 
     def read(self, text: str) -> str | None:
         """``fixed_dump(text)``, for a text that starts with the one read last time."""
@@ -271,7 +272,9 @@ class GrowingDump:
         self.text = text
         if prefix is None or not isinstance(prefix.value, dict):
             self.fixed = self.resume = None
+            self.whole = False
             return None
         self.fixed = prefix.fixed_text()
         self.resume = prefix.end if prefix.in_string else None
+        self.whole = prefix.unclosed == 0
         return self.fixed

@@ -51,8 +51,9 @@ class ToolCallStream:
     opens and sends its whole arguments as one fragment.
 
     A call that never becomes whole (``max_tokens`` cut it, or the model left it malformed)
-    stays unfinished in the stream: the client has its id, name and a prefix of its arguments,
-    and a whole reply would not hold it. The text of a call cut off while it streamed is not
+    stays unfinished in the stream: the client has its id, name and a prefix of its arguments
+    that is never JSON (the arguments' last character waits for the call to close), and a whole
+    reply would not hold it. The text of a call cut off while it streamed is not
     sent again as content, as the whole reply (``auto``) would have it."""
 
     def __init__(self, parser: ToolParser):
@@ -111,6 +112,10 @@ class ToolCallStream:
         elif call.name != partial.name:
             return []  # not the open call: wait for that one to close
         fixed = self.arguments.read(partial.arguments)
+        if fixed is not None and self.arguments.whole:
+            # the arguments' last character waits for the call to close: a call cut off
+            # before its end never streams arguments that parse (its whole reply holds no call)
+            fixed = fixed[:-1]
         if fixed is None or not fixed.startswith(call.arguments):
             return deltas
         fragment = fixed[len(call.arguments) :]

@@ -165,7 +165,8 @@ def test_no_partial_tag_reaches_the_content():
 def test_a_call_streams_its_arguments_as_they_are_written():
     """The call opens once its name is whole and its arguments object has opened; each
     fragment is what the arguments gained that no later character can change: ``1`` only
-    once the comma shows it whole, a closing quote or bracket only once it is written."""
+    once the comma shows it whole, a closing quote or bracket only once it is written, and the
+    arguments' own closing brace only once the call has closed."""
     text = '<tool_call>{"name": "w", "arguments": {"a": [1, 22], "b": "x"}}</tool_call> end'
     state = ToolCallStream(HermesParser())
     sent: list[tuple[str, str]] = []  # (the text so far, what its deltas carried)
@@ -180,7 +181,7 @@ def test_a_call_streams_its_arguments_as_they_are_written():
         ('<tool_call>{"name": "w", "arguments": {"a": [1, 22], "b": "', ', "b": "'),
         ('<tool_call>{"name": "w", "arguments": {"a": [1, 22], "b": "x', "x"),
         ('<tool_call>{"name": "w", "arguments": {"a": [1, 22], "b": "x"', '"'),
-        ('<tool_call>{"name": "w", "arguments": {"a": [1, 22], "b": "x"}', "}"),
+        ('<tool_call>{"name": "w", "arguments": {"a": [1, 22], "b": "x"}}</tool_call>', "}"),
     ]
     [call] = state.calls
     assert call.whole and call.arguments == '{"a": [1, 22], "b": "x"}'
@@ -328,3 +329,22 @@ def test_a_growing_json_string_decodes_as_prefixes(text: str, ascii_only: bool):
         assert now.startswith(decoded) and text.startswith(now), encoded[:end]
         decoded = now
     assert decoded == text
+
+
+def test_a_call_cut_off_after_its_arguments_closed_streams_no_json():
+    """``max_tokens`` ends the reply between the arguments' ``}`` and the call's: the whole
+    reply holds no call, so the stream's unfinished call has arguments that do not parse."""
+    state = ToolCallStream(RequiredParser())
+    sent = ""
+    for char in '[{"name": "ping", "arguments": {}':
+        _, deltas = state.feed(char, final=False)
+        sent += "".join(d.function.arguments or "" for d in deltas)
+    _, deltas = state.feed("", final=True)
+    sent += "".join(d.function.arguments or "" for d in deltas)
+    assert sent == "{" and not state.has_calls
+    state, text, sent = ToolCallStream(RequiredParser()), '[{"name": "ping", "arguments": {}}]', []
+    for i, char in enumerate(text):
+        _, deltas = state.feed(char, final=i == len(text) - 1)
+        sent += [(text[: i + 1], d.function.arguments) for d in deltas if d.function.arguments]
+    assert sent == [('[{"name": "ping", "arguments": {', "{"), (text[:-1], "}")]
+    assert state.calls[0].whole and state.calls[0].arguments == "{}"
