@@ -43,6 +43,7 @@ from paged_serve.engine.model.shard_loading import (
     MXFP4_GROUP,
     Mxfp4Stored,
     Stored,
+    checkpoint_files,
     stored_as,
 )
 
@@ -100,30 +101,21 @@ def _check_sizes(config: Mapping[str, object], where: str) -> None:
 
 def stored_shapes(folder: Path) -> dict[str, Shape] | None:
     """Stored tensor name -> shape, read from the safetensors headers alone (the names an index
-    lists, when the folder has ``model.safetensors.index.json``); None when the folder holds
-    no safetensors file. A header that cannot be read is a ValueError naming the file."""
-    index = folder / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            by_file: dict[str, list[str]] = {}
-            for name, file in weight_map.items():
-                by_file.setdefault(file, []).append(name)
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"{index}: not a safetensors index ({exc})") from None
-    else:
-        by_file = {file.name: [] for file in sorted(folder.glob("*.safetensors"))}
-        if not by_file:
-            return None
+    lists, when the folder has ``model.safetensors.index.json``; ``checkpoint_files``); None
+    when the folder holds no safetensors file. A header that cannot be read, or that lacks a
+    tensor the index lists, is a ValueError naming the file."""
+    files = checkpoint_files(folder)
+    if not files and not (folder / INDEX_FILE).is_file():
+        return None
+    by_file: dict[Path, list[str]] = {}
+    for name, path in files.items():
+        by_file.setdefault(path, []).append(name)
     shapes: dict[str, Shape] = {}
-    for file, names in by_file.items():
-        path = folder / file
-        if not path.is_file():
-            raise ValueError(f"{index}: lists {names[0]} in {file}, which is not in the folder")
+    for path, names in by_file.items():
         try:
             with safe_open(path, framework="pt") as f:
                 keys = set(f.keys())
-                for name in names or sorted(keys):
+                for name in names:
                     if name not in keys:
                         raise ValueError(f"{path}: the index lists {name}, the file lacks it")
                     shapes[name] = tuple(f.get_slice(name).get_shape())

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
@@ -85,16 +85,29 @@ Stored = str | list[list[str]] | Mxfp4Stored
 
 
 def checkpoint_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it: from the index of a sharded checkpoint,
-    else every ``*.safetensors`` file in ``folder``."""
+    """Tensor name -> the safetensors file holding it: from the index of a sharded checkpoint
+    (every file it lists must be in ``folder``), else every ``*.safetensors`` file in ``folder``.
+    An index or a header that cannot be read is a ValueError naming the file."""
     index = folder / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = {name: folder / file for name, file in weight_map.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{index}: not a safetensors index ({exc})") from None
+        listed = {path: name for name, path in files.items()}  # one name each file holds
+        for path, name in listed.items():
+            if not path.is_file():
+                missing = f"{path.name}, which is not in the folder"
+                raise ValueError(f"{index}: lists {name} in {missing}")
+        return files
     names: dict[str, Path] = {}
     for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            names.update(dict.fromkeys(f.keys(), file))
+        try:
+            with safe_open(file, framework="pt") as f:
+                names.update(dict.fromkeys(f.keys(), file))
+        except SafetensorError as exc:
+            raise ValueError(f"{file}: not a readable safetensors file ({exc})") from None
     return names
 
 
