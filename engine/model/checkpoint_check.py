@@ -46,6 +46,7 @@ from paged_serve.engine.model.shard_loading import (
     checkpoint_files,
     stored_as,
 )
+from paged_serve.engine.model.stored_quantization import stored_quantization
 
 # config fields that size the model: each must be a positive integer where the config has it
 SIZE_FIELDS = (
@@ -145,9 +146,7 @@ def check_checkpoint(folder: Path) -> None:
     if shapes is None:
         return
     _check_layer_count(config, shapes, where)
-    quant = getattr(config, "quantization_config", None)
-    method = quant.get("quant_method") if isinstance(quant, dict) else quant
-    if quant is not None and method != "mxfp4":
+    if stored_quantization(config) not in (None, "mxfp4"):
         return  # stored under the quantization's own names and shapes
     try:
         model = meta_model(config)

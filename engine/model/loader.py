@@ -38,6 +38,7 @@ from transformers import (
 from paged_serve.engine.config import cache_root
 from paged_serve.engine.model.checkpoint_check import check_checkpoint, check_loading_info
 from paged_serve.engine.model.shard_loading import CPU, load_shard
+from paged_serve.engine.model.stored_quantization import stored_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -169,13 +170,7 @@ def quantized_checkpoint_options(path: str) -> dict[str, object]:
     """``from_pretrained`` options for a checkpoint stored quantized: MXFP4 experts (gpt-oss) are
     dequantised at load into the load dtype, since the fused mixture-of-experts pass
     (engine/model/experts_swap.py) multiplies plain weights."""
-    quant = getattr(AutoConfig.from_pretrained(path), "quantization_config", None)
-    method = (
-        quant.get("quant_method")
-        if isinstance(quant, dict)
-        else getattr(quant, "quant_method", None)
-    )
-    if method == "mxfp4":
+    if stored_quantization(AutoConfig.from_pretrained(path)) == "mxfp4":
         return {"quantization_config": Mxfp4Config(dequantize=True)}
     return {}
 

@@ -50,6 +50,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from paged_serve.engine.model.sharding import SOURCE, ShardSource, check_shardable, shard_model
+from paged_serve.engine.model.stored_quantization import stored_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -168,9 +169,7 @@ def load_shard(
     folder = Path(path)
     if not (folder / "config.json").is_file():
         return _whole(path, "not a local folder")
-    quant = getattr(AutoConfig.from_pretrained(folder), "quantization_config", None)
-    method = quant.get("quant_method") if isinstance(quant, dict) else quant
-    if quant is not None and method != "mxfp4":
+    if stored_quantization(AutoConfig.from_pretrained(folder)) not in (None, "mxfp4"):
         return _whole(path, "a quantized checkpoint other than MXFP4")
     files = checkpoint_files(folder)
     model = empty_model(folder, dtype)

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from paged_serve.engine import LLM, SamplingParams
 from paged_serve.engine.model.loader import load_model, quantized_checkpoint_options
+from paged_serve.engine.model.stored_quantization import stored_quantization
 from tests.conftest import assert_pool_clean, hf_greedy, random_prompts, tiny_model
 from tests.engine.model.test_model_coverage import tiny_architecture
 
@@ -85,6 +86,22 @@ def save_mxfp4_gpt_oss(folder) -> torch.nn.Module:
     config["quantization_config"] = {"quant_method": "mxfp4"}
     (folder / "config.json").write_text(json.dumps(config))
     return model
+
+
+def test_stored_quantization_reads_the_file_and_transformers_configs() -> None:
+    """The same ``quant_method`` from ``config.json``'s dict and from the object transformers
+    builds of it; none for an unquantized checkpoint, empty for a config that names none."""
+    from types import SimpleNamespace
+
+    from transformers import Mxfp4Config
+
+    def config(quant: object) -> SimpleNamespace:
+        return SimpleNamespace(quantization_config=quant)
+
+    assert stored_quantization(config({"quant_method": "gptq", "bits": 4})) == "gptq"
+    assert stored_quantization(config(Mxfp4Config(dequantize=True))) == "mxfp4"
+    assert stored_quantization(config({})) == ""
+    assert stored_quantization(SimpleNamespace()) is None
 
 
 def test_gpt_oss_mxfp4_experts_are_dequantised_at_load(tmp_path) -> None:
