@@ -521,3 +521,78 @@ def gated_delta_rule_ref(
             out[t] = torch.einsum("hkv,hk->hv", S, qn[t])
         state[slot] = S
     return out.to(v.dtype)
+
+
+# --------------------------------------------------------------------- weight-only quantization
+# One canonical layout for W4A16 / W8A16 weights (GPTQ, AWQ and compressed-tensors' packed
+# checkpoints are repacked into it at load): ``qweight [K // pack, N]`` int32 with
+# ``pack = 32 // bits`` values per word packed along K, lowest bits first; ``scales
+# [num_groups, N]``; ``zeros [num_groups, N]`` unpacked integers (None: symmetric, zero
+# ``2 ** (bits - 1)``); group ``g = k // group_size`` (``group_size == -1``: one group).
+
+
+def pack_int_ref(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack ``values [K, N]`` (integers in ``[0, 2**bits)``) along K: ``[K // pack, N]`` int32.
+
+    Word ``r`` holds rows ``r * pack + i`` at bits ``i * bits`` (low bits first); a word whose
+    top bit is set is stored as the negative int32 of the same bits.
+    """
+    pack = 32 // bits
+    k, n = values.shape
+    if k % pack:
+        raise ValueError(f"K={k} is not a multiple of the {pack} values per int32 word")
+    v = values.to(torch.int64)
+    if bool((v < 0).any()) or bool((v >= 1 << bits).any()):
+        raise ValueError(f"values must lie in [0, {1 << bits}) for {bits}-bit packing")
+    shifts = torch.arange(pack, dtype=torch.int64, device=v.device) * bits
+    words = (v.view(k // pack, pack, n) << shifts[None, :, None]).sum(dim=1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def unpack_int_ref(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """The ``[K, N]`` int32 values of ``qweight [K // pack, N]``: :func:`pack_int_ref` undone."""
+    pack = 32 // bits
+    rows, n = qweight.shape
+    shifts = torch.arange(pack, dtype=torch.int64, device=qweight.device) * bits
+    values = (qweight.to(torch.int64)[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)
+    return values.reshape(rows * pack, n).to(torch.int32)
+
+
+def dequantize_ref(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    *,
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:
+    """The ``[N, K]`` fp32 weight: ``w[n, k] = (q[k, n] - zero[g, n]) * scale[g, n]``,
+    ``g = k // group_size`` (``group_size == -1``: one group over K; ``zeros`` None: the zero
+    is ``2 ** (bits - 1)``)."""
+    q = unpack_int_ref(qweight, bits)
+    k = q.shape[0]
+    group = torch.arange(k, device=q.device) // (k if group_size == -1 else group_size)
+    if zeros is None:
+        zero = torch.full_like(q, 1 << (bits - 1))
+    else:
+        zero = zeros.to(torch.int32)[group]
+    return ((q - zero).float() * scales.float()[group]).t()
+
+
+def quantized_gemm_ref(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    *,
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x [M, K] @ dequant(W)^T (+ bias [N])`` in fp32: ``[M, N]`` in x's dtype (the layout
+    and the dequantization are :func:`dequantize_ref`'s)."""
+    w = dequantize_ref(qweight, scales, zeros, bits=bits, group_size=group_size)
+    out = x.float() @ w.t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

@@ -9,6 +9,8 @@
   each sequence's window) and ``delta_rule.py`` (the gated delta rule over each sequence's
   recurrent state).
 * ``fused_moe.py``: mixture of experts as two grouped GEMMs over the routed pairs.
+* ``quantized_gemm.py``: the weight-only quantized GEMM (W4A16 / W8A16), the weight
+  dequantized inside the tile.
 * sampling: ``sampling.py`` (temperature, top-k, top-p, min-p, grammar masks and the draw, one
   program per row), ``sampling_split.py`` (the same draw with a large vocabulary's rows split
   over many programs) and ``sampling_passes.py`` (the ``@triton.jit`` passes both run).
