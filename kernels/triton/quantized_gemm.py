@@ -22,7 +22,8 @@ permutation, as vLLM's exllama path does.
 
 Algorithm and grid
 ------------------
-Program ``(m, n)`` owns the output tile ``[BLOCK_M, BLOCK_N]`` and walks K in steps of
+Program ``(m, n, s)`` owns the output tile ``[BLOCK_M, BLOCK_N]`` and walks split ``s`` of K
+(``k_per_split`` features, a multiple of ``BLOCK_K``; all of K without split-K) in steps of
 ``BLOCK_K = 32``. Each step loads its x tile and its weight tile, unpacked from the int32 words
 (each word's row is loaded ``pack`` times, from L1) into the integers ``q - zero``, and adds
 ``dot(x, q - zero) * scale``: ``BLOCK_K`` divides every group size the launcher takes (32, 64,
@@ -32,10 +33,17 @@ bf16 (``|q - zero| <= 255``), so the dot's operands are x's own values and the w
 integers; the only roundings are the fp32 accumulation and the scale's product. Bias is added
 in fp32, then the tile is stored in x's dtype.
 
-Launch settings are a fixed function of M (:func:`launch_settings`), not autotuned. Not done
-yet: split-K for small M (decode's M = 1 uses only ``N / BLOCK_N`` programs), FP8 weights, and
-wiring into the engine. Under the interpreter, bf16 operands are cast to fp32 before the dot
-(its bf16 ``tl.dot`` is wrong, as ``kernels/triton/paged_attention.py`` notes).
+Split-K, for small M: decode's M = 1 has only ``N / BLOCK_N`` output tiles, fewer than a GPU's
+multiprocessors on most projections, so K is split until the programs cover twice the
+multiprocessors. Each split stores its fp32 tile to a workspace ``[split_k, M, N]`` and
+``_sum_splits_kernel`` adds the splits in their order (then the bias): no atomics, so the result
+is the same bits on every run and in every reduction order.
+
+Launch settings are a fixed function of the shape and the multiprocessor count
+(:func:`launch_settings`), not autotuned; the workspace is allocated per call (inside a CUDA
+graph's capture, from the graph's pool). Not done yet: FP8 weights and wiring into the engine.
+Under the interpreter, bf16 operands are cast to fp32 before the dot (its bf16 ``tl.dot`` is
+wrong, as ``kernels/triton/paged_attention.py`` notes).
 """
 
 from __future__ import annotations
@@ -46,9 +54,15 @@ import torch
 
 import triton
 import triton.language as tl
-from paged_serve.kernels.triton.runtime import check_device, interpreting
+from paged_serve.kernels.triton.runtime import (
+    check_device,
+    interpreting,
+    multiprocessor_count,
+)
 
 BLOCK_K = 32  # divides every accepted group size, so one K step lies inside one group
+BLOCK_N = 64
+MAX_SPLIT_K = 16  # bounds the fp32 workspace: split_k * M * N
 SUPPORTED_BITS = (4, 8)
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ZERO_DTYPES = (torch.uint8, torch.int32)
@@ -61,18 +75,37 @@ class GemmLaunch:
     block_m: int
     block_n: int
     block_k: int
+    split_k: int
+    k_per_split: int
     num_warps: int
     num_stages: int
 
 
-def launch_settings(m: int) -> GemmLaunch:
-    """The launch for ``m`` rows: the smallest ``tl.dot`` M (16) for decode-sized batches, wider
-    row tiles for prefill so each weight tile is unpacked for more rows."""
+def launch_settings(m: int, n: int, k: int, num_sms: int) -> GemmLaunch:
+    """The launch for ``[m, k] @ [k, n]``: the smallest ``tl.dot`` M (16) for decode-sized
+    batches, wider row tiles for prefill so each weight tile is unpacked for more rows; K split
+    (M <= 64 only) until the programs cover ``2 * num_sms``, at most ``MAX_SPLIT_K`` ways."""
     if m <= 16:
-        return GemmLaunch(block_m=16, block_n=64, block_k=BLOCK_K, num_warps=4, num_stages=3)
+        block_m, num_warps = 16, 4
+    elif m <= 64:
+        block_m, num_warps = 64, 4
+    else:
+        block_m, num_warps = 128, 8
+    steps = triton.cdiv(k, BLOCK_K)
+    split_k = 1
     if m <= 64:
-        return GemmLaunch(block_m=64, block_n=64, block_k=BLOCK_K, num_warps=4, num_stages=3)
-    return GemmLaunch(block_m=128, block_n=64, block_k=BLOCK_K, num_warps=8, num_stages=3)
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N)
+        split_k = max(1, min(MAX_SPLIT_K, steps, triton.cdiv(2 * num_sms, tiles)))
+    steps_per_split = triton.cdiv(steps, split_k)
+    return GemmLaunch(
+        block_m=block_m,
+        block_n=BLOCK_N,
+        block_k=BLOCK_K,
+        split_k=triton.cdiv(steps, steps_per_split),  # no split left empty
+        k_per_split=steps_per_split * BLOCK_K,
+        num_warps=num_warps,
+        num_stages=3,
+    )
 
 
 @triton.jit
@@ -114,9 +147,11 @@ def _quantized_gemm_kernel(
     zeros_ptr,
     bias_ptr,
     out_ptr,
+    partial_ptr,
     M,
     N,
     K,
+    k_per_split,
     group_size,
     stride_xm,
     stride_qk,
@@ -126,6 +161,7 @@ def _quantized_gemm_kernel(
     BITS: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -134,14 +170,17 @@ def _quantized_gemm_kernel(
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
+    pid_s = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = pid_s * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-        k_mask = offs_k < K
+        k_mask = offs_k < k_end
         group = (k0 // group_size).to(tl.int64)  # the whole tile: BLOCK_K divides group_size
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
@@ -168,13 +207,39 @@ def _quantized_gemm_kernel(
         scale = tl.load(scales_ptr + group * stride_sg + offs_n, mask=n_mask, other=0.0)
         partial = tl.dot(x, w, input_precision=DOT_PRECISION)
         acc += partial * scale.to(tl.float32)[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT:  # the split's fp32 tile; _sum_splits_kernel adds the bias
+        split_base = partial_ptr + pid_s.to(tl.int64) * M * N
+        tl.store(split_base + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out_offs = offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(
+    partial_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_om,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Row ``m``'s columns of block ``n``: the splits added in order, the bias, x's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for s in range(SPLIT_K):  # a fixed order: the same bits on every run
+        acc += tl.load(partial_ptr + (s * M + row) * N + offs_n, mask=n_mask, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & n_mask[None, :],
-    )
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 def _check_inputs(
@@ -266,9 +331,13 @@ def quantized_gemm(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    launch = launch_settings(m)
+    launch = launch_settings(m, n, k, multiprocessor_count(x.device))
+    split = launch.split_k > 1
+    partial = (
+        torch.empty(launch.split_k, m, n, dtype=torch.float32, device=x.device) if split else out
+    )
     dot_fp32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and interpreting())
-    grid = (triton.cdiv(m, launch.block_m), triton.cdiv(n, launch.block_n))
+    grid = (triton.cdiv(m, launch.block_m), triton.cdiv(n, launch.block_n), launch.split_k)
     _quantized_gemm_kernel[grid](
         x,
         qweight,
@@ -276,9 +345,11 @@ def quantized_gemm(
         zeros if zeros is not None else qweight,
         bias if bias is not None else scales,
         out,
+        partial,
         m,
         n,
         k,
+        launch.k_per_split,
         group_size,
         x.stride(0),
         qweight.stride(0),
@@ -288,6 +359,7 @@ def quantized_gemm(
         BITS=bits,
         HAS_ZEROS=zeros is not None,
         HAS_BIAS=bias is not None,
+        SPLIT=split,
         DOT_FP32=dot_fp32,
         DOT_PRECISION="ieee" if dot_fp32 else "tf32",
         BLOCK_M=launch.block_m,
@@ -296,4 +368,16 @@ def quantized_gemm(
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )
+    if split:
+        _sum_splits_kernel[(m, triton.cdiv(n, BLOCK_N))](
+            partial,
+            bias if bias is not None else partial,
+            out,
+            m,
+            n,
+            out.stride(0),
+            SPLIT_K=launch.split_k,
+            HAS_BIAS=bias is not None,
+            BLOCK_N=BLOCK_N,
+        )
     return out

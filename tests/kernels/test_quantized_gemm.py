@@ -1,7 +1,8 @@
 """The W4A16 / W8A16 GEMM against ``reference.quantized_gemm_ref`` (fp32 dequantize, matmul).
 
 Cases: 4 and 8 bits; group sizes 32, 64, 128 and per-channel (-1); symmetric and asymmetric
-zero points (uint8 and int32); M of 1, 5, 33 and 300 (every launch tile); N not a multiple of
+zero points (uint8 and int32); M of 1, 5, 33 (split-K), 100 and 300 (every row tile, no
+split); N not a multiple of
 the 64-wide tile (72, 200) and K a multiple of the group but not of 128; bias or none; fp32,
 bf16 and fp16 activations with fp32 or activation-dtype scales. The reference is checked once
 against a float64 dequantize-then-matmul written here, the packing by an exact round trip, and
@@ -19,7 +20,7 @@ from paged_serve.kernels.reference import (
     quantized_gemm_ref,
     unpack_int_ref,
 )
-from paged_serve.kernels.triton.quantized_gemm import BLOCK_K, quantized_gemm
+from paged_serve.kernels.triton.quantized_gemm import BLOCK_K, launch_settings, quantized_gemm
 
 TOLERANCES = {
     torch.float32: (1e-4, 1e-4),
@@ -53,6 +54,7 @@ CASES = [
     ("w8-g64-bf16-fp32-scales", 33, 72, 192, 8, 64, None, False, torch.bfloat16, False),
     ("w4-g32-fp16-sym", 1, 72, 64, 4, 32, None, True, torch.float16, True),
     ("w4-g64-prefill-300", 300, 72, 128, 4, 64, torch.uint8, True, torch.bfloat16, True),
+    ("w8-per-channel-100-rows-bias", 100, 72, 100, 8, -1, torch.uint8, True, torch.float32, False),
 ]
 
 
@@ -86,6 +88,31 @@ def test_matches_reference(
     assert got.dtype == dtype and got.shape == (m, n)
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize(
+    "m,n,k,splits",
+    [
+        (1, 72, 384, True),
+        (5, 200, 100, True),
+        (33, 72, 384, True),
+        (1, 28672, 4096, False),
+        (100, 72, 100, False),
+        (300, 4096, 4096, False),
+    ],
+)
+def test_split_k_covers_k_in_whole_steps(m: int, n: int, k: int, splits: bool) -> None:
+    launch = launch_settings(m, n, k, 132)
+    assert (launch.split_k > 1) == splits
+    assert launch.k_per_split % BLOCK_K == 0  # a split starts on a step: one group per step
+    assert (launch.split_k - 1) * launch.k_per_split < k <= launch.split_k * launch.k_per_split
+
+
+def test_split_k_result_is_the_same_bits_each_run(device) -> None:
+    x, qweight, scales, zeros = _inputs(device, m=1, n=72, k=384, zeros=torch.uint8)
+    assert launch_settings(1, 72, 384, 132).split_k > 1
+    first = quantized_gemm(x, qweight, scales, zeros, bits=4, group_size=32)
+    assert torch.equal(quantized_gemm(x, qweight, scales, zeros, bits=4, group_size=32), first)
 
 
 def test_writes_into_out_rows_of_a_wider_buffer(device) -> None:
