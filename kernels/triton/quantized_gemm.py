@@ -70,7 +70,7 @@ ZERO_DTYPES = (torch.uint8, torch.int32)
 
 @dataclass(frozen=True, slots=True)
 class GemmLaunch:
-    """Tile sizes and warps of one launch."""
+    """Tiles, K splits (``split_k`` runs of ``k_per_split`` features), warps and stages."""
 
     block_m: int
     block_n: int
@@ -81,16 +81,26 @@ class GemmLaunch:
     num_stages: int
 
 
-def launch_settings(m: int, n: int, k: int, num_sms: int) -> GemmLaunch:
-    """The launch for ``[m, k] @ [k, n]``: the smallest ``tl.dot`` M (16) for decode-sized
-    batches, wider row tiles for prefill so each weight tile is unpacked for more rows; K split
-    (M <= 64 only) until the programs cover ``2 * num_sms``, at most ``MAX_SPLIT_K`` ways."""
+def launch_settings(
+    m: int, n: int, k: int, num_sms: int, *, dtype: torch.dtype = torch.bfloat16
+) -> GemmLaunch:
+    """The launch for ``[m, k] @ [k, n]`` with x in ``dtype``: the smallest ``tl.dot`` M (16)
+    for decode-sized batches, wider row tiles for prefill so each weight tile is unpacked for
+    more rows; K split (M <= 64 only) until the programs cover ``2 * num_sms``, at most
+    ``MAX_SPLIT_K`` ways. fp32's exact dot holds its operands in registers, so its row tiles
+    stop at 64 rows over 8 warps, two stages (compiled for sm_90 with wider tiles or fewer
+    warps, it spills kilobytes)."""
+    num_stages = 3
     if m <= 16:
         block_m, num_warps = 16, 4
+    elif dtype == torch.float32:
+        block_m, num_warps, num_stages = 64, 8, 2
     elif m <= 64:
         block_m, num_warps = 64, 4
     else:
         block_m, num_warps = 128, 8
+    if dtype == torch.float32:
+        num_stages = 2
     steps = triton.cdiv(k, BLOCK_K)
     split_k = 1
     if m <= 64:
@@ -104,7 +114,7 @@ def launch_settings(m: int, n: int, k: int, num_sms: int) -> GemmLaunch:
         split_k=triton.cdiv(steps, steps_per_split),  # no split left empty
         k_per_split=steps_per_split * BLOCK_K,
         num_warps=num_warps,
-        num_stages=3,
+        num_stages=num_stages,
     )
 
 
@@ -331,7 +341,7 @@ def quantized_gemm(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    launch = launch_settings(m, n, k, multiprocessor_count(x.device))
+    launch = launch_settings(m, n, k, multiprocessor_count(x.device), dtype=x.dtype)
     split = launch.split_k > 1
     partial = (
         torch.empty(launch.split_k, m, n, dtype=torch.float32, device=x.device) if split else out
