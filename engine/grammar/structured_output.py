@@ -86,11 +86,6 @@ class StructuredOutput:
         return cls("json_schema", json.dumps(enforceable_schema(schema), ensure_ascii=False))
 
 
-def check_json_schema(schema: Any) -> None:
-    """Raise ValueError naming the first keyword xgrammar would not hold, with its path."""
-    enforceable_schema(schema)
-
-
 # xgrammar 0.2.9 writes a length-bounded string's characters as this class, which lets raw
 # control characters (a tab, U+0000-U+001F but CR and LF) into the string: invalid JSON. The
 # class of its unbounded strings excludes them.
