@@ -12,7 +12,20 @@ from paged_serve.engine.spec.config import SpeculativeConfig
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("int8", "int4")  # weight-only, CPU (engine/model/int8_weights.py, int4_weights.py)
+# made at load from full-precision weights, on the CPU (engine/model/int8_weights.py, int4_weights)
+WEIGHT_ONLY_QUANTIZATIONS = ("int8", "int4")
+# the method of a checkpoint stored quantized, as vLLM's --quantization names it
+# (engine/quant/checkpoint.py reads them; the _marlin names are vLLM's kernels for the same files)
+CHECKPOINT_QUANTIZATIONS = (
+    "gptq",
+    "awq",
+    "compressed-tensors",
+    "fp8",
+    "gptq_marlin",
+    "awq_marlin",
+    "compressed_tensors",
+)
+QUANTIZATIONS = WEIGHT_ONLY_QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS
 
 
 def cache_root() -> Path:
@@ -34,7 +47,9 @@ class EngineConfig:
     otherwise replay graphs captured at start for batch sizes up to ``max_num_seqs``).
     quantization: None, ``int8`` for weight-only int8 projections on the CPU, or ``int4`` for
     4-bit ones in groups of 32 (each an approximation of the model: faster decoding at low
-    concurrency, different tokens).
+    concurrency, different tokens); or the method of a checkpoint stored quantized
+    (``CHECKPOINT_QUANTIZATIONS``), which must then be the checkpoint's (it is read from
+    ``quantization_config`` without the flag).
     seed: where the seeds of requests that give none come from; None (the default) draws them
     from the OS, so a restart does not repeat the same "random" outputs; an integer makes them
     reproducible from run to run.

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from paged_serve.engine.quant.linear import concat
+
 # (owner attribute, the projections that read one input, the fused module's name)
 FUSED_GROUPS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("self_attn", ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
@@ -45,21 +47,15 @@ class FusedLinear(nn.Module):
 
     ``proj`` is one ``nn.Linear`` with weight ``[sum(out_features), in_features]`` and bias
     ``[sum(out_features)]`` or None (a module, so weight-only quantization can swap it like any
-    other). ``part(i, x)`` is what the ``i``-th original module would return for ``x``.
+    other), or for a checkpoint's quantized projections their ``QuantizedLinear`` joined along
+    the outputs (``proj`` given). ``part(i, x)`` is what the ``i``-th original module would
+    return for ``x``.
     """
 
-    def __init__(self, linears: list[nn.Linear]):
+    def __init__(self, linears: list[nn.Module], proj: nn.Module | None = None):
         super().__init__()
-        has_bias = {lin.bias is not None for lin in linears}
-        if len(has_bias) != 1:
-            raise ValueError("projections to fuse must all have a bias or all have none")
-        if len({lin.in_features for lin in linears}) != 1:
-            raise ValueError("projections to fuse must read inputs of one size")
         self.sizes = [lin.out_features for lin in linears]
-        self.proj = linear_from(
-            torch.cat([lin.weight for lin in linears]),
-            torch.cat([lin.bias for lin in linears]) if has_bias.pop() else None,
-        )
+        self.proj = proj if proj is not None else _concatenated(linears)
         # A plain object: nn.Module.__setattr__ costs microseconds, and part() runs 5x a layer.
         self._pending = _PendingParts()
 
@@ -79,6 +75,19 @@ class FusedLinear(nn.Module):
         if len(pending.taken) == len(self.sizes):  # every part handed out: drop the references
             pending.input, pending.parts = None, ()
         return out
+
+
+def _concatenated(linears: list[nn.Linear]) -> nn.Linear:
+    """One ``nn.Linear`` whose weight and bias are ``linears``' concatenated along the outputs."""
+    has_bias = {lin.bias is not None for lin in linears}
+    if len(has_bias) != 1:
+        raise ValueError("projections to fuse must all have a bias or all have none")
+    if len({lin.in_features for lin in linears}) != 1:
+        raise ValueError("projections to fuse must read inputs of one size")
+    return linear_from(
+        torch.cat([lin.weight for lin in linears]),
+        torch.cat([lin.bias for lin in linears]) if has_bias.pop() else None,
+    )
 
 
 class _PendingParts:
@@ -108,11 +117,16 @@ class FusedPart(nn.Module):
 
 def fuse_group(owner: nn.Module, names: tuple[str, ...], fused_name: str) -> bool:
     """Fuse ``owner``'s projections ``names`` into ``owner.<fused_name>``; False (unchanged) when
-    the owner lacks one of them or one is not a plain ``nn.Linear`` (already fused, quantized)."""
+    the owner lacks one of them, one is already fused or quantized by ``--quantization``, or
+    they are a checkpoint's quantized projections whose layouts cannot be joined
+    (``engine/quant/linear.py``, ``concat``)."""
     linears = [getattr(owner, name, None) for name in names]
-    if not all(type(lin) is nn.Linear for lin in linears):
+    if all(type(lin) is nn.Linear for lin in linears):
+        fused = FusedLinear(linears)
+    elif (joined := concat(linears)) is not None:
+        fused = FusedLinear(linears, joined)
+    else:
         return False
-    fused = FusedLinear(linears)
     owner.add_module(fused_name, fused)
     for index, name in enumerate(names):
         setattr(owner, name, FusedPart(fused, index))

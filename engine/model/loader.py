@@ -37,8 +37,11 @@ from transformers import (
 
 from paged_serve.engine.config import cache_root
 from paged_serve.engine.model.checkpoint_check import check_checkpoint, check_loading_info
+from paged_serve.engine.model.quantized_loading import load_quantized, stored_quantization_config
 from paged_serve.engine.model.shard_loading import CPU, load_shard
 from paged_serve.engine.model.stored_quantization import stored_quantization
+from paged_serve.engine.quant.checkpoint import checkpoint_quantization
+from paged_serve.engine.quant.scheme import CheckpointQuantization
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +65,7 @@ class LoadedModel:
     max_model_len: int
     load_seconds: float
     shard: tuple[int, int] | None = None  # (rank, world size): already sharded for that rank
+    quantization: str | None = None  # how the checkpoint stores its weights, one line
 
 
 def default_gguf_path() -> Path:
@@ -175,11 +179,24 @@ def quantized_checkpoint_options(path: str) -> dict[str, object]:
     return {}
 
 
-def load_model(model: str | None, *, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """Load weights and tokenizer (the tokenizer may be absent for token-id-only folders)."""
+def load_model(
+    model: str | None,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str | None = None,
+) -> LoadedModel:
+    """Load weights and tokenizer (the tokenizer may be absent for token-id-only folders).
+    ``quantization`` is ``--quantization``: a checkpoint method it names must be the
+    checkpoint's. A checkpoint stored quantized (GPTQ, AWQ, compressed-tensors, FP8) keeps its
+    projections so (engine/model/quantized_loading.py)."""
     start = time.perf_counter()
     path, name = resolve_model_path(model)
     _check_local(path)
+    quant = _checkpoint_quantization(path, quantization)
+    if quant is not None:
+        hf_model = load_quantized(path, quant, dtype=dtype, device=device)
+        return _loaded(hf_model.eval(), path, name, start, quantization=quant.describe())
     # Placed on ``device`` as it loads (each safetensors shard read straight to it), not built
     # on the host and moved: on a GPU the host never holds the whole model.
     quantized = quantized_checkpoint_options(path)
@@ -202,6 +219,16 @@ def _parameters_in(model: nn.Module, dtype: torch.dtype) -> None:
     for param in model.parameters():
         if param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)
+
+
+def _checkpoint_quantization(path: str, requested: str | None) -> CheckpointQuantization | None:
+    """The reading instructions of a local checkpoint stored quantized in a format
+    engine/quant/ reads (None: unquantized, MXFP4, or not a local folder); refusals name the
+    option, before any weight is read."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        return checkpoint_quantization(None, requested) if requested else None
+    return checkpoint_quantization(stored_quantization_config(folder), requested)
 
 
 def _check_local(path: str) -> None:
@@ -237,6 +264,7 @@ def _loaded(
     name: str,
     start: float,
     shard: tuple[int, int] | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """The loaded model with its tokenizer (absent for token-id-only folders), EOS ids and
     context length; ``start`` is when loading began (``time.perf_counter``)."""
@@ -254,4 +282,5 @@ def _loaded(
         max_model_len=max_len,
         load_seconds=time.perf_counter() - start,
         shard=shard,
+        quantization=quantization,
     )

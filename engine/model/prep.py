@@ -13,7 +13,7 @@ import logging
 
 from transformers import PreTrainedModel
 
-from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.config import WEIGHT_ONLY_QUANTIZATIONS, EngineConfig
 from paged_serve.engine.model.attention_swap import install_paged_attention
 from paged_serve.engine.model.experts_swap import install_paged_experts
 from paged_serve.engine.model.fused_projections import fuse_projections
@@ -27,13 +27,14 @@ logger = logging.getLogger(__name__)
 def prepare_model(model: PreTrainedModel, config: EngineConfig, platform: Platform) -> None:
     """In place; ``platform`` is where the model runs (a quantization it does not run is
     refused)."""
-    platform.check_quantization(config.quantization)
+    if config.quantization in WEIGHT_ONLY_QUANTIZATIONS:
+        platform.check_quantization(config.quantization)
     install_paged_attention(model)
     experts = install_paged_experts(model)  # mixture-of-experts layers: the fused MoE
     if experts:
         logger.info("%d experts modules on the fused mixture-of-experts pass", experts)
     fuse_projections(model)  # one GEMM for q/k/v and one for gate/up; exact
-    if config.quantization is not None:
+    if config.quantization in WEIGHT_ONLY_QUANTIZATIONS:
         quantize = quantize_int8 if config.quantization == "int8" else quantize_int4
         swapped = quantize(model, platform)
         logger.info("%s weight-only: %d projections quantized", config.quantization, swapped)

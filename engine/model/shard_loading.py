@@ -47,7 +47,13 @@ import torch
 from accelerate import init_empty_weights
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from paged_serve.engine.model.sharding import SOURCE, ShardSource, check_shardable, shard_model
 from paged_serve.engine.model.stored_quantization import stored_quantization
@@ -141,9 +147,12 @@ def stored_as(name: str, files: Mapping[str, object]) -> Stored | None:
     return None
 
 
-def empty_model(path: Path, dtype: torch.dtype) -> PreTrainedModel:
-    """The model of ``path``'s config with parameters on the meta device, buffers real."""
-    config = AutoConfig.from_pretrained(path)
+def empty_model(
+    path: Path, dtype: torch.dtype, config: PretrainedConfig | None = None
+) -> PreTrainedModel:
+    """The model of ``config`` (default: ``path``'s) with parameters on the meta device, buffers
+    real."""
+    config = config if config is not None else AutoConfig.from_pretrained(path)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()  # a tied head shares the embedding (from_pretrained ties at load)
@@ -193,8 +202,8 @@ def load_shard(
             parts = [[checkpoint.slice(name) for name in expert] for expert in where]
             return torch.stack([_slices(expert, dim, ranges) for expert in parts])
 
-        _fill(model, stored, read, dtype, device)
-        _read_buffers(model, files, read, device)
+        fill_parameters(model, stored, read, dtype, device)
+        read_buffers(model, files, read, device)
     return model
 
 
@@ -277,7 +286,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return values.flatten(-2)
 
 
-def _read_buffers(model: nn.Module, files: dict[str, Path], read, device: torch.device) -> None:
+def read_buffers(model: nn.Module, files: dict[str, Path], read, device: torch.device) -> None:
     """Persistent buffers the checkpoint stores (a router's score-correction bias, say) take
     the stored values, in the buffer's own dtype, on ``device``; the rest keep what the config
     computed (on the CPU: moving the model to its device moves them)."""
@@ -296,7 +305,7 @@ def _whole(path: str, why: str) -> None:
     return None
 
 
-def _fill(
+def fill_parameters(
     model: nn.Module,
     stored: dict[int, tuple[str, Stored]],
     read,

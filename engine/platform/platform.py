@@ -97,7 +97,10 @@ class Platform:
             )
 
     def prepare_model(self, model: nn.Module, config: EngineConfig) -> None:
-        """What the model gets on this device after its generic preparation (in place)."""
+        """What the model gets on this device after its generic preparation (in place): a
+        checkpoint's quantized projections on the Triton kernels where those run."""
+        if self.kernel_backend_name(config.attention_backend) == "triton":
+            _quantized_on_triton(model)
 
     def prepare_host(self) -> None:
         """Process-wide settings a runner on this device wants (once per runner)."""
@@ -137,7 +140,13 @@ class CpuPlatform(Platform):
     def prepare_model(self, model: nn.Module, config: EngineConfig) -> None:
         from paged_serve.engine.platform.cpu.linears import speed_up_cpu_linears
         from paged_serve.engine.platform.cpu.packed_experts import pack_experts
+        from paged_serve.engine.platform.cpu.quantized_linears import place_quantized_linears
 
+        if self.kernel_backend_name(config.attention_backend) == "triton":
+            _quantized_on_triton(model)  # interpreted: the GPU's arithmetic, checked on a CPU
+        else:
+            dtype = next(model.parameters()).dtype
+            place_quantized_linears(model, dtype)  # before packing what becomes an nn.Linear
         swapped = speed_up_cpu_linears(model)  # after quantizing: packs what stays an nn.Linear
         if swapped:
             logger.info("CPU projections on their faster exact kernels: %d", swapped)
@@ -191,6 +200,14 @@ class CudaPlatform(Platform):
 
     def group_options(self) -> dict:
         return {"device_id": self.device}
+
+
+def _quantized_on_triton(model: nn.Module) -> None:
+    from paged_serve.engine.quant.linear import use_triton_kernels
+
+    count = use_triton_kernels(model)
+    if count:
+        logger.info("quantized projections on the Triton GEMMs: %d", count)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -44,8 +44,15 @@ def load_for(config: EngineConfig, platform: Platform, rank: int = 0) -> LoadedM
         )
         if shard is not None:
             return shard
-        return load_model(config.model, dtype=choice.dtype, device=torch.device("cpu"))
-    return load_model(config.model, dtype=choice.dtype, device=platform.device)
+        return load_model(
+            config.model,
+            dtype=choice.dtype,
+            device=torch.device("cpu"),
+            quantization=config.quantization,
+        )
+    return load_model(
+        config.model, dtype=choice.dtype, device=platform.device, quantization=config.quantization
+    )
 
 
 def context_length(config: EngineConfig, native: int) -> int:

@@ -78,7 +78,7 @@ def test_int8_is_refused_off_the_cpu_and_unknown_schemes_are_refused() -> None:
     with pytest.raises(ValueError, match="runs on the CPU"):
         quantize_int8(tiny_model("llama"), platform_for(torch.device("cuda")))
     with pytest.raises(ValueError, match="quantization must be one of"):
-        EngineConfig(quantization="fp8")
+        EngineConfig(quantization="nf4")
 
 
 def test_int8_experts_multiply_each_expert_by_its_dequantized_weight() -> None:
