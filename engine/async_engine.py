@@ -31,6 +31,7 @@ from paged_serve.engine.model.loader import LoadedModel
 from paged_serve.engine.observe.engine_snapshot import EngineSnapshot
 from paged_serve.engine.observe.engine_state import EngineState, StateWatch
 from paged_serve.engine.observe.metrics import EngineStats, SnapshotCollector
+from paged_serve.engine.observe.weight_memory import WeightMemory
 from paged_serve.engine.outputs import RequestOutput
 from paged_serve.engine.request_streams import RequestStreams, Stream
 from paged_serve.engine.sampling_params import SamplingParams
@@ -119,6 +120,11 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def weights(self) -> WeightMemory:
+        """The model's weights in memory and how the checkpoint stores them."""
+        return self.engine.weights
 
     @property
     def vocab_size(self) -> int:

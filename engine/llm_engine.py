@@ -27,6 +27,7 @@ from paged_serve.engine.grammar.structured_output import GrammarCompiler, Struct
 from paged_serve.engine.model.architecture import check_servable
 from paged_serve.engine.model.loader import LoadedModel
 from paged_serve.engine.observe.metrics import EngineStats
+from paged_serve.engine.observe.weight_memory import weight_memory
 from paged_serve.engine.outputs import RequestOutput
 from paged_serve.engine.platform.platform import platform_for
 from paged_serve.engine.runner.build import build_runner, context_length, load_for
@@ -94,6 +95,10 @@ class LLMEngine:
             eos_token_ids=sorted(self.eos_token_ids),
             group=lambda: None if self.tp is None else self.tp.group,
         )
+        self.weights = weight_memory(
+            loaded.model, next(loaded.model.parameters()).dtype, loaded.quantization
+        )
+        logger.info("%s", self.weights.describe())
         state_cache = self.runner.state_cache
         prefix_caching = config.enable_prefix_caching
         if state_cache is not None and prefix_caching:

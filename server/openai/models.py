@@ -2,7 +2,8 @@
 server runs (``--served-model-name`` may give it several).
 
 ``max_model_len`` is the longest sequence (prompt plus output, in tokens) a request may ask
-for: the model's context, or the whole KV cache if that is smaller.
+for: the model's context, or the whole KV cache if that is smaller. ``quantization`` says how
+the checkpoint stores its weights (null: unquantized), as the start-up log does.
 """
 
 from __future__ import annotations
@@ -15,7 +16,12 @@ from paged_serve.server.state import STATE, ServerState
 
 
 def _card(state: ServerState, name: str) -> ModelCard:
-    return ModelCard(id=name, created=state.created, max_model_len=state.context_limit)
+    return ModelCard(
+        id=name,
+        created=state.created,
+        max_model_len=state.context_limit,
+        quantization=state.engine.weights.quantization,
+    )
 
 
 async def list_models(request: web.Request) -> web.Response:

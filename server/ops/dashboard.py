@@ -115,6 +115,7 @@ async def engine_state(request: web.Request) -> web.Response:
         state = engine.engine_state()
     reply = EngineStateReply(
         model=server.served_model_name,
+        weights=engine.weights,
         history_interval_s=HISTORY_INTERVAL_S,
         engine=state,
         history=list(request.app[HISTORY].points),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import msgspec
 
 from paged_serve.engine.observe.engine_state import EngineState
+from paged_serve.engine.observe.weight_memory import WeightMemory
 
 
 class HealthStatus(msgspec.Struct):
@@ -70,6 +71,7 @@ class EngineStateReply(msgspec.Struct):
     """The body of ``GET /v1/engine/state`` (docs/api.md)."""
 
     model: str
+    weights: WeightMemory  # the weights in memory and how the checkpoint stores them
     history_interval_s: float
     engine: EngineState
     history: list[HistoryPoint]

@@ -67,6 +67,7 @@ def test_models_raw_shape(base_url: str, model_name: str):
     assert body["object"] == "list"
     assert body["data"][0]["id"] == model_name
     assert body["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert body["data"][0]["quantization"] is None  # the tiny model is stored unquantized
 
 
 @pytest.fixture(scope="module")

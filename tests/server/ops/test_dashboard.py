@@ -103,6 +103,10 @@ def test_the_idle_state_matches_metrics(base_url: str, engine: AsyncEngine):
     assert body["object"] == "engine.state"
     assert body["model"] == engine.model_name
     assert body["history_interval_s"] == 1.0
+    weights = body["weights"]
+    params = sum(p.numel() * p.element_size() for p in engine.engine.loaded.model.parameters())
+    assert weights["bytes"] >= params and weights["quantization"] is None
+    assert weights["dtype"] in ("float32", "bfloat16", "float16")
     state = body["engine"]
     check_against_metrics(state, metric_values(base_url))
     check_pool(state)
