@@ -37,6 +37,8 @@ from paged_serve.engine.model.latent_attention import is_latent_attention
 from paged_serve.engine.model.linear_attention import is_gated_delta_net
 from paged_serve.engine.platform.cpu.linears import restore_plain_linears
 from paged_serve.engine.platform.cpu.packed_experts import restore_plain_experts
+from paged_serve.engine.quant.linear import QuantizedLinear
+from paged_serve.engine.quant.slicing import columns_of, rows_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +178,7 @@ def _head_projections(attn: nn.Module) -> list[str]:
 
 
 def _linear(module: nn.Module, name: str) -> bool:
-    return isinstance(getattr(module, name, None), nn.Linear)
+    return isinstance(getattr(module, name, None), (nn.Linear, QuantizedLinear))
 
 
 def _dense_mlp(module: nn.Module | None) -> bool:
@@ -264,11 +266,17 @@ class RowParallelLinear(nn.Module):
     The local product is a bias-free ``nn.Linear`` (``proj``), so weight-only quantization
     swaps it as it swaps every other projection."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: object | None):
+    def __init__(
+        self,
+        weight: torch.Tensor | QuantizedLinear,
+        bias: torch.Tensor | None,
+        group: object | None,
+    ):
         super().__init__()
-        self.in_features = weight.shape[1]
-        self.out_features = weight.shape[0]
-        self.proj = linear_from(weight, None)
+        # a checkpoint's quantized projection comes already sliced (engine/quant/slicing.py)
+        self.proj = weight if isinstance(weight, QuantizedLinear) else linear_from(weight, None)
+        self.in_features = self.proj.in_features
+        self.out_features = self.proj.out_features
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.group = group  # None: the default process group
 
@@ -281,8 +289,10 @@ class RowParallelLinear(nn.Module):
         return f"in_features={self.in_features} (local), out_features={self.out_features}"
 
 
-def _plain(linear: nn.Module) -> nn.Linear:
-    if type(linear) is not nn.Linear:
+def _plain(linear: nn.Module) -> nn.Linear | QuantizedLinear:
+    """``linear`` if sharding can slice it: a plain ``nn.Linear``, or a checkpoint's quantized
+    projection (sliced in its stored layout)."""
+    if type(linear) is not nn.Linear and not isinstance(linear, QuantizedLinear):
         raise ValueError(
             f"tensor parallelism shards plain nn.Linear projections, got {type(linear).__name__}:"
             " shard before quantizing"
@@ -290,15 +300,18 @@ def _plain(linear: nn.Module) -> nn.Linear:
     return linear
 
 
-def _rows(linear: nn.Linear, rank: int, world_size: int) -> nn.Linear:
-    """Column-parallel: the ``rank``-th block of output rows, as a plain ``nn.Linear``."""
+def _rows(linear: nn.Module, rank: int, world_size: int) -> nn.Module:
+    """Column-parallel: the ``rank``-th block of output rows, as a plain ``nn.Linear`` (or a
+    ``QuantizedLinear`` of those rows)."""
     n = _plain(linear).out_features // world_size
     return _row_ranges(linear, ((rank * n, (rank + 1) * n),))
 
 
-def _row_ranges(linear: nn.Linear, ranges: tuple[tuple[int, int], ...]) -> nn.Linear:
+def _row_ranges(linear: nn.Module, ranges: tuple[tuple[int, int], ...]) -> nn.Module:
     """Column-parallel over one or several blocks: output rows ``ranges``, concatenated."""
     linear = _plain(linear)
+    if isinstance(linear, QuantizedLinear):
+        return rows_of(linear, ranges)
     bias = None if linear.bias is None else _take_rows(linear.bias, ranges)
     out = linear_from(_take_rows(linear.weight, ranges), bias)
     _note(out.weight, ShardSource(linear.weight, 0, ranges))
@@ -316,6 +329,9 @@ def _columns(linear: nn.Linear, rank: int, world_size: int, group: object | None
     """Row-parallel: the ``rank``-th block of input columns, summed over the ranks."""
     linear = _plain(linear)
     n = linear.in_features // world_size
+    if isinstance(linear, QuantizedLinear):
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return RowParallelLinear(columns_of(linear, rank * n, (rank + 1) * n), bias, group)
     weight = linear.weight.detach()[:, rank * n : (rank + 1) * n].contiguous()
     bias = None if linear.bias is None else linear.bias.detach().clone()
     row_parallel = RowParallelLinear(weight, bias, group)
