@@ -39,9 +39,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> dict[str, argparse._Argu
         "-q",
         default=None,
         choices=QUANTIZATIONS,
-        help="weight-only projections on the CPU, faster decoding at low concurrency, tokens "
-        "that differ from the unquantized model's: int8 (one scale per row) or int4 (4-bit "
-        "codes with a scale and offset per 32 inputs, as llama.cpp's Q4_1)",
+        help="a checkpoint stored quantized is read as its config.json says (gptq, awq, "
+        "compressed-tensors, fp8; naming one checks it, as vLLM's flag; gptq_marlin, awq_marlin "
+        "are accepted for the same files); int8 or int4 make weight-only projections on the CPU "
+        "from a full-precision checkpoint (faster decoding at low concurrency, tokens that "
+        "differ from the unquantized model's: int8 one scale per row, int4 4-bit codes with a "
+        "scale and offset per 32 inputs, as llama.cpp's Q4_1)",
     )
     model.add_argument("--device", default="auto")
     model.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
