@@ -87,7 +87,12 @@ def load_quantized(
         tensors = CheckpointTensors(files, checkpoint)
         kinds = _swap_projections(model, quant, tensors, dtype, device)
         experts = _dequantized_experts(model, quant, tensors, dtype, device)
-        stored = {id(p): (name, stored_as(name, files)) for name, p in model.named_parameters()}
+        # the experts filled above are no longer meta: their stored names are the quantized ones
+        stored = {
+            id(p): (name, stored_as(name, files))
+            for name, p in model.named_parameters()
+            if p.is_meta
+        }
         missing = [name for name, where in stored.values() if where is None]
         if missing:
             raise ValueError(f"{path}: no stored tensor for {len(missing)} ({missing[0]}, ...)")
