@@ -73,7 +73,8 @@ class CheckpointQuantization:
 
     ``method``: ``quant_method`` (gptq, awq, compressed-tensors, fp8); ``storage``: how its
     tensors are laid out (gptq, gptq_v2, awq, pack-quantized, int-quantized, float-quantized,
-    fp8); ``groups``: the schemes and the modules they cover, first match wins; ``ignore``:
+    fp8); ``groups``: the schemes and the modules they cover (a target naming the module wins over
+    one naming its class, then the first group); ``ignore``:
     modules stored unquantized whatever the groups say."""
 
     method: str
@@ -85,9 +86,12 @@ class CheckpointQuantization:
         """The scheme of the ``nn.Linear`` named ``module``, or None (stored unquantized)."""
         if self.ignore.match(module, class_name=""):
             return None
-        for targets, scheme in self.groups:
-            if targets.match(module):
-                return scheme
+        # a target naming the module (or a ``re:`` pattern over its name) wins over one naming
+        # its class, whatever the groups' order, as in compressed-tensors and vLLM
+        for class_name in ("", "Linear"):
+            for targets, scheme in self.groups:
+                if targets.match(module, class_name):
+                    return scheme
         return None
 
     def describe(self) -> str:
