@@ -48,6 +48,10 @@ class QuantizedCheckpoint:
     reference: PreTrainedModel
     dequantized: dict[str, torch.Tensor]
 
+    def reference_folder(self) -> Path:
+        """The reference's own checkpoint: unquantized, the dequantized weights in fp32."""
+        return self.folder.with_name(self.folder.name + "-reference")
+
 
 def tiny_model(family: str = "llama", seed: int = 0, **overrides: object) -> PreTrainedModel:
     """A tiny random-weight model: ``tests/conftest.py``'s dense families (hidden 128,
@@ -142,7 +146,7 @@ def _reference(
 ) -> PreTrainedModel:
     """HF's model in fp32 over ``model``'s weights with ``dequantized`` in place (by stored
     name, so MoE experts go through transformers' own fusing of per-expert tensors)."""
-    ref_folder = folder.with_name(folder.name + "-reference")
+    ref_folder = folder.with_name(folder.name + "-reference")  # reference_folder()
     model.save_pretrained(ref_folder)
     tensors = load_file(ref_folder / WEIGHTS_FILE)
     assert set(dequantized) <= set(tensors)
