@@ -1,7 +1,8 @@
 """A checkpoint's quantized projections under tensor parallelism: each rank slices the stored
 codes and scales (engine/quant/slicing.py), and a TP=2 engine's greedy tokens equal Hugging
 Face's over the dequantized weights, for 4-bit packed integers (asymmetric, groups of 32) and
-block-scaled FP8. Slices whose edges would cut a group or a scale block, and row-parallel
+block-scaled FP8, built in memory and read from GPTQ and FP8 checkpoint folders (where TP=2 also
+equals TP=1). Slices whose edges would cut a group or a scale block, and row-parallel
 slices of act-order weights, are refused by name. (Its own module: a TP engine holds the
 process group until its module ends.)"""
 
@@ -20,6 +21,7 @@ from paged_serve.engine.quant.slicing import input_columns, output_rows
 from paged_serve.engine.quant.weights import PackedInt, ScaledFp8, ScaledInt8
 from paged_serve.kernels.reference import pack_int_ref
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts, tiny_model
+from tests.engine.quant.checkpoints import write_fp8_block, write_gptq
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -123,3 +125,27 @@ def test_slices_that_cut_a_group_a_block_or_an_act_order_weight_are_refused() ->
         input_columns(sorted_rows, 0, 64)
     # output rows of an act-order weight are whole columns: served
     assert output_rows(sorted_rows, 0, 32).perm is sorted_rows.perm
+
+
+@pytest.mark.parametrize("kind", ["gptq-w4-g32-asym", "fp8-block-32"])
+def test_tp2_on_a_checkpoint_folder_equals_tp1(kind: str, tmp_path) -> None:
+    """The checkpoint as stored on disk: TP=2 (whole on the host, each rank slicing the stored
+    codes and scales) gives TP=1's tokens and HF's over the dequantized weights."""
+    model = tiny_model("llama")
+    if kind.startswith("gptq"):
+        ckpt = write_gptq(model, tmp_path / kind, bits=4, group_size=32, sym=False)
+    else:
+        ckpt = write_fp8_block(model, tmp_path / kind, block=(32, 32))
+    prompts = random_prompts([5, 40], seed=5)
+    want = [hf_greedy(ckpt.reference, p, MAX_TOKENS) for p in prompts]
+    runs = []
+    for size in (1, 2):
+        llm = LLM(str(ckpt.folder), tensor_parallel_size=size, kv_cache_memory=2 << 20,
+                  dtype="float32", cpu_decode_kernel=False)  # fmt: skip
+        try:
+            assert llm.engine.loaded.quantization is not None
+            runs.append([o.token_ids for o in llm.generate(prompts, GREEDY)])
+            assert_pool_clean(llm.engine.block_manager)
+        finally:
+            llm.shutdown()
+    assert runs[0] == runs[1] == want
