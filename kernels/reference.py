@@ -596,3 +596,107 @@ def quantized_gemm_ref(
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------- W8A8: FP8 and int8
+# Checkpoint weights stored in 8 bits (``[N, K]`` e4m3 with a tensor, channel or ``bn x bk``
+# block scale; int8 with a channel scale) multiply activations quantized at run time: per row,
+# or per row and group of ``bk`` inputs with block scales, ``scale = max(amax, 1e-10) / QMAX``
+# (448 for e4m3, 127 for int8), ``code = round(clamp(x / scale, -QMAX, QMAX))`` to nearest, ties
+# to even (torch's fp8 cast and ``torch.round``). Then fp32: dequantized codes @ dequantized W^T.
+
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+AMAX_FLOOR = 1e-10
+
+
+def _group_scales(x: torch.Tensor, group_size: int, qmax: float) -> torch.Tensor:
+    """``[M, ceil(K / group_size)]`` fp32: each group's ``max(amax, AMAX_FLOOR) / qmax``."""
+    m, k = x.shape
+    num_groups = -(-k // group_size)
+    padded = torch.zeros(m, num_groups * group_size, dtype=torch.float32, device=x.device)
+    padded[:, :k] = x.abs()
+    amax = padded.view(m, num_groups, group_size).amax(dim=-1)
+    return amax.clamp_min(AMAX_FLOOR) / qmax
+
+
+def _per_input(scales: torch.Tensor, group_size: int, k: int) -> torch.Tensor:
+    """``[M, K]``: each input's group scale."""
+    return scales.repeat_interleave(group_size, dim=1)[:, :k]
+
+
+def quantize_fp8_rows_ref(
+    rows: torch.Tensor, *, group_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes [M, K] float8_e4m3fn, scales [M, ceil(K / group)] fp32)`` of ``rows [M, K]``;
+    a group is ``group_size`` inputs of a row, or the row (None)."""
+    x = rows.float()
+    group = x.shape[1] if group_size is None else group_size
+    scales = _group_scales(x, group, FP8_MAX)
+    y = (x / _per_input(scales, group, x.shape[1])).clamp(-FP8_MAX, FP8_MAX)
+    return y.to(torch.float8_e4m3fn), scales
+
+
+def quantize_int8_rows_ref(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes [M, K] int8, scales [M, 1] fp32)``: one scale per row, ties to even."""
+    x = rows.float()
+    scales = _group_scales(x, x.shape[1], INT8_MAX)
+    y = (x / scales).clamp(-INT8_MAX, INT8_MAX)
+    return torch.round(y).to(torch.int8), scales
+
+
+def dequantize_fp8_ref(
+    weight: torch.Tensor, scale: torch.Tensor, *, block_size: tuple[int, int] | None
+) -> torch.Tensor:
+    """``[N, K]`` fp32 of an e4m3 ``weight [N, K]``: ``weight * scale`` with ``scale`` ``[]`` or
+    ``[1]`` (tensor), ``[N]`` (channel), or ``[ceil(N / bn), ceil(K / bk)]`` (block)."""
+    w = weight.float()
+    if block_size is None:
+        s = scale.float()
+        return w * (s[:, None] if s.dim() == 1 and s.numel() > 1 else s.reshape(()))
+    bn, bk = block_size
+    n, k = w.shape
+    per_element = scale.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+    return w * per_element[:n, :k]
+
+
+def _w8a8_product(
+    a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    out = a @ w.t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(dtype)
+
+
+def fp8_gemm_ref(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    block_size: tuple[int, int] | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[M, N]`` in rows' dtype: the e4m3-quantized ``rows [M, K]`` (per row and ``bk`` inputs
+    with ``block_size = (bn, bk)``, else per row), dequantized, ``@`` the dequantized weight
+    ``[N, K]``'s transpose (:func:`dequantize_fp8_ref`), plus ``bias [N]``, in fp32."""
+    k = rows.shape[1]
+    group = None if block_size is None else block_size[1]
+    codes, scales = quantize_fp8_rows_ref(rows, group_size=group)
+    a = codes.float() * _per_input(scales, k if group is None else group, k)
+    w = dequantize_fp8_ref(weight, scale, block_size=block_size)
+    return _w8a8_product(a, w, bias, rows.dtype)
+
+
+def int8_gemm_ref(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[M, N]`` in rows' dtype: the int8-quantized ``rows [M, K]`` (per row), dequantized,
+    ``@ (weight [N, K] * scale [N, None])^T`` plus ``bias [N]``, in fp32."""
+    codes, scales = quantize_int8_rows_ref(rows)
+    w = weight.float() * scale.float()[:, None]
+    return _w8a8_product(codes.float() * scales, w, bias, rows.dtype)
