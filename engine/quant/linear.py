@@ -5,7 +5,8 @@ stored layout (``engine/quant/weights.py``), multiplied by the kernel its platfo
 each call, then ``F.linear``; exact, slow, what a device without our kernels runs) or
 ``"triton"`` (``use_triton_kernels``: the W4A16/W8A16 GEMM of
 ``kernels/triton/quantized_gemm.py`` for packed integers, ``kernels/triton/scaled_gemm.py``'s
-FP8 and int8 W8A8 GEMMs, whose activations are quantized per token at run time). The CPU puts
+FP8 and int8 W8A8 GEMMs for ``ScaledFp8`` and ``ScaledInt8``, whose activations are quantized
+at run time: per token, and per group of ``bk`` inputs with FP8 block scales). The CPU puts
 its own modules in place (``engine/platform/cpu/quantized_linears.py``).
 
 The stored tensors are buffers (they move and count with the model; not persistent: a checkpoint's
@@ -87,8 +88,13 @@ def _triton_product(
             group_size=weight.group_size,
             bias=bias,
         )
-    # FP8 and int8 W8A8: the weight dequantized for the call until their GEMM lands in kernels/
-    return F.linear(rows, weight.dequantize().to(rows.dtype), bias)
+    if isinstance(weight, ScaledFp8):
+        from paged_serve.kernels.triton.scaled_gemm import fp8_gemm
+
+        return fp8_gemm(rows, weight.weight, weight.scale, block_size=weight.block, bias=bias)
+    from paged_serve.kernels.triton.scaled_gemm import int8_gemm
+
+    return int8_gemm(rows, weight.weight, weight.scale, bias=bias)
 
 
 def quantized_linears(model: nn.Module) -> list[QuantizedLinear]:

@@ -93,12 +93,15 @@ def _round_to_e4m3(y):
 
     e4m3 keeps 3 fraction bits, so the spacing at ``y`` is ``2^(e - 3)`` with ``e`` its binade
     (at least -6: the subnormals share the smallest normal binade's spacing). Adding and taking
-    away ``c = 1.5 * 2^(e + 20)``, whose fp32 ulp is that spacing, rounds ``y`` to it (IEEE's
-    round to nearest even; ``|y| < 2^(e + 1)`` keeps ``y + c`` in ``c``'s binade)."""
-    exponent = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    exponent = tl.maximum(exponent, -6)
+    away ``c = 1.5 * 2^(e + 20)``, whose fp32 ulp is that spacing, rounds ``|y|`` to it (IEEE's
+    round to nearest even; ``|y| < 2^(e + 1)`` keeps the sum in ``c``'s binade). The sign is
+    put back by its bit, so what rounds to zero keeps it (-0), as the hardware cast does."""
+    bits = y.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
     magic = (((exponent + 20 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
-    return (y + magic) - magic
+    magnitude = (tl.abs(y) + magic) - magic
+    sign = bits & -0x80000000
+    return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -165,12 +168,12 @@ def _load_step(
     a = tl.load(
         a_ptr + offs_m[:, None] * stride_am + offs_k[None, :],
         mask=m_mask[:, None] & k_mask[None, :],
-        other=0,
+        other=0.0,
     )
     w = tl.load(
         w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None],
         mask=k_mask[:, None] & n_mask[None, :],
-        other=0,
+        other=0.0,
     )
     return a, w
 
