@@ -75,8 +75,10 @@ class ScaledGemmLaunch:
 def launch_settings(m: int, *, group_k: int | None) -> ScaledGemmLaunch:
     """The launch for ``m`` rows; ``group_k`` is the weight's block ``bk`` (None: channel or
     tensor scales). Decode-sized M takes the smallest MMA M (16) and 32-wide column tiles, so a
-    4096-wide projection still gives 128 programs; prefill 128 x 128 tiles over 8 warps. The K
-    step is the largest of 128, 64, 32 dividing ``bk`` (one scale group per step)."""
+    4096-wide projection still gives 128 programs; prefill 128-row tiles over 8 warps, 128
+    columns wide, or 64 with block scales (each step's scaled partial product beside the
+    accumulator: compiled for sm_90, 128 x 128 spilled 36 bytes at 255 registers, 128 x 64 takes
+    174). The K step is the largest of 128, 64, 32 dividing ``bk`` (one scale group per step)."""
     block_k = 128
     if group_k is not None:
         block_k = next(b for b in BLOCK_K_CHOICES if group_k % b == 0)
@@ -84,7 +86,7 @@ def launch_settings(m: int, *, group_k: int | None) -> ScaledGemmLaunch:
         return ScaledGemmLaunch(16, 32, block_k, num_warps=4, num_stages=4)
     if m <= 64:
         return ScaledGemmLaunch(64, 64, block_k, num_warps=4, num_stages=3)
-    return ScaledGemmLaunch(128, 128, block_k, num_warps=8, num_stages=3)
+    return ScaledGemmLaunch(128, 128 if group_k is None else 64, block_k, num_warps=8, num_stages=3)
 
 
 @triton.jit
