@@ -41,7 +41,8 @@ is the same bits on every run and in every reduction order.
 
 Launch settings are a fixed function of the shape and the multiprocessor count
 (:func:`launch_settings`), not autotuned; the workspace is allocated per call (inside a CUDA
-graph's capture, from the graph's pool). Not done yet: FP8 weights and wiring into the engine.
+graph's capture, from the graph's pool). FP8 and int8 W8A8 weights have their own GEMM
+(``kernels/triton/scaled_gemm.py``).
 Under the interpreter, bf16 operands are cast to fp32 before the dot (its bf16 ``tl.dot`` is
 wrong, as ``kernels/triton/paged_attention.py`` notes).
 """
