@@ -15,9 +15,10 @@ Layouts (``engine/quant/weights.py``'s ``ScaledFp8`` and ``ScaledInt8``)::
 
 Activation quantization (``_quantize_rows_kernel``, one program per row and group of inputs):
 a group is ``bk`` inputs of a row with block scales (the last one may be shorter), else the
-whole row; ``s = max(amax, 1e-10) / QMAX`` (QMAX 448 for e4m3, 127 for int8; the floor keeps an
-all-zero group finite, as vLLM's ``per_token_group_quant_fp8`` does) and ``code =
-round(clamp(x / s, -QMAX, QMAX))``, rounding to nearest, ties to even, for both types. The
+whole row (read twice, in steps of up to 4096 inputs); ``s = max(amax, 1e-10) / QMAX`` (QMAX
+448 for e4m3, 127 for int8; the floor keeps an all-zero group finite, as vLLM's
+``per_token_group_quant_fp8`` does) and ``code = round(clamp(x / s, -QMAX, QMAX))``, rounding
+to nearest, ties to even, for both types. The
 kernel divides with ``div_rn`` (IEEE, as torch) and rounds in fp32 itself (``_round_to_e4m3``,
 ``_round_to_int``) before a cast that is then exact: the interpreter's fp32 -> fp8 conversion
 does not round to nearest even, so one code path gives the reference's codes on both.
@@ -54,7 +55,9 @@ from paged_serve.kernels.triton.runtime import check_device, interpreting
 FP8_MAX = 448.0  # largest finite e4m3fn
 INT8_MAX = 127.0
 AMAX_FLOOR = 1e-10
-QUANT_CHUNK = 512  # inputs a quantization program reads per step
+# Inputs a quantization program reads per step: a per-token row of 14336 (Llama's down_proj)
+# in 4 steps per pass, so decode's single program is not a chain of dependent small loads.
+QUANT_CHUNK = 4096
 BLOCK_K_CHOICES = (128, 64, 32)  # 32: the smallest K of an 8-bit MMA
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_CAPABILITY = (8, 9)
@@ -294,6 +297,7 @@ def _quantize_rows(
     scales = torch.empty(m, num_groups, dtype=torch.float32, device=rows.device)
     if m == 0 or k == 0:
         return codes, scales.fill_(AMAX_FLOOR / qmax)
+    chunk = min(QUANT_CHUNK, triton.next_power_of_2(group))
     _quantize_rows_kernel[(m, num_groups)](
         rows,
         codes,
@@ -305,7 +309,8 @@ def _quantize_rows(
         codes.stride(0),
         QMAX=qmax,
         INT8=code_dtype == torch.int8,
-        CHUNK=min(QUANT_CHUNK, triton.next_power_of_2(group)),
+        CHUNK=chunk,
+        num_warps=8 if chunk >= 2048 else 4,
     )
     return codes, scales
 
