@@ -16,14 +16,74 @@ rope_dim``. Linear-attention state (gated DeltaNet): conv_state ``[num_slots, K 
 state ``[num_slots, Hv, Dk, Dv]`` fp32, one slot per live sequence; state_slots ``[S]`` int32
 and has_state ``[S]`` int32 (0: the sequence starts from zeros). The semantics are the
 references' (``fused_moe_ref`` for ``FusedMoe``, ``causal_conv1d_ref``, ``gated_delta_rule_ref``).
+
+Experts stored quantized reach the fused MoE as ``IntExperts`` or ``Fp8Experts`` (their layouts
+below; ``dequantize_experts_ref`` gives the weights they stand for).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
+
+
+@dataclass(frozen=True, slots=True)
+class IntExperts:
+    """One projection of every expert as 4- or 8-bit integer codes with group scales: per
+    expert, the ``PackedInt`` layout of ``kernels/triton/quantized_gemm.py`` stacked::
+
+        qweight [E, K / pack, N] int32   pack = 32 / bits codes a word, along K, low bits first
+        scales  [E, G, N] fp32           G = K / group_size (group_size -1: G = 1, per channel)
+        zeros   [E, G, N] uint8 | None   None: symmetric, the zero is 2^(bits-1)
+
+        W[e, n, k] = (q[e, k, n] - zero[e, k // group_size, n]) * scale[e, k // group_size, n]
+
+    No act-order permutation: the kernels refuse one (an expert's inputs are the hidden state
+    or the gate's output, gathered once for all experts)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> torch.Size:
+        """``(E, N, K)``: experts, outputs, inputs."""
+        experts, rows, n = self.qweight.shape
+        return torch.Size((experts, n, rows * (32 // self.bits)))
+
+    def expert(self, e: int) -> IntExperts:
+        """Expert ``e`` alone (``E = 1``; views)."""
+        zeros = None if self.zeros is None else self.zeros[e : e + 1]
+        return replace(
+            self, qweight=self.qweight[e : e + 1], scales=self.scales[e : e + 1], zeros=zeros
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Experts:
+    """One projection of every expert as e4m3 weights ``[E, N, K]`` with fp32 scales: per block
+    of ``block = (bn, bk)`` (``scale [E, ceil(N / bn), ceil(K / bk)]``: ``W = w * scale[e, n //
+    bn, k // bk]``) or per output channel (``block`` None, ``scale [E, N]``)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int] | None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def expert(self, e: int) -> Fp8Experts:
+        """Expert ``e`` alone (``E = 1``; views)."""
+        return replace(self, weight=self.weight[e : e + 1], scale=self.scale[e : e + 1])
+
+
+ExpertWeights = IntExperts | Fp8Experts
 
 
 class WriteKv(Protocol):
@@ -121,14 +181,16 @@ class FusedSample(Protocol):
 
 class FusedMoe(Protocol):
     """``hidden [T, H]`` through its routed experts: ``[T, H]``. ``w_gate_up [E, 2I, H]``,
-    ``w_down [E, H, I]`` (views of any strides), ``topk_ids``/``topk_weights [T, k]``,
-    ``apply_gate [S, 2I] -> [S, I]`` (the model's gate), biases ``[E, 2I]`` / ``[E, H]``."""
+    ``w_down [E, H, I]`` (views of any strides, or the triton backend's quantized
+    ``ExpertWeights``, the torch backend's ``QuantizedExperts`` of engine/platform/cpu/moe.py),
+    ``topk_ids``/``topk_weights [T, k]``, ``apply_gate [S, 2I] -> [S, I]`` (the model's gate),
+    biases ``[E, 2I]`` / ``[E, H]``."""
 
     def __call__(
         self,
         hidden: torch.Tensor,
-        w_gate_up: torch.Tensor,
-        w_down: torch.Tensor,
+        w_gate_up: torch.Tensor | ExpertWeights,
+        w_down: torch.Tensor | ExpertWeights,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         *,

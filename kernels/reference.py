@@ -38,6 +38,8 @@ from collections.abc import Callable
 
 import torch
 
+from paged_serve.kernels.interface import ExpertWeights, IntExperts
+
 
 def paged_attention_ref(
     q: torch.Tensor,
@@ -700,3 +702,30 @@ def int8_gemm_ref(
     codes, scales = quantize_int8_rows_ref(rows)
     w = weight.float() * scale.float()[:, None]
     return _w8a8_product(codes.float() * scales, w, bias, rows.dtype)
+
+
+def dequantize_experts_ref(weights: ExpertWeights) -> torch.Tensor:
+    """The ``[E, N, K]`` fp32 weights of quantized experts (``kernels/interface.py``'s
+    ``IntExperts``: :func:`dequantize_ref` expert by expert; ``Fp8Experts``: each e4m3 value
+    times its block's or its row's scale). ``fused_moe_ref`` over these is the quantized fused
+    MoE's reference."""
+    if isinstance(weights, IntExperts):
+        zeros = weights.zeros
+        return torch.stack(
+            [
+                dequantize_ref(
+                    weights.qweight[e],
+                    weights.scales[e],
+                    None if zeros is None else zeros[e],
+                    bits=weights.bits,
+                    group_size=weights.group_size,
+                )
+                for e in range(weights.qweight.shape[0])
+            ]
+        )
+    return torch.stack(
+        [
+            dequantize_fp8_ref(w, scale, block_size=weights.block)
+            for w, scale in zip(weights.weight, weights.scale)
+        ]
+    )

@@ -20,8 +20,11 @@ Algorithm (the design of vLLM's and SGLang's ``fused_moe``)
   the ``k`` rows of each token are summed at the end.
 
 Weights are ``[E, out, in]`` views (any strides: a checkpoint stored ``[E, in, out]`` is passed
-transposed, without a copy). Under the interpreter, bf16 operands are cast to fp32 before the
-dots (its bf16 ``tl.dot`` is wrong, as ``kernels/triton/paged_attention.py`` notes).
+transposed, without a copy), or experts stored quantized (``IntExperts``, ``Fp8Experts`` of
+``kernels/interface.py``), whose projections run ``kernels/triton/quantized_moe.py``'s GEMM on
+the same pairs, each weight tile dequantized inside the tile. Under the interpreter, bf16
+operands are cast to fp32 before the dots (its bf16 ``tl.dot`` is wrong, as
+``kernels/triton/paged_attention.py`` notes).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import torch
 
 import triton
 import triton.language as tl
+from paged_serve.kernels.interface import ExpertWeights
+from paged_serve.kernels.triton.quantized_moe import quantized_moe_gemm
 from paged_serve.kernels.triton.runtime import check_device, interpreting
 
 BLOCK_M = 16  # pairs per block: the smallest tl.dot M, so a decode step pads little
@@ -205,10 +210,19 @@ def moe_gemm(
     return out
 
 
+def _project(
+    a: torch.Tensor, weight: torch.Tensor | ExpertWeights, pairs: RoutedPairs, **options
+) -> torch.Tensor:
+    """``moe_gemm`` for plain weights, ``quantized_moe_gemm`` for quantized experts."""
+    if isinstance(weight, torch.Tensor):
+        return moe_gemm(a, weight, pairs, **options)
+    return quantized_moe_gemm(a, weight, pairs, **options)
+
+
 def fused_moe(
     hidden: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_gate_up: torch.Tensor | ExpertWeights,
+    w_down: torch.Tensor | ExpertWeights,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     *,
@@ -218,14 +232,15 @@ def fused_moe(
 ) -> torch.Tensor:
     """``hidden [T, H]`` through its routed experts: ``[T, H]`` in hidden's dtype.
 
-    w_gate_up: ``[E, 2I, H]``; w_down: ``[E, H, I]`` (views of any strides); topk_ids,
+    w_gate_up: ``[E, 2I, H]``; w_down: ``[E, H, I]`` (views of any strides, or quantized
+    experts of those shapes: ``IntExperts``, ``Fp8Experts``); topk_ids,
     topk_weights: ``[T, k]``; ``apply_gate``: ``[S, 2I] -> [S, I]`` (the model's gate);
     biases ``[E, 2I]`` and ``[E, H]``. Never syncs with the host.
     """
     num_tokens, top_k = topk_ids.shape
     pairs = align_pairs(topk_ids, w_gate_up.shape[0])
-    gate_up = moe_gemm(hidden.contiguous(), w_gate_up, pairs, per_token=True, bias=gate_up_bias)
+    gate_up = _project(hidden.contiguous(), w_gate_up, pairs, per_token=True, bias=gate_up_bias)
     gated = apply_gate(gate_up).to(hidden.dtype).contiguous()
     weights = topk_weights.to(hidden.dtype).contiguous()
-    down = moe_gemm(gated, w_down, pairs, per_token=False, bias=down_bias, route_weights=weights)
+    down = _project(gated, w_down, pairs, per_token=False, bias=down_bias, route_weights=weights)
     return down.view(num_tokens, top_k, -1).sum(dim=1)

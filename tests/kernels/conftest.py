@@ -42,6 +42,7 @@ for _name in (
     "paged_serve.kernels.triton.mla_attention",
     "paged_serve.kernels.triton.causal_conv",
     "paged_serve.kernels.triton.delta_rule",
+    "paged_serve.kernels.triton.quantized_moe",
 ):
     _mod = sys.modules.get(_name)
     if _mod is not None and not HAS_CUDA and os.environ.get("TRITON_INTERPRET") == "1":
