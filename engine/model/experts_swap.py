@@ -9,9 +9,11 @@ with or without renormalisation, gpt-oss's biased experts), and the module, whos
 reads in the layout the module declares (``is_transposed``) and whose own gate it applies
 (``_apply_gate``: SwiGLU, gpt-oss's clamped SwiGLU on interleaved columns). The step's kernel
 backend computes the pairs: on CUDA the Triton kernel of ``kernels/triton/fused_moe.py``, on the
-CPU the grouped pass of ``engine/platform/cpu/moe.py``. Under tensor parallelism each rank
-holds a slice of every expert's width (engine/model/sharding.py), and the partial sums are
-all-reduced here.
+CPU the grouped pass of ``engine/platform/cpu/moe.py``. Experts a checkpoint stored quantized
+(``StoredExperts``, engine/quant/experts.py) reach the Triton kernel as their stored layout and
+the grouped pass as modules that dequantize the chosen experts for the call. Under tensor
+parallelism each rank holds a slice of every expert's width (engine/model/sharding.py), and the
+partial sums are all-reduced here.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from transformers import PreTrainedModel
 from transformers.integrations.moe import ExpertsInterface
 
 from paged_serve.engine.kv.attention_context import current_attention_context
+from paged_serve.engine.quant.experts import StoredExperts
 
 EXPERTS_NAME = "paged_serve"
 
@@ -36,11 +39,16 @@ def paged_experts_forward(
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     """transformers experts function: ``[T, H]``, the routed experts' weighted sum per token."""
+    backend = current_attention_context().backend
     w_gate_up, w_down = module.gate_up_proj, module.down_proj
     if module.is_transposed:  # stored [E, in, out]: the kernels take [E, out, in] views
         w_gate_up, w_down = w_gate_up.transpose(1, 2), w_down.transpose(1, 2)
+    if backend.name == "triton":  # quantized experts: the kernel reads their stored layout
+        w_gate_up, w_down = (
+            w.stored if isinstance(w, StoredExperts) else w for w in (w_gate_up, w_down)
+        )
     biased = module.has_bias
-    out = current_attention_context().backend.fused_moe(
+    out = backend.fused_moe(
         hidden_states,
         w_gate_up,
         w_down,

@@ -6,8 +6,11 @@ projections kept in their stored precision, never through a full-precision copy.
                     quantization_config (transformers would look for GPTQModel, AutoAWQ, ...)
     *.safetensors ─► each decoder-layer nn.Linear stored quantized: a QuantizedLinear holding
                     the stored codes in the kernels' layout (engine/quant/), on the device
-                  ─► each mixture-of-experts tensor stored quantized per expert: dequantized
-                    into the load dtype (the fused MoE pass multiplies plain weights)
+                  ─► each mixture-of-experts block stored quantized per expert: its experts
+                    kept in their stored layout, gate/up joined (a StoredExperts per fused
+                    tensor, engine/quant/experts.py, which the fused MoE multiplies by);
+                    where they cannot be stacked (act-order, mixed layouts), dequantized into
+                    the load dtype, the log saying why
                   ─► the LM head, if stored quantized: dequantized (the logits head reads a
                     plain weight)
                   ─► every other parameter and stored buffer read as engine/model/
@@ -44,8 +47,10 @@ from paged_serve.engine.quant.checkpoint import (
     projection_names,
     read_projection,
 )
+from paged_serve.engine.quant.experts import ExpertsNotStacked, StoredExperts, stack_experts
 from paged_serve.engine.quant.linear import QuantizedLinear
 from paged_serve.engine.quant.scheme import CheckpointQuantization
+from paged_serve.engine.quant.weights import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +91,7 @@ def load_quantized(
     with OneFileAtATime(files) as checkpoint:
         tensors = CheckpointTensors(files, checkpoint)
         kinds = _swap_projections(model, quant, tensors, dtype, device)
-        experts = _dequantized_experts(model, quant, tensors, dtype, device)
+        experts = _quantized_experts(model, quant, tensors, dtype, device)
         # the experts filled above are no longer meta: their stored names are the quantized ones
         stored = {
             id(p): (name, stored_as(name, files))
@@ -108,8 +113,8 @@ def load_quantized(
     _check_all_read(path, quant, files, tensors.read)
     summary = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
     logger.info("%s: %s; projections: %s", path, quant.describe(), summary or "none quantized")
-    if experts:
-        logger.info("%d experts tensors stored quantized, dequantized to %s", experts, dtype)
+    for kind, n in sorted(experts.items()):
+        logger.info("%s: %d experts tensors stored quantized, %s", path, n, kind)
     return model
 
 
@@ -164,40 +169,74 @@ def _fields(weight) -> dict:
     return {name: getattr(weight, name) for name in weight.__dataclass_fields__}
 
 
-def _dequantized_experts(
+def _quantized_experts(
     model: PreTrainedModel,
     quant: CheckpointQuantization,
     tensors: CheckpointTensors,
     dtype: torch.dtype,
     device: torch.device,
-) -> int:
-    """Fill each fused experts tensor (``[E, out, in]``, or ``[E, in, out]`` where the module is
-    transposed) that the checkpoint stores quantized per expert and part with the dequantized
-    values; returns how many."""
-    count = 0
+) -> Counter:
+    """Each experts module whose fused tensors the checkpoint stores quantized per expert and
+    part: both kept stored (``StoredExperts``, ``[E, out, in]``: the module's layout becomes
+    untransposed), or, where they cannot be stacked, each filled with the dequantized values
+    (``[E, out, in]``, or ``[E, in, out]`` where the module is transposed). Returns how many
+    tensors went each way."""
+    kinds: Counter = Counter()
     prefixes = {id(m): n for n, m in model.named_modules()}
     for module in experts_modules(model):
-        block = prefixes[id(module)].rsplit(".experts", 1)[0]
+        name = prefixes[id(module)]
+        block = name.rsplit(".experts", 1)[0]
+        stored: dict[str, list[list[str]]] = {}
         for fused, layouts in EXPERT_PARTS.items():
             param = getattr(module, fused, None)
             if not isinstance(param, nn.Parameter) or not param.is_meta:
                 continue
             experts = _quantized_expert_parts(block, layouts, param.shape[0], tensors, quant)
-            if experts is None:
-                continue
-            values = torch.stack(
-                [
-                    torch.cat([_dequantized(quant, tensors, p).to(dtype) for p in parts])
-                    for parts in experts
-                ]
-            )
-            if module.is_transposed:
-                values = values.transpose(1, 2)
-            setattr(
-                module, fused, nn.Parameter(values.contiguous().to(device), requires_grad=False)
-            )
-            count += 1
-    return count
+            if experts is not None:
+                stored[fused] = experts
+        if not stored:
+            continue
+        weights = {
+            fused: [[_read_expert(quant, tensors, p) for p in parts] for parts in experts]
+            for fused, experts in stored.items()
+        }
+        try:
+            if set(stored) != set(EXPERT_PARTS) or not module.has_gate:
+                raise ExpertsNotStacked("only some of its experts tensors are stored quantized")
+            stacked = {fused: stack_experts(parts) for fused, parts in weights.items()}
+        except ExpertsNotStacked as why:
+            logger.info("%s: experts dequantized to %s at load: %s", name, dtype, why)
+            for fused, parts in weights.items():
+                _fill_dequantized(module, fused, parts, dtype, device)
+                kinds[f"dequantized to {dtype}"] += 1
+            continue
+        for fused, experts in stacked.items():
+            on_device = type(experts)(**{f: _to(v, device) for f, v in _fields(experts).items()})
+            delattr(module, fused)
+            setattr(module, fused, StoredExperts(on_device))
+            kinds[f"kept as {type(experts).__name__}"] += 1
+        module.is_transposed = False
+    return kinds
+
+
+def _to(value: object, device: torch.device) -> object:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def _fill_dequantized(
+    module: nn.Module,
+    fused: str,
+    experts: list[list[QuantizedWeight]],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Set ``module.fused`` to the dequantized experts, in the module's layout."""
+    values = torch.stack(
+        [torch.cat([w.dequantize().to(dtype) for w in parts]) for parts in experts]
+    )
+    if module.is_transposed:
+        values = values.transpose(1, 2)
+    setattr(module, fused, nn.Parameter(values.contiguous().to(device), requires_grad=False))
 
 
 def _quantized_expert_parts(
@@ -222,11 +261,13 @@ def _quantized_expert_parts(
     return None
 
 
-def _dequantized(quant: CheckpointQuantization, tensors: CheckpointTensors, prefix: str):
+def _read_expert(
+    quant: CheckpointQuantization, tensors: CheckpointTensors, prefix: str
+) -> QuantizedWeight:
     weight = read_projection(quant, tensors, prefix, prefix)
     if weight is None:
         raise ValueError(f"{prefix}: expected a quantized expert projection")
-    return weight.dequantize()
+    return weight
 
 
 def _check_all_read(

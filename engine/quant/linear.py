@@ -120,7 +120,7 @@ def concat(parts: list[QuantizedLinear]) -> QuantizedLinear | None:
     biases = {p.bias is None for p in parts}
     if len(biases) != 1 or len({type(w) for w in weights}) != 1:
         return None
-    joined = _join(weights)
+    joined = join_outputs(weights)
     if joined is None:
         return None
     bias = None if biases.pop() else torch.cat([p.bias for p in parts])
@@ -129,7 +129,9 @@ def concat(parts: list[QuantizedLinear]) -> QuantizedLinear | None:
     return fused
 
 
-def _join(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
+def join_outputs(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
+    """One weight whose outputs are ``weights``' outputs in order (same inputs and layout), or
+    None where their layouts cannot be joined (``concat``)."""
     first = weights[0]
     if isinstance(first, PackedInt):
         same = {(w.bits, w.group_size, w.qweight.shape[0]) for w in weights}
