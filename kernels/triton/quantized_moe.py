@@ -34,7 +34,7 @@ are cast to fp32 before the dots (its bf16 ``tl.dot`` is wrong, as
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -44,13 +44,21 @@ from paged_serve.kernels.interface import ExpertWeights, Fp8Experts, IntExperts
 from paged_serve.kernels.triton.quantized_gemm import _load_dequantized_tile
 from paged_serve.kernels.triton.runtime import check_device, interpreting
 
-if TYPE_CHECKING:
-    from paged_serve.kernels.triton.fused_moe import RoutedPairs
-
 BLOCK_N = 64
 BLOCK_K = 32  # divides every accepted group size and FP8 block width: a tile has one scale row
 SUPPORTED_BITS = (4, 8)
 ZERO_DTYPES = (torch.uint8, torch.int32)
+
+
+class AlignedPairs(Protocol):
+    """The pairs sorted by expert, as ``fused_moe.align_pairs`` returns them (``RoutedPairs``;
+    typed here, not imported: ``fused_moe`` imports this module)."""
+
+    pair_ids: torch.Tensor
+    block_experts: torch.Tensor
+    num_pairs: int
+    top_k: int
+    block_m: int
 
 
 @triton.jit
@@ -277,7 +285,7 @@ def _fp8_launch(weights: Fp8Experts, k: int) -> dict:
 def quantized_moe_gemm(
     a: torch.Tensor,
     weight: ExpertWeights,
-    pairs: RoutedPairs,
+    pairs: AlignedPairs,
     *,
     per_token: bool,
     bias: torch.Tensor | None = None,
