@@ -151,7 +151,7 @@ class CpuPlatform(Platform):
         if swapped:
             logger.info("CPU projections on their faster exact kernels: %d", swapped)
         if self.kernel_backend_name(config.attention_backend) == "triton":
-            return  # the Triton fused-MoE kernel (interpreted) reads plain expert weights
+            return  # the Triton fused-MoE kernel (interpreted) reads the experts as loaded
         experts = pack_experts(model)  # after quantizing: packs what stays plain
         if experts:
             logger.info("experts modules packed for oneDNN: %d", experts)
