@@ -165,6 +165,15 @@ def test_fp8_blocks_that_cut_the_shapes(device) -> None:
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
 
 
+def test_the_engine_stacks_what_the_tiles_read() -> None:
+    """engine/quant/experts.py checks group sizes and FP8 block widths against the kernel's K
+    step without importing Triton: the two must agree."""
+    from paged_serve.engine.quant.experts import KERNEL_BLOCK_K
+    from paged_serve.kernels.triton.quantized_moe import BLOCK_K
+
+    assert KERNEL_BLOCK_K == BLOCK_K
+
+
 def test_refuses_layouts_the_tiles_cannot_read() -> None:
     w = torch.randn(2, 64, 96)
     pairs = align_pairs(torch.tensor([[0, 1]]), 2)

@@ -22,9 +22,9 @@ from safetensors.torch import load_file, save_file
 from paged_serve.engine import LLM, SamplingParams
 from paged_serve.engine.model.experts_swap import experts_modules
 from paged_serve.engine.quant.experts import ExpertsNotStacked, StoredExperts, stack_experts
-from paged_serve.engine.quant.weights import PackedInt, ScaledFp8
+from paged_serve.engine.quant.weights import PackedInt, ScaledFp8, ScaledInt8
 from paged_serve.kernels.interface import Fp8Experts, IntExperts
-from paged_serve.kernels.reference import pack_int_ref
+from paged_serve.kernels.reference import dequantize_experts_ref, pack_int_ref
 from tests.conftest import assert_pool_clean, hf_greedy, random_prompts
 from tests.engine.model.test_model_coverage import tiny_architecture
 
@@ -229,3 +229,44 @@ def test_stacking_refuses_what_the_kernel_cannot_read() -> None:
     assert tuple(stacked.shape) == (2, 64, 64) and stacked.zeros is None
     per_tensor = stack_experts([[fp8, fp8]])
     assert per_tensor.block is None and tuple(per_tensor.scale.shape) == (1, 64)
+
+
+def test_stacked_experts_stand_for_their_parts_joined() -> None:
+    """Per expert, the stacked layout's dequantization is the parts' joined, exactly: int4 with
+    and without zeros (written out), int8 W8A8 repacked as 8-bit codes, FP8 per tensor (a row
+    scale) and in blocks taller than a part (a scale per row)."""
+    gen = torch.Generator().manual_seed(1)
+
+    def int4(zeros: bool) -> PackedInt:
+        codes = torch.randint(0, 16, (64, 32), generator=gen)
+        z = torch.randint(0, 16, (2, 32), generator=gen).to(torch.uint8) if zeros else None
+        return PackedInt(pack_int_ref(codes, 4), torch.rand(2, 32, generator=gen), z, None, 4, 32)
+
+    def fp8(block: tuple[int, int] | None) -> ScaledFp8:
+        weight = torch.randn(48, 64, generator=gen).to(torch.float8_e4m3fn)
+        if block is None:
+            return ScaledFp8(weight, torch.rand((), generator=gen), None)
+        shape = (-(-48 // block[0]), -(-64 // block[1]))
+        return ScaledFp8(weight, torch.rand(shape, generator=gen), block)
+
+    def int8() -> ScaledInt8:
+        weight = torch.randint(-128, 128, (40, 64), generator=gen).to(torch.int8)
+        return ScaledInt8(weight, torch.rand(40, generator=gen))
+
+    cases = [
+        [[int4(True), int4(False)], [int4(False), int4(True)]],
+        [[int8(), int8()], [int8(), int8()]],
+        [[fp8(None), fp8(None)], [fp8(None), fp8(None)]],
+        [[fp8((128, 32)), fp8((128, 32))], [fp8((128, 32)), fp8((128, 32))]],
+        [[fp8((32, 64))], [fp8((32, 64))]],
+    ]
+    for experts in cases:
+        stacked = stack_experts(experts)
+        want = torch.stack([torch.cat([p.dequantize() for p in parts]) for parts in experts])
+        assert torch.equal(dequantize_experts_ref(stacked), want)
+        got = StoredExperts(stacked)
+        x = torch.randn(3, want.shape[2], generator=gen)
+        for e in range(len(experts)):
+            assert torch.equal(got.linear(x, e), torch.nn.functional.linear(x, want[e]))
+    assert stack_experts(cases[3]).block == (1, 32)  # 48-row parts in 128-row blocks: per row
+    assert stack_experts(cases[4]).block == (32, 64)  # a part alone keeps its blocks
