@@ -26,6 +26,7 @@ the already-sharded ones), so rank-local modules are ordinary ``nn.Linear``s to 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +38,11 @@ from paged_serve.engine.model.latent_attention import is_latent_attention
 from paged_serve.engine.model.linear_attention import is_gated_delta_net
 from paged_serve.engine.platform.cpu.linears import restore_plain_linears
 from paged_serve.engine.platform.cpu.packed_experts import restore_plain_experts
+from paged_serve.engine.quant.experts import dequantize_stored_experts
 from paged_serve.engine.quant.linear import QuantizedLinear
 from paged_serve.engine.quant.slicing import columns_of, rows_of
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +105,8 @@ def plain_projections(model: nn.Module) -> None:
     ``nn.Linear`` ones, in place: what sharding (and ``check_shardable``) reads."""
     restore_plain_linears(model)
     restore_plain_experts(model)
+    if dequantize_stored_experts(model):
+        logger.info("tensor parallelism: experts stored quantized are dequantized to be sliced")
     unfuse_projections(model)
 
 

@@ -21,6 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from paged_serve.engine import LLM, SamplingParams
 from paged_serve.engine.model.experts_swap import experts_modules
+from paged_serve.engine.model.loader import load_model
+from paged_serve.engine.model.sharding import plain_projections
 from paged_serve.engine.quant.experts import ExpertsNotStacked, StoredExperts, stack_experts
 from paged_serve.engine.quant.weights import PackedInt, ScaledFp8, ScaledInt8
 from paged_serve.kernels.interface import Fp8Experts, IntExperts
@@ -270,3 +272,16 @@ def test_stacked_experts_stand_for_their_parts_joined() -> None:
             assert torch.equal(got.linear(x, e), torch.nn.functional.linear(x, want[e]))
     assert stack_experts(cases[3]).block == (1, 32)  # 48-row parts in 128-row blocks: per row
     assert stack_experts(cases[4]).block == (32, 64)  # a part alone keeps its blocks
+
+
+def test_tensor_parallelism_slices_the_dequantized_experts(tmp_path) -> None:
+    """Sharding reads plain experts: ``plain_projections`` turns stored ones back into the
+    Parameters of their dequantized weights (those HF's reference holds)."""
+    reference = quantized_checkpoint(tmp_path, "int4-asym-g64")
+    model = load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu")).model
+    assert all(isinstance(e.down_proj, StoredExperts) for e in experts_modules(model))
+    plain_projections(model)
+    for got, want in zip(experts_modules(model), experts_modules(reference), strict=True):
+        for name in ("gate_up_proj", "down_proj"):
+            assert isinstance(getattr(got, name), torch.nn.Parameter)
+            assert torch.equal(getattr(got, name), getattr(want, name))
