@@ -27,33 +27,23 @@ within 1.02 ulp of e^x over [-87.2, 0], checked at every 7th float), so its outp
 reference's up to fp32 rounding, not bit for bit (tests); bf16 inputs are widened on load and
 the output rounded once (nearest even).
 
-The C source is compiled at first use with the system's C compiler (``$CC``, else ``cc``) into
-``<cache_dir>/native``, for this CPU (``-march=native``), keyed by a hash of the source, the
-flags and this CPU's feature flags, so a copy built for one CPU is never loaded on another
-(about 0.4 s once). Opening a library runs its constructors, so one is opened only from a
-folder and file private to this user (``kernels/cpu/native_cache.py``: owner and mode checked,
-folders created 0700, the library written to a temporary name, made 0700 and renamed); where
-the cache folder fails that check the kernel is built into a private temporary folder instead,
-with a warning saying why. The library links libgomp by its soname, which resolves to the copy
-torch has loaded: one OpenMP runtime, one thread pool. Where no compiler is found or the build
-fails, ``load`` returns None and says why once; callers then keep torch's path.
+The C source is compiled at first use with the system's C compiler, for this CPU, into
+``<cache_dir>/native`` (about 0.4 s once; ``kernels/cpu/native_build.py``: keyed by the source,
+the flags and this CPU's features, opened only from a folder and file private to this user).
+The library links libgomp by its soname, which resolves to the copy torch has loaded: one
+OpenMP runtime, one thread pool. Where no compiler is found or the build fails, ``load`` returns
+None and says why once; callers then keep torch's path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from paged_serve.kernels.cpu.native_cache import PRIVATE_MODE, file_problem, private_folder
+from paged_serve.kernels.cpu.native_build import library_path, open_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -97,49 +87,8 @@ _WRITE_ARGTYPES = [
 ]
 
 
-def _cpu_flags() -> str:
-    """This CPU's feature flags (``-march=native`` compiles for them), or the machine name."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
-
-
 def _library_path(cache_dir: Path) -> Path:
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), _cpu_flags().encode()):
-        key.update(part)
-    return cache_dir / "native" / f"cpu_decode_attention-{key.hexdigest()[:16]}.so"
-
-
-def _build(target: Path) -> str | None:
-    """Compile the source to ``target``, in a folder ``native_cache`` trusts (atomically:
-    concurrent builders each write a temporary file in that folder, make it 0700 and rename
-    it); the reason on failure, else None."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return "no C compiler (set CC, or install gcc)"
-    scratch = None
-    try:
-        fd, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        done = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", scratch], capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            return f"{compiler} failed: {done.stderr.strip()[-500:]}"
-        os.chmod(scratch, PRIVATE_MODE)  # the linker may have recreated it 0777 & ~umask
-        os.replace(scratch, target)
-        return None
-    except OSError as error:
-        return f"cannot build {target}: {error}"
-    finally:
-        if scratch is not None and os.path.exists(scratch):
-            os.remove(scratch)
+    return library_path(cache_dir, "cpu_decode_attention", SOURCE, FLAGS)
 
 
 class CpuDecodeAttention:
@@ -278,40 +227,6 @@ class CpuDecodeAttention:
 _loaded: dict[Path, CpuDecodeAttention | None] = {}
 
 
-def _open(target: Path) -> tuple[CpuDecodeAttention | None, str | None]:
-    """Load the library at ``target`` (checked by the caller): the kernel, or why not."""
-    try:
-        return CpuDecodeAttention(ctypes.CDLL(str(target))), None
-    except (OSError, AttributeError) as error:
-        return None, f"cannot load {target}: {error}"
-
-
-def _load_cached(target: Path) -> tuple[CpuDecodeAttention | None, str | None]:
-    """From a trusted ``target.parent``: the library there if it passes ``file_problem``, else
-    one built over it (the folder is ours, so replacing a refused file is safe)."""
-    if os.path.lexists(target):
-        problem = file_problem(target)
-        if problem is None:
-            return _open(target)
-        logger.warning("refusing the cached kernel (%s): rebuilding it", problem)
-    reason = _build(target)
-    if reason is None:
-        reason = file_problem(target)
-    return _open(target) if reason is None else (None, reason)
-
-
-def _load_private(target: Path) -> tuple[CpuDecodeAttention | None, str | None]:
-    """Build into a fresh private folder (``tempfile.mkdtemp``: 0700, an unpredictable name),
-    load, and remove the folder (the loaded mapping outlives the file)."""
-    folder = Path(tempfile.mkdtemp(prefix="paged-serve-native-"))
-    try:
-        private = folder / target.name
-        reason = _build(private) or file_problem(private)
-        return _open(private) if reason is None else (None, reason)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def load(cache_dir: Path) -> CpuDecodeAttention | None:
     """The kernel, built into ``cache_dir/native`` at first use (or, where that folder is not
     private to this user, into a temporary one; see ``kernels/cpu/native_cache.py``); None (and a
@@ -319,14 +234,9 @@ def load(cache_dir: Path) -> CpuDecodeAttention | None:
     target = _library_path(cache_dir)
     if target in _loaded:
         return _loaded[target]
-    problem = private_folder(target.parent, cache_dir)
-    if problem is None:
-        kernel, reason = _load_cached(target)
-    else:
-        logger.warning(
-            "not using the kernel cache: %s; building in a private temporary folder", problem
-        )
-        kernel, reason = _load_private(target)
+    kernel, reason = open_kernel(
+        cache_dir, target, source=SOURCE, flags=FLAGS, wrap=CpuDecodeAttention
+    )
     if reason is not None:
         logger.warning("CPU decode attention kernel unavailable (%s): torch's path is used", reason)
     _loaded[target] = kernel
