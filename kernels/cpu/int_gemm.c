@@ -1,0 +1,171 @@
+/* The CPU's product of activations by 4- or 8-bit integer weights, read as codes (no dequantized
+ * copy): y[M, N] = x[M, K] @ W^T (+ bias), w[n, k] = (q[k, n] - zero[g, n]) * scale[g, n],
+ * g = k / group_size. Built and called by kernels/cpu/int_gemm.py, which documents the layout's
+ * repacking and the measurements; this file holds the arithmetic.
+ *
+ * The weight arrives repacked into tiles of LANES = 8 output columns, one fp32 lane per column
+ * (an AVX2 register), each tile's K codes contiguous:
+ *
+ *     tiles  [T][K / pack][LANES] uint32   word (t, r, c): codes k = r*pack .. r*pack+pack-1 of
+ *                                          column n = t*LANES + c, low bits first
+ *     scales [T][G][LANES] fp32            zeros [T][G][LANES] uint8, or NULL: 2^(bits-1)
+ *
+ * so a thread streams its tiles' bytes front to back. Per tile and group g, for each row m:
+ *
+ *     dot[m]  = sum_{k in g} x[m, k] * q[k]        (8 columns at once, fp32)
+ *     y[m]   += scale[g] * (dot[m] - zero[g] * xsum[m, g])
+ *
+ * with xsum[m, g] = sum_{k in g} x[m, k] computed once per call: the zero and scale are applied
+ * once per group, not per code. A group's codes are unpacked once and multiplied by up to
+ * ROWS_IN_REGISTERS rows whose accumulators stay in registers. Vectors are GCC's vector
+ * extensions (gcc and clang): -march=native makes them AVX2 (or AVX-512's lower half, or SSE
+ * pairs) with one source.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { LANES = 8 };             /* output columns per tile */
+enum { ROWS_IN_REGISTERS = 8 }; /* row accumulators a group's unpacked codes feed at once */
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint8_t v8b __attribute__((vector_size(8)));
+
+static inline v8i load_words(const uint32_t *p) {
+    v8i v;
+    memcpy(&v, p, sizeof v); /* an unaligned vector load */
+    return v;
+}
+
+static inline v8f load_floats(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline v8f splat(float f) { return (v8f){f, f, f, f, f, f, f, f}; }
+
+/* The zero points of a tile's group as floats (NULL zeros: the symmetric 2^(bits-1)). */
+static inline v8f load_zeros(const uint8_t *zeros, int64_t at, int bits) {
+    if (zeros == NULL) return splat((float)(1 << (bits - 1)));
+    v8b z;
+    memcpy(&z, zeros + at, sizeof z);
+    return __builtin_convertvector(z, v8f);
+}
+
+/* dot[i] += sum over the group's words of x[i, k] * q[k] for ROWS rows (x rows ``stride``
+ * apart, starting at the group's first input), ``words`` words of BITS-bit codes. */
+static inline __attribute__((always_inline)) void group_dots(
+    const uint32_t *tile_words, int words, const float *x, int64_t stride, int rows, int bits,
+    v8f *dot) {
+    const int pack = 32 / bits;
+    const v8i mask = (v8i){0, 0, 0, 0, 0, 0, 0, 0} + ((1 << bits) - 1);
+    for (int r = 0; r < words; r++) {
+        const v8i w = load_words(tile_words + (int64_t)r * LANES);
+        for (int j = 0; j < pack; j++) {
+            const v8f q = __builtin_convertvector((w >> (bits * j)) & mask, v8f);
+            const int k = r * pack + j;
+            for (int i = 0; i < rows; i++) dot[i] += splat(x[i * stride + k]) * q;
+        }
+    }
+}
+
+/* A tile's outputs ``acc[M][LANES]`` for rows in chunks of up to ROWS_IN_REGISTERS; ROWS and
+ * BITS are constants where this is inlined, so the loops over them unroll. */
+static inline __attribute__((always_inline)) void tile_chunk(
+    const uint32_t *tile_words, const float *tile_scales, const uint8_t *zeros, int64_t zero_at,
+    const float *x, int64_t x_stride, const float *xsum, int num_groups, int group_words,
+    int group_size, int rows, int bits, float *acc) {
+    for (int g = 0; g < num_groups; g++) {
+        v8f dot[ROWS_IN_REGISTERS];
+        for (int i = 0; i < rows; i++) dot[i] = splat(0.0f);
+        group_dots(tile_words + (int64_t)g * group_words * LANES, group_words,
+                   x + (int64_t)g * group_size, x_stride, rows, bits, dot);
+        const v8f scale = load_floats(tile_scales + (int64_t)g * LANES);
+        const v8f zero = load_zeros(zeros, zero_at + (int64_t)g * LANES, bits);
+        for (int i = 0; i < rows; i++) {
+            v8f a = load_floats(acc + i * LANES);
+            a += scale * (dot[i] - zero * splat(xsum[(int64_t)i * num_groups + g]));
+            memcpy(acc + i * LANES, &a, sizeof a);
+        }
+    }
+}
+
+#define CHUNK_CASE(R, B)                                                                        \
+    case R:                                                                                     \
+        tile_chunk(tile_words, tile_scales, zeros, zero_at, x, x_stride, xsum, num_groups,       \
+                   group_words, group_size, R, B, acc);                                         \
+        break;
+
+#define CHUNK_SWITCH(B)                                                                         \
+    switch (rows) {                                                                             \
+        CHUNK_CASE(1, B) CHUNK_CASE(2, B) CHUNK_CASE(3, B) CHUNK_CASE(4, B)                     \
+        CHUNK_CASE(5, B) CHUNK_CASE(6, B) CHUNK_CASE(7, B) CHUNK_CASE(8, B)                     \
+    }
+
+static void tile_rows(const uint32_t *tile_words, const float *tile_scales, const uint8_t *zeros,
+                      int64_t zero_at, const float *x, int64_t x_stride, const float *xsum,
+                      int num_groups, int group_words, int group_size, int rows, int bits,
+                      float *acc) {
+    if (bits == 4) {
+        CHUNK_SWITCH(4)
+    } else {
+        CHUNK_SWITCH(8)
+    }
+}
+
+/* y[m, n] = sum_k x[m, k] * w[n, k] + bias[n] (module comment), fp32.
+ *   x: [M, K] rows x_stride apart; tiles, scales, zeros: the tiled weight (T = ceil(N / LANES));
+ *   bias: [N] or NULL; y: [M, N] rows y_stride apart. Tiles are spread over the threads.
+ * Returns 0, or -1 when a scratch allocation failed (y then incomplete). */
+int int_gemm_f32(const float *x, int64_t x_stride, int M, int K, const uint32_t *tiles,
+                 const float *scales, const uint8_t *zeros, int N, int bits, int group_size,
+                 const float *bias, float *y, int64_t y_stride, int num_threads) {
+    const int pack = 32 / bits;
+    const int num_groups = K / group_size;
+    const int group_words = group_size / pack;
+    const int num_tiles = (N + LANES - 1) / LANES;
+    float *xsum = malloc(sizeof(float) * (size_t)M * (size_t)num_groups);
+    if (xsum == NULL) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t mg = 0; mg < (int64_t)M * num_groups; mg++) {
+            const float *row = x + (mg / num_groups) * x_stride + (mg % num_groups) * group_size;
+            float s = 0.0f;
+            for (int k = 0; k < group_size; k++) s += row[k];
+            xsum[mg] = s;
+        }
+        /* implicit barrier: every xsum is written before any tile reads it */
+        float *acc = malloc(sizeof(float) * LANES * (size_t)M);
+        if (acc == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_tiles; t++) {
+            if (acc == NULL) continue;
+            const int64_t n0 = t * LANES;
+            const int width = N - n0 < LANES ? (int)(N - n0) : LANES;
+            for (int m = 0; m < M; m++)
+                for (int c = 0; c < LANES; c++)
+                    acc[m * LANES + c] = bias != NULL && c < width ? bias[n0 + c] : 0.0f;
+            const uint32_t *tile_words = tiles + t * (int64_t)(K / pack) * LANES;
+            const float *tile_scales = scales + t * (int64_t)num_groups * LANES;
+            const int64_t zero_at = t * (int64_t)num_groups * LANES;
+            for (int m0 = 0; m0 < M; m0 += ROWS_IN_REGISTERS) {
+                const int rows = M - m0 < ROWS_IN_REGISTERS ? M - m0 : ROWS_IN_REGISTERS;
+                tile_rows(tile_words, tile_scales, zeros, zero_at, x + m0 * x_stride, x_stride,
+                          xsum + (int64_t)m0 * num_groups, num_groups, group_words, group_size,
+                          rows, bits, acc + m0 * LANES);
+            }
+            for (int m = 0; m < M; m++)
+                memcpy(y + m * y_stride + n0, acc + m * LANES, sizeof(float) * (size_t)width);
+        }
+        free(acc);
+    }
+    free(xsum);
+    return failed ? -1 : 0;
+}
