@@ -122,7 +122,7 @@ def repack(
     size = k if group_size == -1 else group_size
     if size <= 0 or k % size or size % pack:
         raise ValueError(
-            f"group_size={group_size} does not split K={k} into whole {pack}-code words"
+            f"group_size={group_size} does not split K={k} into groups of whole {pack}-code words"
         )
     if scales.shape != (k // size, n) or (zeros is not None and zeros.shape != scales.shape):
         raise ValueError(
