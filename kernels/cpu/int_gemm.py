@@ -6,24 +6,24 @@ Decoding a few rows is bound by the weight bytes read per step; a 4-bit weight h
 bytes, but torch can only dequantize it (all of it, per call) and multiply. ``int_gemm_f32``
 (``int_gemm.c``) multiplies the codes in place instead, over OpenMP threads, for ``M`` rows::
 
-    for each tile of 8 output columns (one thread's share of the tiles), group g, row m:
-        dot     = x[m, g's inputs] . q[g's inputs, tile]          (fp32, 8 columns at once)
+    for each tile of 16 output columns (one thread's share of the tiles), group g, row m:
+        dot     = x[m, g's inputs] . q[g's inputs, tile]          (fp32, 16 columns at once)
         y[m, tile] += scale[g, tile] * (dot - zero[g, tile] * sum(x[m, g's inputs]))
 
 ``repack`` lays the weight out for it once, at load. ``PackedInt.qweight [K / pack, N]`` holds, in
 word ``(r, n)``, inputs ``r*pack .. r*pack+pack-1`` of column ``n`` (pack = 32 / bits), so a tile
-of 8 columns at word row ``r`` is 32 contiguous bytes but the next row lies ``4N`` bytes on; the
+of 16 columns at word row ``r`` is 64 contiguous bytes but the next row lies ``4N`` bytes on; the
 tiled copy puts each tile's rows one after another, so each thread reads one contiguous stream::
 
-    qweight [K/pack, N]           tiles [T, K/pack, 8]   (T = ceil(N / 8), N padded with code 0)
+    qweight [K/pack, N]          tiles [T, K/pack, 16]   (T = ceil(N / 16), N padded with code 0)
     ┌──────┬──────┬─ ─ ─┐         tile 0: ██ row 0 │ ██ row 1 │ ... │ ██ row K/pack-1
     │ t0 r0│ t1 r0│     │ ──►     tile 1: ██ row 0 │ ██ row 1 │ ...
     │ t0 r1│ t1 r1│     │         ...
-    scales [G, N] ──► [T, G, 8] fp32      zeros [G, N] uint8 ──► [T, G, 8] (None stays None)
+    scales [G, N] ──► [T, G, 16] fp32     zeros [G, N] uint8 ──► [T, G, 16] (None stays None)
 
 The words themselves are unchanged (the codes of a word stay 8 or 4 consecutive inputs of one
 column), and ``unpack_tiles`` gives the ``PackedInt`` tensors back exactly. The padding costs at
-most 7 columns.
+most 15 columns.
 
 Every output is an fp32 sum over K of exact integer codes times fp32 inputs, the zero and scale
 applied once per group, so it equals the float64 product of the dequantized weight up to fp32
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("int_gemm.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-LANES = 8  # output columns per tile (int_gemm.c's LANES)
+LANES = 16  # output columns per tile (int_gemm.c's LANES)
 BITS = (4, 8)
 
 _I64, _I32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p

@@ -66,15 +66,15 @@ def _check(kernel, x, codes, scales, zeros, bits, group_size, bias):
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "zeros"])
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_equals_the_float64_product(kernel, bits, group_size, symmetric, rows):
-    n, k = 44, 256  # 44 outputs: five full tiles and a part
+    n, k = 44, 256  # 44 outputs: two full tiles of 16 and a part
     codes, scales, zeros = _weight(n, k, bits=bits, group_size=group_size, symmetric=symmetric)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(n) if rows == 3 else None
     _check(kernel, x, codes, scales, zeros, bits, group_size, bias)
 
 
-@pytest.mark.parametrize("n", [1, 7, 8, 9, 300])
-@pytest.mark.parametrize("rows", [2, 9, 40])  # 9, 40: past the 8 rows a register chunk holds
+@pytest.mark.parametrize("n", [1, 7, 15, 16, 17, 300])
+@pytest.mark.parametrize("rows", [2, 9, 40])  # 9, 40: past the 4 rows a register chunk holds
 def test_weird_widths_and_row_counts(kernel, n, rows):
     codes, scales, zeros = _weight(n, 192, bits=4, group_size=64, symmetric=False, seed=n)
     x = torch.randn(rows, 192)
