@@ -5,13 +5,14 @@
   codes in place: the model holds 4 or 8 bits a weight (plus group scales and zeros), never a
   full-precision copy, so 8-bit weights take half of bf16's memory and 4-bit a quarter. The
   weight is repacked once at load into the kernel's tiles (the original ``qweight`` is dropped);
-  act-order inputs are gathered by ``perm`` first. Every row count runs the kernel: measured on
-  the 2-core CPU at a 1.5B model's MLP shapes (docs/measurements/cpu-kernels.md, "The 4- and
-  8-bit CPU product"), it stayed 1.4-4x faster than dequantizing the weight to fp32 (in C) and
-  calling ``F.linear`` from 16 to 256 rows, since at many rows both are bound by the FMAs and
-  the dequantize only adds a pass over an fp32 copy. Outputs equal the float64 product of the
-  dequantized weight up to fp32 rounding, in fp32; a bf16 model's inputs are widened and its
-  outputs rounded once.
+  act-order inputs are gathered by ``perm`` first. Every row count runs the kernel, no
+  threshold: measured on the 2-core CPU at a 1.5B model's MLP shapes (docs/measurements/
+  cpu-kernels.md, "The 4- and 8-bit CPU product"), it stayed 1.4-10x faster from 16 to 256 rows
+  than the best dequantizing path (the tiles dequantized to fp32 by a C loop written for the
+  comparison, then ``F.linear``), since at many rows both are bound by the FMAs and dequantizing
+  adds passes over an fp32 copy; torch's own dequantize is 10-100x slower still. Outputs equal
+  the float64 product of the dequantized weight up to fp32 rounding, in fp32; a bf16 model's
+  inputs are widened and its outputs rounded once.
 * Where that kernel cannot be built (no C compiler), 4-bit weights stay packed and a product
   dequantizes them as it multiplies (``QuantizedLinear``'s torch path: exact, slow), and 8-bit
   weights are dequantized at load into the model's dtype (half the product's time of the torch
