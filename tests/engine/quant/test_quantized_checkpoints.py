@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from paged_serve.engine import LLM, SamplingParams
 from paged_serve.engine.model import quantized_loading
 from paged_serve.engine.model.loader import load_model
+from paged_serve.engine.platform.cpu.quantized_linears import IntGemmLinear
 from paged_serve.engine.quant.linear import QuantizedLinear
 from tests.conftest import assert_pool_clean, hf_greedy, random_prompts
 from tests.engine.quant.checkpoints import (
@@ -40,7 +41,8 @@ GREEDY = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
 KV = 2 << 20
 
 Writer = Callable[[PreTrainedModel, Path], QuantizedCheckpoint]
-# case -> (family, writer, what the engine reports, 4-bit projections kept packed on the CPU)
+# case -> (family, writer, what the engine reports, packed integer projections kept packed on the
+# CPU: on the C integer GEMM)
 CASES: dict[str, tuple[str, Writer, str, bool]] = {
     "gptq-w4-g32-asym": (
         "llama",
@@ -58,7 +60,7 @@ CASES: dict[str, tuple[str, Writer, str, bool]] = {
         "qwen2",
         lambda m, f: write_gptq(m, f, bits=8, group_size=-1),
         "gptq (W8A16 channel)",
-        False,
+        True,
     ),
     "gptq_v2-w4-g64-asym": (
         "qwen3",
@@ -167,16 +169,22 @@ def written(tmp_path_factory: pytest.TempPathFactory):
     _CACHE.clear()
 
 
-def _packed_4bit(llm: LLM) -> list[QuantizedLinear]:
+def _quantized(llm: LLM) -> list[QuantizedLinear]:
     return [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+
+
+def _on_the_cpu_int_gemm(llm: LLM) -> list[IntGemmLinear]:
+    return [m for m in llm.engine.runner.model.modules() if isinstance(m, IntGemmLinear)]
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_equals_hf_over_the_dequantized_weights(written, case: str) -> None:
     ckpt, want = written(case)
     llm = LLM(str(ckpt.folder), kv_cache_memory=KV, dtype="float32")
-    # 4-bit projections stay packed on the CPU; 8-bit and FP8 are dequantized at load
-    assert bool(_packed_4bit(llm)) == CASES[case][3]
+    # 4- and 8-bit packed projections stay packed on the CPU, on the C integer GEMM; FP8 and
+    # int8 W8A8 are dequantized at load
+    assert bool(_on_the_cpu_int_gemm(llm)) == CASES[case][3]
+    assert not _quantized(llm)
     for prompt, tokens in zip(PROMPTS, want):
         [result] = llm.generate([prompt], GREEDY)
         assert result.token_ids == tokens
@@ -215,7 +223,7 @@ def test_four_bit_on_the_triton_backend(written) -> None:
     llm = LLM(str(ckpt.folder), kv_cache_memory=KV, dtype="float32", attention_backend="triton",
               max_num_batched_tokens=24)  # fmt: skip
     assert llm.engine.backend_name == "triton"
-    packed = _packed_4bit(llm)
+    packed = _quantized(llm)
     assert packed and all(m.kernel == "triton" for m in packed)
     assert any(m.stored.perm is not None for m in packed)
     prompts, steps = PROMPTS[:2], 4
