@@ -7,10 +7,14 @@ saves it, and writes the same weights stored quantized with the test suite's wri
 (asymmetric), GPTQ 8-bit per channel, compressed-tensors W8A8 int8 and fine-grained FP8 blocks of
 128x128. Then, each in a fresh process (so one load's memory never hides another's):
 
-* ``load``: ``load_model`` of each folder: ``peak_mb`` the process's peak resident memory
-  during the load over its resident memory before it (``ru_maxrss``; the imports excluded),
-  ``kept_mb`` the weights the loaded model holds (``weight_memory``: every parameter and
-  buffer once), ``kept_over_bf16`` that over the same model's weights in bf16;
+* ``load``: ``load_model`` of each folder in ``--load-dtype`` (bf16: what ``--dtype auto``
+  picks on a CPU with native bf16): ``peak_mb`` the process's peak resident memory during the
+  load over its resident memory before it (``VmHWM`` - ``VmRSS``; the imports excluded),
+  ``kept_mb`` the weights the loaded model holds and ``served_mb`` once the CPU platform has
+  prepared it (``weight_memory``: every parameter, buffer and packed copy once; the CPU
+  dequantizes FP8 and int8 W8A8 there), ``layers_*`` the same for the decoder layers alone (the
+  projections: embeddings and LM head are stored unquantized), ``kept_over_bf16`` the whole
+  model's kept bytes over its weights in bf16, ``layers_served_over_bf16`` the layers';
 
 and, in this process, per decode step (median ms over ``--steps`` steps of ``--streams``
 requests decoding together after a ``--context``-token prompt each; engine.step, sampling
@@ -19,8 +23,9 @@ included, speculation off):
 * ``fp32``: the unquantized checkpoint (the CPU default on a CPU without native bf16);
 * ``bf16``: the same in bf16;
 * ``int4_ours``: ``--quantization int4`` (our weight-only Q4_1-style mode, made at load);
-* ``gptq_w4a16``: the GPTQ 4-bit checkpoint as loaded (engine/platform/cpu/
-  quantized_linears.py decides its kernel);
+* ``gptq_w4a16``, ``gptq_w4a16_bf16``: the GPTQ 4-bit checkpoint loaded in fp32 and in bf16
+  (engine/platform/cpu/quantized_linears.py gives its projections the C integer GEMM; the
+  embeddings, norms and LM head in the load dtype);
 
 and each step's weight-read floor: the bytes a decode step must read in that variant (every
 projection in its stored form, the norms and the LM head; not the embedding table, of which a
@@ -34,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import resource
 import statistics
 import tempfile
 import time
@@ -43,8 +47,11 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.model.loader import load_model
+from paged_serve.engine.model.prep import prepare_model
 from paged_serve.engine.observe.weight_memory import weight_memory
+from paged_serve.engine.platform.platform import platform_for
 from perf.cpu.bench_moe import median_ms, paged_decoder
 from tests.engine.quant.checkpoints import write_compressed_tensors, write_fp8_block, write_gptq
 
@@ -83,40 +90,55 @@ def write_formats(model: LlamaForCausalLM, root: Path) -> dict[str, Path]:
     return folders
 
 
-def _rss_mb() -> float:
-    """This process's resident memory now (Linux /proc), MB."""
-    pages = int(Path("/proc/self/statm").read_text().split()[1])
-    return pages * resource.getpagesize() / MB
+def _status_mb(field: str) -> float:
+    """A memory figure of this process from /proc/self/status (``VmRSS``, ``VmHWM``: the peak
+    resident memory of this process image, reset at exec, unlike ``ru_maxrss``), MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024 / MB
+    raise KeyError(field)
 
 
-def _load_in_child(folder: str, queue: multiprocessing.Queue) -> None:
-    before = _rss_mb()
+def _load_in_child(folder: str, dtype: str, queue: multiprocessing.Queue) -> None:
+    before = _status_mb("VmRSS")
     start = time.perf_counter()
-    loaded = load_model(folder, dtype=torch.float32, device=torch.device("cpu"))
+    loaded = load_model(folder, dtype=getattr(torch, dtype), device=torch.device("cpu"))
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3  # kB -> MB
-    kept = weight_memory(loaded.model, torch.float32, loaded.quantization)
+    peak = _status_mb("VmHWM")
+    model = loaded.model
+    kept = weight_memory(model, model.dtype).bytes
+    layers_kept = weight_memory(model.model.layers, model.dtype).bytes
+    platform = platform_for("cpu")
+    prepare_model(model, EngineConfig(device="cpu", dtype=dtype), platform)
+    served = weight_memory(model, model.dtype).bytes
+    layers_served = weight_memory(model.model.layers, model.dtype).bytes
     queue.put(
         {
-            "peak_mb": round(peak - before, 1),
-            "kept_mb": round(kept.bytes / MB, 1),
-            "load_s": round(seconds, 2),
             "quantization": loaded.quantization,
+            "load_s": round(seconds, 2),
+            "peak_mb": round(peak - before, 1),
+            "kept_mb": round(kept / MB, 1),
+            "served_mb": round(served / MB, 1),
+            "layers_kept_mb": round(layers_kept / MB, 1),
+            "layers_served_mb": round(layers_served / MB, 1),
         }
     )
 
 
-def load_figures(folders: dict[str, Path], bf16_mb: float) -> dict[str, dict]:
+def load_figures(
+    folders: dict[str, Path], dtype: str, bf16_mb: float, layers_bf16_mb: float
+) -> dict[str, dict]:
     """Each folder's load in a fresh process (module docstring)."""
     context = multiprocessing.get_context("spawn")
     figures = {}
     for name, folder in folders.items():
         queue = context.Queue()
-        child = context.Process(target=_load_in_child, args=(str(folder), queue))
+        child = context.Process(target=_load_in_child, args=(str(folder), dtype, queue))
         child.start()
         row = queue.get()
         child.join()
         row["kept_over_bf16"] = round(row["kept_mb"] / bf16_mb, 3)
+        row["layers_served_over_bf16"] = round(row["layers_served_mb"] / layers_bf16_mb, 3)
         figures[name] = row
     return figures
 
@@ -167,24 +189,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--skip-load", action="store_true", help="decode steps only")
+    p.add_argument("--load-dtype", default="bfloat16", help="the dtype of the load figures")
     args = p.parse_args(argv)
     model = build_model(args)
     bf16_mb = sum(t.numel() * 2 for t in model.parameters()) / MB
+    layers_bf16_mb = sum(t.numel() * 2 for t in model.model.layers.parameters()) / MB
     out: dict[str, object] = {"args": vars(args), "threads": torch.get_num_threads()}
     with tempfile.TemporaryDirectory() as tmp:
         folders = write_formats(model, Path(tmp))
         if not args.skip_load:
-            out["load"] = load_figures(folders, bf16_mb)
-        gptq = load_model(
-            str(folders["gptq_w4a16_g128"]), dtype=torch.float32, device=torch.device("cpu")
-        ).model
+            out["load"] = load_figures(folders, args.load_dtype, bf16_mb, layers_bf16_mb)
+        gptq = {
+            dtype: load_model(
+                str(folders["gptq_w4a16_g128"]), dtype=dtype, device=torch.device("cpu")
+            ).model
+            for dtype in (torch.float32, torch.bfloat16)
+        }
     # (the model to serve, --quantization, bytes a step reads per projection weight if a mode
     # made at load rather than as stored); .to() converts in place, so each builds its own
     variants = {
         "fp32": (lambda: model.float(), None, None),
         "bf16": (lambda: model.to(torch.bfloat16), None, None),
         "int4_ours": (lambda: model.float(), "int4", 0.5 + 4 / 32),  # codes, bf16 scale+offset/32
-        "gptq_w4a16": (lambda: gptq, None, None),
+        "gptq_w4a16": (lambda: gptq[torch.float32], None, None),
+        "gptq_w4a16_bf16": (lambda: gptq[torch.bfloat16], None, None),
     }
     gb_s = read_gb_s()
     out["read_gb_s"] = round(gb_s, 2)
