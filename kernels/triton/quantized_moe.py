@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 from paged_serve.kernels.interface import ExpertWeights, Fp8Experts, IntExperts
+from paged_serve.kernels.triton.moe_rows import routed_rows, store_routed
 from paged_serve.kernels.triton.quantized_gemm import _load_dequantized_tile
 from paged_serve.kernels.triton.runtime import check_device, interpreting
 
@@ -130,13 +131,7 @@ def _moe_quantized_gemm_kernel(
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
     if expert < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pair_ids_ptr + offs_m).to(tl.int64)
-    valid = pair < num_pairs
-    if A_PER_TOKEN:
-        a_row = pair // top_k
-    else:
-        a_row = pair
+    pair, valid, a_row = routed_rows(pair_ids_ptr, pid_m, num_pairs, top_k, A_PER_TOKEN, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     w_base = w_ptr + expert * stride_we
@@ -174,16 +169,20 @@ def _moe_quantized_gemm_kernel(
             scales_base, k0, offs_n, n_mask, group_k, scale_rows, stride_sg, stride_sn
         )
         acc += tl.dot(a, w, input_precision=DOT_PRECISION) * scale[None, :]
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0)
-        acc += bias.to(tl.float32)[None, :]
-    if MUL_ROUTE:
-        route = tl.load(route_ptr + pair, mask=valid, other=0.0)
-        acc *= route.to(tl.float32)[:, None]
-    tl.store(
-        out_ptr + pair[:, None] * stride_om + offs_n[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=valid[:, None] & n_mask[None, :],
+    store_routed(
+        acc,
+        out_ptr,
+        bias_ptr,
+        route_ptr,
+        expert,
+        pair,
+        valid,
+        offs_n,
+        n_mask,
+        stride_be,
+        stride_om,
+        HAS_BIAS=HAS_BIAS,
+        MUL_ROUTE=MUL_ROUTE,
     )
 
 
