@@ -30,12 +30,11 @@ dequantized weights, as exact as ``F.linear``.
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_serve.engine.quant.held_layout import held_layout, hold_layout, settings_repr
 from paged_serve.engine.quant.linear import join_outputs
 from paged_serve.engine.quant.weights import PackedInt, QuantizedWeight, ScaledFp8, ScaledInt8
 from paged_serve.kernels.interface import ExpertWeights, Fp8Experts, IntExperts
@@ -60,13 +59,7 @@ class StoredExperts(nn.Module):
         super().__init__()
         self.layout = type(weights).__name__
         self._shape = weights.shape
-        self._settings: dict[str, object] = {}
-        for f in fields(weights):
-            value = getattr(weights, f.name)
-            if isinstance(value, torch.Tensor) or (value is None and f.name == "zeros"):
-                self.register_buffer(f.name, value, persistent=False)
-            else:
-                self._settings[f.name] = value
+        self._settings = hold_layout(self, weights, optional=("zeros",))
 
     @property
     def shape(self) -> torch.Size:
@@ -76,14 +69,10 @@ class StoredExperts(nn.Module):
     @property
     def stored(self) -> ExpertWeights:
         """The weights as their layout's dataclass (views of the buffers)."""
-        cls = LAYOUTS[self.layout]
-        values = {f.name: self._settings.get(f.name) for f in fields(cls)}
-        values.update({name: buf for name, buf in self._buffers.items() if name in values})
-        return cls(**values)
+        return held_layout(self, LAYOUTS[self.layout], self._settings)
 
     def extra_repr(self) -> str:
-        settings = ", ".join(f"{k}={v}" for k, v in self._settings.items())
-        return f"{tuple(self._shape)}, {self.layout}({settings})"
+        return f"{tuple(self._shape)}, {self.layout}({settings_repr(self._settings)})"
 
     def linear(
         self, x: torch.Tensor, expert: int, bias: torch.Tensor | None = None

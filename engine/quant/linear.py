@@ -17,12 +17,11 @@ gate/up: ``engine/model/fused_projections.py``) along the outputs where their la
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_serve.engine.quant.held_layout import held_layout, hold_layout, settings_repr
 from paged_serve.engine.quant.weights import PackedInt, QuantizedWeight, ScaledFp8, ScaledInt8
 
 KERNELS = ("torch", "triton")
@@ -36,27 +35,17 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.layout = type(weight).__name__
-        self._settings: dict[str, object] = {}
-        for f in fields(weight):
-            value = getattr(weight, f.name)
-            if isinstance(value, torch.Tensor) or value is None and f.name in ("zeros", "perm"):
-                # not persistent: the checkpoint's tensors of these names are in its own layout
-                self.register_buffer(f.name, value, persistent=False)
-            else:
-                self._settings[f.name] = value
+        self._settings = hold_layout(self, weight, optional=("zeros", "perm"))
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.kernel = "torch"
 
     @property
     def stored(self) -> QuantizedWeight:
         """The weight as its layout's dataclass (views of the buffers)."""
-        cls = LAYOUTS[self.layout]
-        values = {f.name: self._settings.get(f.name) for f in fields(cls)}
-        values.update({name: buf for name, buf in self._buffers.items() if name in values})
-        return cls(**values)
+        return held_layout(self, LAYOUTS[self.layout], self._settings)
 
     def extra_repr(self) -> str:
-        settings = ", ".join(f"{k}={v}" for k, v in self._settings.items())
+        settings = settings_repr(self._settings)
         return f"{self.in_features} -> {self.out_features}, {self.layout}({settings})"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
