@@ -245,17 +245,26 @@ def load_model_shard(
     rank: int,
     world_size: int,
     device: torch.device = CPU,
+    quantization: str | None = None,
 ) -> LoadedModel | None:
     """Rank ``rank``'s tensor-parallel shard of ``model`` read from its safetensors files alone,
-    each tensor put on ``device`` as it is read (engine/model/shard_loading.py); None where
-    only the whole model can be read."""
+    each tensor put on ``device`` as it is read (engine/model/shard_loading.py; a checkpoint
+    stored quantized: engine/model/quantized_loading.py, each projection sliced in its stored
+    layout); None where only the whole model can be read. ``quantization``: as ``load_model``."""
     start = time.perf_counter()
     path, name = resolve_model_path(model)
     _check_local(path)
+    shard = (rank, world_size)
+    quant = _checkpoint_quantization(path, quantization)
+    if quant is not None:
+        hf_model = load_quantized(path, quant, dtype=dtype, device=device, shard=shard)
+        if hf_model is None:
+            return None
+        return _loaded(hf_model.eval(), path, name, start, shard, quantization=quant.describe())
     hf_model = load_shard(path, rank=rank, world_size=world_size, dtype=dtype, device=device)
     if hf_model is None:
         return None
-    return _loaded(hf_model, path, name, start, shard=(rank, world_size))
+    return _loaded(hf_model, path, name, start, shard=shard)
 
 
 def _loaded(

@@ -16,6 +16,11 @@ projections kept in their stored precision, never through a full-precision copy.
                   ─► every other parameter and stored buffer read as engine/model/
                     shard_loading.py reads them
 
+Under tensor parallelism (``shard``) the model is sharded on the meta device first
+(``shard_model``), each projection read whole from its file on the host, one at a time, and
+sliced in its stored layout (``engine/quant/slicing.py``), and every other parameter read as
+its slices (``shard_reader``); a mixture-of-experts model is left to the whole-model path.
+
 A parameter with no stored tensor, or a stored quantized tensor nothing reads (a projection the
 model does not have where the checkpoint has one), is a ValueError naming it.
 """
@@ -40,7 +45,15 @@ from paged_serve.engine.model.shard_loading import (
     empty_model,
     fill_parameters,
     read_buffers,
+    shard_reader,
     stored_as,
+)
+from paged_serve.engine.model.sharding import (
+    SOURCE,
+    RowParallelLinear,
+    ShardSource,
+    check_shardable,
+    shard_model,
 )
 from paged_serve.engine.quant.checkpoint import (
     is_stored_quantized,
@@ -50,6 +63,7 @@ from paged_serve.engine.quant.checkpoint import (
 from paged_serve.engine.quant.experts import ExpertsNotStacked, StoredExperts, stack_experts
 from paged_serve.engine.quant.linear import QuantizedLinear
 from paged_serve.engine.quant.scheme import CheckpointQuantization
+from paged_serve.engine.quant.slicing import input_columns, output_ranges
 from paged_serve.engine.quant.weights import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -79,34 +93,57 @@ class CheckpointTensors:
 
 
 def load_quantized(
-    path: str, quant: CheckpointQuantization, *, dtype: torch.dtype, device: torch.device
-) -> PreTrainedModel:
+    path: str,
+    quant: CheckpointQuantization,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: tuple[int, int] | None = None,
+) -> PreTrainedModel | None:
     """The model in folder ``path``, its projections stored quantized kept so (module
-    docstring), everything else in ``dtype``, all on ``device``."""
+    docstring), everything else in ``dtype``, all on ``device``. With ``shard = (rank, world
+    size)``: that tensor-parallel rank's shard alone, sharded on the meta device as
+    ``shard_model`` shards, each projection read and sliced in its stored layout
+    (``engine/quant/slicing.py``), the rest read as its slices; None for a mixture-of-experts
+    model (its stored experts are sliced once whole: the caller loads it whole)."""
     folder = Path(path)
     files = checkpoint_files(folder)
     config = AutoConfig.from_pretrained(folder)
     del config.quantization_config  # read by engine/quant/, not by transformers
     model = empty_model(folder, dtype, config=config)
+    # where each parameter of the whole model is stored (sharding makes new ones, which name
+    # their whole parameter in their ShardSource)
+    stored = {id(p): (name, stored_as(name, files)) for name, p in model.named_parameters()}
+    if shard is not None:
+        if experts_modules(model):
+            logger.info("tensor parallelism: loading all of %s on each rank (stored experts)", path)
+            return None
+        rank, world_size = shard
+        check_shardable(model, world_size)
+        shard_model(model, rank=rank, world_size=world_size)
     with OneFileAtATime(files) as checkpoint:
         tensors = CheckpointTensors(files, checkpoint)
         kinds = _swap_projections(model, quant, tensors, dtype, device)
         experts = _quantized_experts(model, quant, tensors, dtype, device)
-        # the experts filled above are no longer meta: their stored names are the quantized ones
-        stored = {
-            id(p): (name, stored_as(name, files))
+        # what is still meta (the experts filled above are not: their stored names are the
+        # quantized ones) must be stored
+        missing = [
+            name
             for name, p in model.named_parameters()
-            if p.is_meta
-        }
-        missing = [name for name, where in stored.values() if where is None]
+            if p.is_meta and stored.get(id(_whole_of(p)), (name, None))[1] is None
+        ]
         if missing:
             raise ValueError(f"{path}: no stored tensor for {len(missing)} ({missing[0]}, ...)")
 
-        def read(where, source):
-            del source  # unsharded
-            if isinstance(where, str):
-                return tensors.get(where)
-            return torch.stack([torch.cat([tensors.get(n) for n in parts]) for parts in where])
+        if shard is not None:
+            read = shard_reader(checkpoint)
+        else:
+
+            def read(where, source):
+                del source  # unsharded
+                if isinstance(where, str):
+                    return tensors.get(where)
+                return torch.stack([torch.cat([tensors.get(n) for n in parts]) for parts in where])
 
         fill_parameters(model, stored, read, dtype, device)
         read_buffers(model, files, read, device)
@@ -141,13 +178,22 @@ def _swap_projections(
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear:
             continue
-        prefix = _stored_prefix(name, tensors, quant)
-        weight = read_projection(quant, tensors, prefix, name)
-        if weight is None:
-            continue
-        bias = tensors.get(f"{prefix}.bias").to(device, dtype) if module.bias is not None else None
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
+        # a row-parallel projection's local product is its ``proj``, stored under its own name
+        stored_name = parent_name if isinstance(parent, RowParallelLinear) else name
+        prefix = _stored_prefix(stored_name, tensors, quant)
+        weight = read_projection(quant, tensors, prefix, stored_name)
+        if weight is None:
+            continue
+        weight = _this_ranks(weight, getattr(module.weight, SOURCE, None))
+        bias = None
+        if module.bias is not None:
+            bias = tensors.get(f"{prefix}.bias")
+            source = getattr(module.bias, SOURCE, None)
+            if source is not None and source.ranges:
+                bias = torch.cat([bias[a:b] for a, b in source.ranges])
+            bias = bias.to(device, dtype)
         if module is head:
             head.weight = nn.Parameter(weight.dequantize().to(device, dtype), requires_grad=False)
             if bias is not None:
@@ -163,6 +209,22 @@ def _swap_projections(
         setattr(parent, attr, QuantizedLinear(on_device, bias))
         kinds[on_device.__class__.__name__] += 1
     return kinds
+
+
+def _this_ranks(weight: QuantizedWeight, source: ShardSource | None) -> QuantizedWeight:
+    """``weight`` sliced as ``source`` (a meta shard's) says: output rows, or input columns."""
+    if source is None or not source.ranges:
+        return weight
+    if source.dim == 0:
+        return output_ranges(weight, source.ranges)
+    ((a, b),) = source.ranges
+    return input_columns(weight, a, b)
+
+
+def _whole_of(param: torch.Tensor) -> torch.Tensor:
+    """The whole model's parameter a meta shard was cut from (itself when not sharded)."""
+    source = getattr(param, SOURCE, None)
+    return param if source is None else source.full
 
 
 def _fields(weight) -> dict:

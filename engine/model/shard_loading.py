@@ -27,6 +27,8 @@ of 32 along the input dim, low nibble first, each group sharing a power-of-two s
 input dim, dequantised into the load dtype and transposed to the model's ``[E, in, out]``: the
 values transformers' own dequantisation gives, for the rank's slice only.
 
+Checkpoints stored quantized (GPTQ, AWQ, compressed-tensors, FP8) are read per rank by
+engine/model/quantized_loading.py with ``shard_reader`` for their unquantized tensors.
 Whole-model loading (``from_pretrained``) remains for what this cannot read: checkpoints stored
 under other names still, other quantized checkpoints, and hub ids (not on disk); GGUF files are
 read through their safetensors conversion. ``load_shard`` returns None for those,
@@ -190,21 +192,28 @@ def load_shard(
     check_shardable(model, world_size)
     shard_model(model, rank=rank, world_size=world_size)
     with OneFileAtATime(files) as checkpoint:
-
-        def read(where: Stored, source: ShardSource | None) -> torch.Tensor:
-            ranges = () if source is None else source.ranges
-            if isinstance(where, Mxfp4Stored):
-                return _mxfp4_slices(checkpoint, where, source)
-            if isinstance(where, str):
-                return _slices([checkpoint.slice(where)], source.dim if ranges else 0, ranges)
-            # per expert: its parts are 2-D, the fused tensor's dim d is their dim d - 1
-            dim = source.dim - 1 if ranges else 0
-            parts = [[checkpoint.slice(name) for name in expert] for expert in where]
-            return torch.stack([_slices(expert, dim, ranges) for expert in parts])
-
+        read = shard_reader(checkpoint)
         fill_parameters(model, stored, read, dtype, device)
         read_buffers(model, files, read, device)
     return model
+
+
+def shard_reader(checkpoint: OneFileAtATime):
+    """``read(where, source)``: the stored tensor ``where`` (a name, per-expert parts or MXFP4
+    blocks), only the ranges of ``source`` along its dim (all of it without a source)."""
+
+    def read(where: Stored, source: ShardSource | None) -> torch.Tensor:
+        ranges = () if source is None else source.ranges
+        if isinstance(where, Mxfp4Stored):
+            return _mxfp4_slices(checkpoint, where, source)
+        if isinstance(where, str):
+            return _slices([checkpoint.slice(where)], source.dim if ranges else 0, ranges)
+        # per expert: its parts are 2-D, the fused tensor's dim d is their dim d - 1
+        dim = source.dim - 1 if ranges else 0
+        parts = [[checkpoint.slice(name) for name in expert] for expert in where]
+        return torch.stack([_slices(expert, dim, ranges) for expert in parts])
+
+    return read
 
 
 class OneFileAtATime:

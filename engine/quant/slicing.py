@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from paged_serve.engine.quant.linear import QuantizedLinear, concat
+from paged_serve.engine.quant.linear import QuantizedLinear, join_outputs
 from paged_serve.engine.quant.weights import PackedInt, QuantizedWeight, ScaledFp8, ScaledInt8
 
 
@@ -101,20 +101,23 @@ def input_columns(weight: QuantizedWeight, a: int, b: int) -> QuantizedWeight:
     return ScaledFp8(_own(weight.weight[:, a:b]), scale, weight.block)
 
 
-def rows_of(module: QuantizedLinear, ranges: tuple[tuple[int, int], ...]) -> QuantizedLinear:
-    """Column-parallel: ``module``'s output rows ``ranges``, concatenated, as one projection."""
-    parts = []
-    for a, b in ranges:
-        bias = None if module.bias is None else module.bias.detach()[a:b].clone()
-        part = QuantizedLinear(output_rows(module.stored, a, b), bias)
-        part.kernel = module.kernel
-        parts.append(part)
-    if len(parts) == 1:
-        return parts[0]
-    joined = concat(parts)
+def output_ranges(weight: QuantizedWeight, ranges: tuple[tuple[int, int], ...]) -> QuantizedWeight:
+    """Outputs ``ranges`` of ``weight``, concatenated (a DeltaNet's q, k, v blocks)."""
+    parts = [output_rows(weight, a, b) for a, b in ranges]
+    joined = parts[0] if len(parts) == 1 else join_outputs(parts)
     if joined is None:
         raise ValueError("tensor parallelism: these quantized output ranges cannot be joined")
     return joined
+
+
+def rows_of(module: QuantizedLinear, ranges: tuple[tuple[int, int], ...]) -> QuantizedLinear:
+    """Column-parallel: ``module``'s output rows ``ranges``, concatenated, as one projection."""
+    bias = None
+    if module.bias is not None:
+        bias = torch.cat([module.bias.detach()[a:b] for a, b in ranges]).clone()
+    part = QuantizedLinear(output_ranges(module.stored, ranges), bias)
+    part.kernel = module.kernel
+    return part
 
 
 def columns_of(module: QuantizedLinear, a: int, b: int) -> QuantizedLinear:

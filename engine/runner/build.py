@@ -40,7 +40,12 @@ def load_for(config: EngineConfig, platform: Platform, rank: int = 0) -> LoadedM
     world = config.tensor_parallel_size
     if world > 1:
         shard = load_model_shard(
-            config.model, dtype=choice.dtype, rank=rank, world_size=world, device=platform.device
+            config.model,
+            dtype=choice.dtype,
+            rank=rank,
+            world_size=world,
+            device=platform.device,
+            quantization=config.quantization,
         )
         if shard is not None:
             return shard

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from paged_serve.engine import LLM, SamplingParams
-from paged_serve.engine.model.sharding import RowParallelLinear
+from paged_serve.engine.model.loader import load_model, load_model_shard
+from paged_serve.engine.model.sharding import RowParallelLinear, shard_model
 from paged_serve.engine.quant.linear import QuantizedLinear
 from paged_serve.engine.quant.slicing import input_columns, output_rows
 from paged_serve.engine.quant.weights import PackedInt, ScaledFp8, ScaledInt8
@@ -144,8 +145,35 @@ def test_tp2_on_a_checkpoint_folder_equals_tp1(kind: str, tmp_path) -> None:
                   dtype="float32", cpu_decode_kernel=False)  # fmt: skip
         try:
             assert llm.engine.loaded.quantization is not None
+            # TP=2: each rank read its own slices of the stored tensors
+            assert llm.engine.loaded.shard == (None if size == 1 else (0, 2))
             runs.append([o.token_ids for o in llm.generate(prompts, GREEDY)])
             assert_pool_clean(llm.engine.block_manager)
         finally:
             llm.shutdown()
     assert runs[0] == runs[1] == want
+
+
+def test_a_ranks_shard_holds_the_slices_of_the_whole_checkpoint(tmp_path) -> None:
+    """Read rank by rank (each projection sliced in its stored layout), the shards hold exactly
+    the slices the whole model's projections are cut into (``shard_model``)."""
+    ckpt = write_gptq(tiny_model("llama"), tmp_path / "gptq", bits=4, group_size=32, sym=False)
+    whole = load_model(str(ckpt.folder), dtype=torch.float32, device=torch.device("cpu")).model
+    for rank in (0, 1):
+        cut = copy.deepcopy(whole)
+        shard_model(cut, rank=rank, world_size=2)
+        read = load_model_shard(
+            str(ckpt.folder), dtype=torch.float32, rank=rank, world_size=2
+        ).model
+        attn, want = read.model.layers[1].self_attn, cut.model.layers[1].self_attn
+        assert attn.q_proj.out_features == 128 and attn.o_proj.in_features == 128
+        mlp, want_mlp = read.model.layers[0].mlp, cut.model.layers[0].mlp
+        pairs = [(getattr(attn, n), getattr(want, n)) for n in ("q_proj", "k_proj", "v_proj")]
+        pairs += [
+            (attn.o_proj.proj, want.o_proj.proj),
+            (mlp.down_proj.proj, want_mlp.down_proj.proj),
+        ]
+        for got, cut_from_whole in pairs:
+            assert torch.equal(got.stored.dequantize(), cut_from_whole.stored.dequantize())
+        for p, q in zip(read.parameters(), cut.parameters()):
+            assert torch.equal(p, q)
