@@ -26,7 +26,6 @@ the already-sharded ones), so rank-local modules are ordinary ``nn.Linear``s to 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -38,11 +37,9 @@ from paged_serve.engine.model.latent_attention import is_latent_attention
 from paged_serve.engine.model.linear_attention import is_gated_delta_net
 from paged_serve.engine.platform.cpu.linears import restore_plain_linears
 from paged_serve.engine.platform.cpu.packed_experts import restore_plain_experts
-from paged_serve.engine.quant.experts import dequantize_stored_experts
+from paged_serve.engine.quant.experts import StoredExperts
 from paged_serve.engine.quant.linear import QuantizedLinear
-from paged_serve.engine.quant.slicing import columns_of, rows_of
-
-logger = logging.getLogger(__name__)
+from paged_serve.engine.quant.slicing import columns_of, expert_inputs, expert_outputs, rows_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +102,6 @@ def plain_projections(model: nn.Module) -> None:
     ``nn.Linear`` ones, in place: what sharding (and ``check_shardable``) reads."""
     restore_plain_linears(model)
     restore_plain_experts(model)
-    if dequantize_stored_experts(model):
-        logger.info("tensor parallelism: experts stored quantized are dequantized to be sliced")
     unfuse_projections(model)
 
 
@@ -238,18 +233,21 @@ def _shard_experts(experts: nn.Module, rank: int, world_size: int, group: object
         keep_ranges = ((2 * lo, 2 * hi),)
     keep = torch.cat([torch.arange(a, b) for a, b in keep_ranges])
     mine = slice(lo, hi)
-    full_gate_up, full_down = experts.gate_up_proj, experts.down_proj
-    gate_up, down = full_gate_up.data, full_down.data
-    if experts.is_transposed:  # [E, in, out]
-        gate_up, down = gate_up[:, :, keep], down[:, mine, :]
-        gate_up_dim, down_dim = 2, 1
-    else:  # [E, out, in]
-        gate_up, down = gate_up[:, keep, :], down[:, :, mine]
-        gate_up_dim, down_dim = 1, 2
-    experts.gate_up_proj = nn.Parameter(gate_up.contiguous(), requires_grad=False)
-    experts.down_proj = nn.Parameter(down.contiguous(), requires_grad=False)
-    _note(experts.gate_up_proj, ShardSource(full_gate_up, gate_up_dim, keep_ranges))
-    _note(experts.down_proj, ShardSource(full_down, down_dim, ((mine.start, mine.stop),)))
+    if isinstance(experts.down_proj, StoredExperts):  # a checkpoint's, kept quantized
+        _shard_stored_experts(experts, keep_ranges, lo, hi)
+    else:
+        full_gate_up, full_down = experts.gate_up_proj, experts.down_proj
+        gate_up, down = full_gate_up.data, full_down.data
+        if experts.is_transposed:  # [E, in, out]
+            gate_up, down = gate_up[:, :, keep], down[:, mine, :]
+            gate_up_dim, down_dim = 2, 1
+        else:  # [E, out, in]
+            gate_up, down = gate_up[:, keep, :], down[:, :, mine]
+            gate_up_dim, down_dim = 1, 2
+        experts.gate_up_proj = nn.Parameter(gate_up.contiguous(), requires_grad=False)
+        experts.down_proj = nn.Parameter(down.contiguous(), requires_grad=False)
+        _note(experts.gate_up_proj, ShardSource(full_gate_up, gate_up_dim, keep_ranges))
+        _note(experts.down_proj, ShardSource(full_down, down_dim, ((mine.start, mine.stop),)))
     if experts.has_bias:
         full_bias = experts.gate_up_proj_bias
         bias = full_bias.data[:, keep].contiguous()
@@ -263,6 +261,15 @@ def _shard_experts(experts: nn.Module, rank: int, world_size: int, group: object
     experts.intermediate_dim = experts.intermediate_size = part
     experts.tp_group = group
     experts.tp_reduce = True
+
+
+def _shard_stored_experts(
+    experts: nn.Module, keep_ranges: tuple[tuple[int, int], ...], lo: int, hi: int
+) -> None:
+    """The same slices of experts held in a checkpoint's quantized layout (``StoredExperts``,
+    ``[E, out, in]``), cut in their stored codes and scales (``engine/quant/slicing.py``)."""
+    experts.gate_up_proj = StoredExperts(expert_outputs(experts.gate_up_proj.stored, keep_ranges))
+    experts.down_proj = StoredExperts(expert_inputs(experts.down_proj.stored, lo, hi))
 
 
 class RowParallelLinear(nn.Module):

@@ -187,20 +187,3 @@ def _describe(weight: QuantizedWeight) -> str:
     if isinstance(weight, ScaledFp8):
         return f"FP8 block {weight.block} {tuple(weight.shape)}"
     return f"int8 {tuple(weight.shape)}"
-
-
-@torch.no_grad()
-def dequantize_stored_experts(model: nn.Module) -> int:
-    """Each experts module's ``StoredExperts`` back to an ``[E, out, in]`` Parameter of its
-    dequantized weights in the model's dtype, in place (tensor parallelism slices plain experts:
-    slices of stored ones are not served yet); returns how many modules."""
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    count = 0
-    for module in model.modules():
-        names = [n for n, child in module.named_children() if isinstance(child, StoredExperts)]
-        for name in names:
-            weights = dequantize_experts_ref(getattr(module, name).stored).to(dtype)
-            delattr(module, name)
-            setattr(module, name, nn.Parameter(weights, requires_grad=False))
-        count += bool(names)
-    return count

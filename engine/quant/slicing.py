@@ -12,6 +12,9 @@ What each layout keeps for outputs ``[a, b)`` and inputs ``[a, b)`` (``N`` outpu
                   bn, or b = N); channel scales a:b      channel and tensor scales whole
     ScaledInt8    weight rows, scales a:b                weight columns, scales whole
 
+A mixture-of-experts projection (``IntExperts``, ``Fp8Experts``) is sliced expert by expert the
+same way (``expert_outputs``, ``expert_inputs``).
+
 A slice whose edge would cut a group, a packed word or a scale block is a ValueError naming the
 layout and the numbers, as is a row-parallel slice of an act-order (``perm``) weight: its rows
 are sorted by group, so one rank's inputs are scattered over every group. Every slice holds the
@@ -24,6 +27,7 @@ import torch
 
 from paged_serve.engine.quant.linear import QuantizedLinear, join_outputs
 from paged_serve.engine.quant.weights import PackedInt, QuantizedWeight, ScaledFp8, ScaledInt8
+from paged_serve.kernels.interface import ExpertWeights, Fp8Experts, IntExperts
 
 
 def _own(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -126,3 +130,51 @@ def columns_of(module: QuantizedLinear, a: int, b: int) -> QuantizedLinear:
     part = QuantizedLinear(input_columns(module.stored, a, b), None)
     part.kernel = module.kernel
     return part
+
+
+def _per_expert(weights: ExpertWeights) -> list[QuantizedWeight]:
+    """Each expert's weight as the 2-D layout it was stacked from."""
+    if isinstance(weights, IntExperts):
+        zeros = weights.zeros
+        return [
+            PackedInt(
+                weights.qweight[e],
+                weights.scales[e],
+                None if zeros is None else zeros[e],
+                None,
+                weights.bits,
+                weights.group_size,
+            )
+            for e in range(weights.qweight.shape[0])
+        ]
+    return [
+        ScaledFp8(weights.weight[e], weights.scale[e], weights.block)
+        for e in range(weights.weight.shape[0])
+    ]
+
+
+def _restacked(parts: list[QuantizedWeight]) -> ExpertWeights:
+    first = parts[0]
+    if isinstance(first, PackedInt):
+        zeros = None if first.zeros is None else torch.stack([p.zeros for p in parts])
+        return IntExperts(
+            qweight=torch.stack([p.qweight for p in parts]),
+            scales=torch.stack([p.scales for p in parts]),
+            zeros=zeros,
+            bits=first.bits,
+            group_size=first.group_size,
+        )
+    return Fp8Experts(
+        torch.stack([p.weight for p in parts]), torch.stack([p.scale for p in parts]), first.block
+    )
+
+
+def expert_outputs(weights: ExpertWeights, ranges: tuple[tuple[int, int], ...]) -> ExpertWeights:
+    """Every expert's outputs ``ranges`` (``[E, out, in]`` layouts), concatenated: a rank's gate
+    and up rows of the joined ``gate_up``."""
+    return _restacked([output_ranges(w, ranges) for w in _per_expert(weights)])
+
+
+def expert_inputs(weights: ExpertWeights, a: int, b: int) -> ExpertWeights:
+    """Every expert's inputs ``[a, b)``: a rank's columns of ``down``."""
+    return _restacked([input_columns(w, a, b) for w in _per_expert(weights)])

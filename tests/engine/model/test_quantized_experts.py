@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from paged_serve.engine import LLM, SamplingParams
 from paged_serve.engine.model.experts_swap import experts_modules
 from paged_serve.engine.model.loader import load_model
-from paged_serve.engine.model.sharding import plain_projections
+from paged_serve.engine.model.sharding import shard_model
 from paged_serve.engine.quant.experts import ExpertsNotStacked, StoredExperts, stack_experts
 from paged_serve.engine.quant.weights import PackedInt, ScaledFp8, ScaledInt8
 from paged_serve.kernels.interface import Fp8Experts, IntExperts
@@ -274,14 +274,29 @@ def test_stacked_experts_stand_for_their_parts_joined() -> None:
     assert stack_experts(cases[4]).block == (32, 64)  # a part alone keeps its blocks
 
 
-def test_tensor_parallelism_slices_the_dequantized_experts(tmp_path) -> None:
-    """Sharding reads plain experts: ``plain_projections`` turns stored ones back into the
-    Parameters of their dequantized weights (those HF's reference holds)."""
-    reference = quantized_checkpoint(tmp_path, "int4-asym-g64")
+@pytest.mark.parametrize("scheme", ["int4-sym-g32", "int8-sym-channel", "fp8-channel"])
+def test_tensor_parallelism_slices_the_stored_experts(tmp_path, scheme: str) -> None:
+    """Sharding cuts stored experts in their stored layout: each rank's gate/up rows and down
+    columns dequantize to the same slices of the reference's (HF's dequantized) experts."""
+    reference = quantized_checkpoint(tmp_path, scheme)
     model = load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu")).model
-    assert all(isinstance(e.down_proj, StoredExperts) for e in experts_modules(model))
-    plain_projections(model)
-    for got, want in zip(experts_modules(model), experts_modules(reference), strict=True):
-        for name in ("gate_up_proj", "down_proj"):
-            assert isinstance(getattr(got, name), torch.nn.Parameter)
-            assert torch.equal(getattr(got, name), getattr(want, name))
+    for rank in (0, 1):
+        shard = copy.deepcopy(model)
+        shard_model(shard, rank=rank, world_size=2)
+        for got, want in zip(experts_modules(shard), experts_modules(reference), strict=True):
+            assert isinstance(got.gate_up_proj, StoredExperts)
+            part = want.down_proj.shape[2] // 2  # [E, H, I]
+            lo, hi = rank * part, (rank + 1) * part
+            gate_up = want.gate_up_proj  # [E, 2I, H]: gate rows, then up rows
+            rows = torch.cat([gate_up[:, lo:hi], gate_up[:, 2 * part + lo : 2 * part + hi]], 1)
+            assert torch.equal(dequantize_experts_ref(got.gate_up_proj.stored), rows)
+            down = dequantize_experts_ref(got.down_proj.stored)
+            assert torch.equal(down, want.down_proj[:, :, lo:hi])
+
+
+def test_a_slice_that_would_cut_an_experts_group_is_refused(tmp_path) -> None:
+    """Groups of 64 inputs over a 64-wide expert: half of it per rank would cut a group."""
+    quantized_checkpoint(tmp_path, "int4-asym-g64")
+    model = load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu")).model
+    with pytest.raises(ValueError, match="group of 64 inputs: input edge 32"):
+        shard_model(model, rank=0, world_size=2)

@@ -15,13 +15,16 @@ import torch
 from torch import nn
 
 from paged_serve.engine import LLM, SamplingParams
+from paged_serve.engine.model.experts_swap import experts_modules
 from paged_serve.engine.model.loader import load_model, load_model_shard
 from paged_serve.engine.model.sharding import RowParallelLinear, shard_model
+from paged_serve.engine.quant.experts import StoredExperts
 from paged_serve.engine.quant.linear import QuantizedLinear
 from paged_serve.engine.quant.slicing import input_columns, output_rows
 from paged_serve.engine.quant.weights import PackedInt, ScaledFp8, ScaledInt8
 from paged_serve.kernels.reference import pack_int_ref
 from tests.conftest import assert_pool_clean, hf_greedy, loaded, random_prompts, tiny_model
+from tests.engine.quant.checkpoints import tiny_model as quant_tiny_model
 from tests.engine.quant.checkpoints import write_fp8_block, write_gptq
 
 MAX_TOKENS = 12
@@ -128,14 +131,16 @@ def test_slices_that_cut_a_group_a_block_or_an_act_order_weight_are_refused() ->
     assert output_rows(sorted_rows, 0, 32).perm is sorted_rows.perm
 
 
-@pytest.mark.parametrize("kind", ["gptq-w4-g32-asym", "fp8-block-32"])
+@pytest.mark.parametrize("kind", ["gptq-w4-g32-asym", "fp8-block-32", "gptq-moe-w4-g32"])
 def test_tp2_on_a_checkpoint_folder_equals_tp1(kind: str, tmp_path) -> None:
-    """The checkpoint as stored on disk: TP=2 (whole on the host, each rank slicing the stored
-    codes and scales) gives TP=1's tokens and HF's over the dequantized weights."""
-    model = tiny_model("llama")
+    """The checkpoint as stored on disk: TP=2 (each rank reading its slices of the stored codes
+    and scales; the MoE one whole, its stored experts then cut) gives TP=1's tokens and HF's
+    over the dequantized weights."""
     if kind.startswith("gptq"):
-        ckpt = write_gptq(model, tmp_path / kind, bits=4, group_size=32, sym=False)
+        model = quant_tiny_model("qwen3_moe" if "moe" in kind else "llama")
+        ckpt = write_gptq(model, tmp_path / kind, bits=4, group_size=32, sym="moe" in kind)
     else:
+        model = tiny_model("llama")
         ckpt = write_fp8_block(model, tmp_path / kind, block=(32, 32))
     prompts = random_prompts([5, 40], seed=5)
     want = [hf_greedy(ckpt.reference, p, MAX_TOKENS) for p in prompts]
@@ -145,8 +150,12 @@ def test_tp2_on_a_checkpoint_folder_equals_tp1(kind: str, tmp_path) -> None:
                   dtype="float32", cpu_decode_kernel=False)  # fmt: skip
         try:
             assert llm.engine.loaded.quantization is not None
-            # TP=2: each rank read its own slices of the stored tensors
-            assert llm.engine.loaded.shard == (None if size == 1 else (0, 2))
+            # TP=2: each rank read its own slices of the stored tensors (MoE: loaded whole)
+            per_rank = size == 2 and "moe" not in kind
+            assert llm.engine.loaded.shard == ((0, 2) if per_rank else None)
+            for experts in experts_modules(llm.engine.runner.model):  # cut in their stored layout
+                assert isinstance(experts.down_proj, StoredExperts)
+                assert experts.down_proj.shape[2] == model.config.moe_intermediate_size // size
             runs.append([o.token_ids for o in llm.generate(prompts, GREEDY)])
             assert_pool_clean(llm.engine.block_manager)
         finally:
