@@ -28,8 +28,9 @@ PAGED_SERVE_INTERPRETER_ORDER=tree .venv/bin/python -m pytest -q -p no:cacheprov
   --ignore tests/kernels/test_interface.py --ignore tests/kernels/test_sampling_distribution.py
 # The test suite runs last, so its summary is the run's closing line. Two pytest-xdist workers
 # (one per core of the CI box; each file's tests stay on one worker, so module fixtures such as
-# a subprocess server start once): 707 s so on the 2-core AVX2 AMD box, in a fresh-clone
-# .ci/run at 8c757c4 of 17.6 minutes in all (wheel-check.sh 139 s, the tree-order stage 61 s);
+# a subprocess server start once): 374 s so on a 2-core AMD EPYC box with AVX-512, in a
+# fresh-clone .ci/run at 77c06c9 of 9.7 minutes in all (wheel-check.sh 69 s, the tree-order
+# stage 28 s); 707 s on the 2-core AVX2-only AMD box at 8c757c4 (17.6 minutes in all);
 # three workers took as long as two (1305 s against 1312 s at 2c5cbd5: the cores were 98 % busy).
 # The 30 slowest tests are listed before the summary, to see what the run's time goes to.
 .venv/bin/python -m pytest -q -p no:cacheprovider -n "${PAGED_SERVE_TEST_WORKERS:-2}" \
