@@ -32,7 +32,7 @@ from paged_serve.kernels.interface import ExpertWeights, Fp8Experts, IntExperts
 
 def _own(t: torch.Tensor | None) -> torch.Tensor | None:
     """A slice in memory of its own, so the whole tensor can be freed."""
-    return None if t is None else t.contiguous().clone()
+    return None if t is None else t.clone(memory_format=torch.contiguous_format)
 
 
 def _check_edges(what: str, edges: tuple[int, ...], multiple: int, end: int) -> None:
