@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # perf/serving/systems.py -> the checkout
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 LLAMA_CPP_SYSTEMS = ("llama-cpp-f32", "llama-cpp-q4_1")
 

@@ -198,7 +198,7 @@ def copy_heavy(
     chat template: "rewrite this function with one parameter renamed" (a function of this
     repository) and "quote this paragraph, then give it a title" (a paragraph of docs/),
     alternately; a closed loop of ``streams`` streams, 4 requests each (at least 4)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # perf/serving/workloads.py -> the checkout
     rng = random.Random(seed)
     functions, paragraphs = _functions(root), _paragraphs(root)
     n = num_requests if num_requests is not None else max(4, 4 * streams)

@@ -41,12 +41,13 @@ from perf.serving.metrics import (
     tpot,
     ttft,
 )
-from perf.serving.systems import parse_system
+from perf.serving.systems import REPO_ROOT, parse_system
 from perf.serving.workloads import (
     SYSTEM_PROMPT,
     WORKLOADS,
     ServingWorkload,
     arrival_offsets,
+    copy_heavy,
     decode_heavy,
 )
 
@@ -77,6 +78,15 @@ def test_workloads_are_deterministic_and_shaped(
         assert not any(t in special for p in w.prompts for t in p)
     assert len(set(map(tuple, w.prompts))) == n
     assert WORKLOADS[name](default_tokenizer, 5, 0).num_requests == 5
+
+
+def test_servers_run_from_the_checkout_and_copy_prompts_read_it(default_tokenizer):
+    """The servers' working folder and PYTHONPATH are the checkout (perf/ there would shadow
+    Hugging Face's ``kernels`` with perf/kernels/), and the copy-heavy mix finds the checkout's
+    functions and docs paragraphs to copy."""
+    assert (REPO_ROOT / "pyproject.toml").is_file()
+    w = copy_heavy(default_tokenizer, 1)
+    assert w.num_requests == 4 and all(len(p) > 100 for p in w.prompts)
 
 
 def test_decode_heavy_is_bench_e2e_generator(default_tokenizer):
