@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -41,6 +42,7 @@ from paged_serve.engine.model.shard_loading import (
     EXPERT_PARTS,
     MODULE_RENAMES,
     OneFileAtATime,
+    block_names,
     checkpoint_files,
     empty_model,
     fill_parameters,
@@ -200,12 +202,7 @@ def _swap_projections(
                 head.bias = nn.Parameter(bias, requires_grad=False)
             kinds["LM head dequantized"] += 1
             continue
-        on_device = type(weight)(
-            **{
-                f: (v.to(device) if isinstance(v, torch.Tensor) else v)
-                for f, v in _fields(weight).items()
-            }
-        )
+        on_device = _on(weight, device)
         setattr(parent, attr, QuantizedLinear(on_device, bias))
         kinds[on_device.__class__.__name__] += 1
     return kinds
@@ -227,8 +224,9 @@ def _whole_of(param: torch.Tensor) -> torch.Tensor:
     return param if source is None else source.full
 
 
-def _fields(weight) -> dict:
-    return {name: getattr(weight, name) for name in weight.__dataclass_fields__}
+def _on(layout, device: torch.device):
+    """The layout dataclass ``layout`` with its tensors on ``device``."""
+    return replace(layout, **{f.name: _to(getattr(layout, f.name), device) for f in fields(layout)})
 
 
 def _quantized_experts(
@@ -273,7 +271,7 @@ def _quantized_experts(
                 kinds[f"dequantized to {dtype}"] += 1
             continue
         for fused, experts in stacked.items():
-            on_device = type(experts)(**{f: _to(v, device) for f, v in _fields(experts).items()})
+            on_device = _on(experts, device)
             delattr(module, fused)
             setattr(module, fused, StoredExperts(on_device))
             kinds[f"kept as {type(experts).__name__}"] += 1
@@ -310,12 +308,7 @@ def _quantized_expert_parts(
 ) -> list[list[str]] | None:
     """Per expert, the stored prefixes of its parts (``experts.{e}.gate_proj``, ...), when the
     checkpoint stores every one of them quantized; None otherwise."""
-    blocks = [block] + [
-        (block + ".").replace(ours, theirs, 1)[:-1]
-        for ours, theirs in MODULE_RENAMES
-        if ours in block + "."
-    ]
-    for prefix in blocks:
+    for prefix in block_names(block):
         for parts in layouts:
             names = [[f"{prefix}.experts.{e}.{p}" for p in parts] for e in range(num_experts)]
             if all(is_stored_quantized(quant, tensors, n) for expert in names for n in expert):

@@ -120,6 +120,16 @@ def checkpoint_files(folder: Path) -> dict[str, Path]:
     return names
 
 
+def block_names(block: str) -> list[str]:
+    """A block's module name and the names checkpoints may store it under (``MODULE_RENAMES``:
+    Mixtral's ``block_sparse_moe`` for ``mlp``)."""
+    return [block] + [
+        (block + ".").replace(ours, theirs, 1)[:-1]
+        for ours, theirs in MODULE_RENAMES
+        if ours in block + "."
+    ]
+
+
 def stored_as(name: str, files: Mapping[str, object]) -> Stored | None:
     """Where the checkpoint holds model tensor ``name`` (module docstring), or None."""
     if name in files:
@@ -133,13 +143,7 @@ def stored_as(name: str, files: Mapping[str, object]) -> Stored | None:
         return None
     if f"{name}_blocks" in files and f"{name}_scales" in files:
         return Mxfp4Stored(f"{name}_blocks", f"{name}_scales")
-    block = match["block"]
-    blocks = [block] + [
-        (block + ".").replace(ours, theirs, 1)[:-1]
-        for ours, theirs in MODULE_RENAMES
-        if ours in block + "."
-    ]
-    for prefix in blocks:
+    for prefix in block_names(match["block"]):
         for parts in EXPERT_PARTS[match["fused"]]:
             experts: list[list[str]] = []
             while all(f"{prefix}.experts.{len(experts)}.{p}.weight" in files for p in parts):
