@@ -8,7 +8,7 @@ multi-head latent attention (MLA) modules built as DeepSeek-V3's run on a latent
 (``engine/model/latent_attention.py``); hybrids whose ``linear_attention`` layers are gated
 DeltaNet mixers (Qwen3-Next, Qwen3.5) run them over per-sequence state slots
 (``engine/model/linear_attention.py``). The
-families whose decoder ``engine/model/body.py`` reproduces without HF's per-layer Python run on
+families whose decoder ``engine/model/body/`` reproduces without HF's per-layer Python run on
 it (``FAST_BODY_ARCHITECTURES``); every other one runs HF's own decoder forward over the flat
 batch. What cannot be right is refused at load, before any KV memory is allocated, with what is
 missing: other linear-attention or state-space layers, DeepSeek's sparse attention, ALiBi biases,
@@ -23,12 +23,20 @@ from transformers import PreTrainedModel
 from paged_serve.engine.model.latent_attention import unservable_latent_reason
 from paged_serve.engine.model.linear_attention import linear_attention_layers
 
-# Decoders engine/model/body.py runs op for op (tests/engine/model/test_model_body.py).
+# Decoders engine/model/body/ runs op for op (tests/engine/model/test_model_body.py).
 FAST_BODY_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",  # its own fused qkv_proj and gate_up_proj
+    "Olmo2ForCausalLM",  # norms after each block, QK norms over every head
+    "SmolLM3ForCausalLM",  # NoPE layers
+    "GraniteForCausalLM",  # embedding and residual multipliers
+    "Qwen3MoeForCausalLM",  # the mixtures of experts: their own blocks (body/feed_forward.py)
+    "Qwen2MoeForCausalLM",
+    "MixtralForCausalLM",
+    "OlmoeForCausalLM",  # and QK norms over every head, clip_qkv
 )
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 LINEAR_LAYER_TYPE = "linear_attention"  # gated DeltaNet, over state slots
@@ -116,5 +124,11 @@ def _check_linear_layers(model: PreTrainedModel, layer_types: list[str]) -> list
 
 
 def runs_fast_body(model: PreTrainedModel) -> bool:
-    """Whether ``engine/model/body.py`` runs this model's decoder (else HF's own forward)."""
-    return type(model).__name__ in FAST_BODY_ARCHITECTURES
+    """Whether ``engine/model/body/`` runs this model's decoder (else HF's own forward): a family
+    of ``FAST_BODY_ARCHITECTURES`` whose rotary embedding spans the whole head (the body rotates
+    every lane; a partial one, ``partial_rotary_factor`` below 1, runs HF's forward)."""
+    config = model.config
+    rope_parameters = getattr(config, "rope_parameters", None) or {}
+    partial = rope_parameters.get("partial_rotary_factor", 1.0)
+    partial = getattr(config, "partial_rotary_factor", partial) or 1.0
+    return type(model).__name__ in FAST_BODY_ARCHITECTURES and partial == 1.0

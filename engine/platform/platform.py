@@ -49,7 +49,7 @@ class Platform:
     default_kernels = "torch"
     communicator = "gloo"  # torch.distributed backend of the compute group
     quantizations: tuple[str, ...] = ()  # weight-only schemes that run here
-    fused_rms_norm = False  # F.rms_norm has Hugging Face's bits here (engine/model/body.py)
+    fused_rms_norm = False  # F.rms_norm has Hugging Face's bits here (engine/model/body/norms.py)
     # --speculative-config auto speculates (prompt lookup) here: only where it was measured to
     # pay (docs/measurements/speculation.md); a drafted step also runs outside CUDA's decode graphs.
     speculates_by_default = False

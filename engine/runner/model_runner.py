@@ -142,7 +142,7 @@ class ModelRunner:
         )
         self.block_size = config.block_size
         self.vocab_size = int(model.config.vocab_size)
-        # The decoder body without HF's per-layer Python (engine/model/body.py) for the families
+        # The decoder body without HF's per-layer Python (engine/model/body/) for the families
         # it reproduces bit for bit; None runs HF's own decoder forward (every other family).
         self.body: ModelBody | None = (
             ModelBody(model, fused_rms_norm=platform.fused_rms_norm)

@@ -8,7 +8,7 @@ sampling, detokenizing, stop checks). A mode is a dtype, optionally ``+int8`` or
 (weight-only), ``+unfused`` (q/k/v and gate/up as separate GEMMs, Hugging Face's layout), ``+plain``
 (projections as plain ``F.linear``, without engine/platform/cpu/linears.py), ``+columns`` or
 ``+packed`` (fp32's few-row kernel forced instead of the one chosen at load), ``+hf`` (Hugging
-Face's own forward instead of engine/model/body.py), ``+hflayout`` (a quantized model's lone decode
+Face's own forward instead of engine/model/body/), ``+hflayout`` (a quantized model's lone decode
 row in HF's attention layout, as unquantized ones) or ``+gather`` (decode rows attended by torch's
 gather and SDPA, without the C kernel of kernels/cpu/decode_attention.py; the K/V write stays in C),
 e.g. ``float32+plain``.

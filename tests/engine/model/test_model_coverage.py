@@ -191,6 +191,21 @@ ARCHITECTURES: dict[str, tuple[type, type, dict]] = {
         },
     ),
 }
+# The families HF's own decoder forward runs (not engine/model/body/), and why; every other
+# one of ARCHITECTURES runs the body.
+HF_FORWARD = {
+    "cohere": "LayerNorm, attention and MLP in parallel on one normed input",
+    "gemma2": "scaled embeddings, (1 + weight) norms around each block, soft-capping",
+    "gemma3": "scaled embeddings, (1 + weight) norms around each block, local rotary",
+    "glm4_moe": "partial rotary embedding",
+    "deepseek_v3": "latent attention",
+    "deepseek_v2": "latent attention",
+    "glm4_moe_lite": "latent attention",
+    "qwen3_next": "gated DeltaNet layers, gated attention",
+    "qwen3_5": "gated DeltaNet layers, gated attention",
+    "qwen3_5_moe": "gated DeltaNet layers, gated attention",
+    "gpt_oss": "attention sinks",
+}
 LENGTHS = [1, 6, 17, 33]
 MAX_TOKENS = 12
 PREEMPTION_STEPS = 40  # tokens: enough for 3 requests to outgrow a pool of 6 blocks
@@ -359,3 +374,23 @@ def test_seeded_n2_sampling_is_batch_invariant(expected) -> None:
     assert [r.token_ids for r in batched[4:6]] == alone
     assert alone[0] != alone[1]  # the two samples differ
     assert_pool_clean(llm.engine.block_manager)
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_each_family_runs_the_body_it_is_meant_to(name: str) -> None:
+    """A family the body runs never falls back to HF's forward unnoticed, and the reverse."""
+    llm = LLM(loaded=loaded(tiny_architecture(name)), kv_cache_memory=4 << 20)
+    assert (llm.engine.runner.body is not None) == (name not in HF_FORWARD)
+
+
+def test_a_partial_rotary_embedding_runs_hfs_forward() -> None:
+    """The body rotates every lane of a head: Phi-3 with half its lanes rotated is HF's."""
+    config_cls, model_cls, extra = ARCHITECTURES["phi3"]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**COMMON, **extra, "partial_rotary_factor": 0.5})).eval()
+    llm = LLM(loaded=loaded(model), kv_cache_memory=4 << 20)
+    assert llm.engine.runner.body is None
+    prompts = random_prompts([6, 17], seed=3)
+    got = [r.token_ids for r in llm.generate(prompts, GREEDY)]
+    assert got == [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+

@@ -1,0 +1,151 @@
+"""One decoder layer's self-attention, as the families the body runs compute it.
+
+The families differ only in a few steps around the same projections, all read from the
+attention module when the body is built:
+
+* the projections: ``q_proj``/``k_proj``/``v_proj`` apart (tensor parallelism keeps them apart),
+  our fused ``qkv_proj`` (a ``FusedLinear``), or the family's own fused ``qkv_proj`` (Phi-3:
+  a plain ``nn.Linear`` whose output is q, k, v in that order);
+* QK norms: none, per head over ``head_dim`` (Qwen3), or over the whole projection before it is
+  split into heads (OLMo 2, OLMoE: the norm's weight spans every head);
+* ``clip_qkv`` (OLMoE): q, k and v clamped to ``[-clip, clip]`` after the norms;
+* rotary embedding on every layer, or not on the layers a family leaves without (SmolLM3's
+  NoPE layers: ``use_rope`` false).
+
+The arithmetic is HF's, op for op on the same values (tests/engine/model/test_model_body.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from paged_serve.engine.model.attention_swap import paged_attention_flat
+from paged_serve.engine.model.body.norms import RMSNorm
+from paged_serve.engine.model.fused_projections import FusedLinear
+
+
+@dataclass(frozen=True, slots=True)
+class QKNorms:
+    """The query and key RMSNorms; ``per_head``: over ``head_dim`` lanes of each head (Qwen3),
+    else over the whole ``[T, heads * head_dim]`` projection (OLMo 2, OLMoE)."""
+
+    q: RMSNorm
+    k: RMSNorm
+    per_head: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SelfAttention:
+    """What one layer's attention reads, gathered once; ``__call__`` is its forward up to and
+    including ``o_proj``.
+
+    ``qkv``: one module whose output is ``[q | k | v]`` of ``qkv_sizes`` lanes (ours or the
+    family's), or None when ``q_proj``/``k_proj``/``v_proj`` run apart.
+    """
+
+    index: int
+    qkv: nn.Module | None
+    qkv_sizes: tuple[int, int, int]
+    q_proj: nn.Module | None
+    k_proj: nn.Module | None
+    v_proj: nn.Module | None
+    norms: QKNorms | None
+    clip: float | None
+    rope: bool
+    o_proj: nn.Module
+    head_dim: int
+    scaling: float
+    sliding_window: int | None
+
+    @classmethod
+    def of(cls, attn: nn.Module, fused_rms_norm: bool) -> SelfAttention:
+        """The attention module ``attn`` of a family the body runs
+        (``architecture.FAST_BODY_ARCHITECTURES``)."""
+        config, d = attn.config, attn.head_dim
+        qkv = getattr(attn, "qkv_proj", None)
+        if isinstance(qkv, FusedLinear):
+            sizes = tuple(qkv.sizes)
+            qkv = qkv.proj
+        elif qkv is not None:  # the family's own (Phi-3): its split reads the config's heads
+            kv = attn.num_key_value_heads * d
+            sizes = (config.num_attention_heads * d, kv, kv)
+        else:
+            sizes = (0, 0, 0)
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        norms = None
+        if q_norm is not None:
+            norms = QKNorms(
+                RMSNorm.of(q_norm, fused_rms_norm),
+                RMSNorm.of(k_norm, fused_rms_norm),
+                per_head=q_norm.weight.numel() == d,
+            )
+        # Qwen2/3 set sliding_window per layer; Mistral, Mixtral and Phi-3 pass their config's
+        # to every layer; Llama has neither; Qwen2-MoE's config says 0 for none.
+        window = getattr(attn, "sliding_window", getattr(config, "sliding_window", None)) or None
+        return cls(
+            index=attn.layer_idx,
+            qkv=qkv,
+            qkv_sizes=sizes,
+            q_proj=None if qkv is not None else attn.q_proj,
+            k_proj=None if qkv is not None else attn.k_proj,
+            v_proj=None if qkv is not None else attn.v_proj,
+            norms=norms,
+            clip=getattr(config, "clip_qkv", None),
+            rope=getattr(attn, "use_rope", True),
+            o_proj=attn.o_proj,
+            head_dim=d,
+            scaling=attn.scaling,
+            sliding_window=window,
+        )
+
+    def __call__(
+        self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+    ) -> torch.Tensor:
+        """``x [T, hidden]`` (normed) -> ``o_proj``'s output ``[T, hidden]``; ``cos, signed_sin
+        [T, 1, D]`` (``rope``)."""
+        tokens, d = x.shape[0], self.head_dim
+        if self.qkv is not None and self.norms is None and self.clip is None and self.rope:
+            # The common case in one pass over q and k together.
+            q_size, k_size, _ = self.qkv_sizes
+            y = self.qkv(x)
+            qk = rope(y[:, : q_size + k_size].view(tokens, -1, d), cos, signed_sin)
+            q, k = qk.split((q_size // d, k_size // d), dim=1)
+            v = y[:, q_size + k_size :].view(tokens, -1, d)
+        else:
+            q, k, v = self._qkv(x, cos, signed_sin)
+        out = paged_attention_flat(self.index, q, k, v, self.scaling, self.sliding_window)
+        return self.o_proj(out.reshape(tokens, -1))
+
+    def _qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``[T, heads, D]`` with the norms, clipping and rotary embedding applied."""
+        tokens, d, norms = x.shape[0], self.head_dim, self.norms
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if norms is not None and not norms.per_head:
+            q, k = norms.q(q), norms.k(k)
+        if self.clip is not None:
+            for t in (q, k, v):
+                t.clamp_(min=-self.clip, max=self.clip)
+        q, k, v = (t.view(tokens, -1, d) for t in (q, k, v))
+        if norms is not None and norms.per_head:
+            q, k = norms.q(q), norms.k(k)
+        if self.rope:
+            q, k = rope(q, cos, signed_sin), rope(k, cos, signed_sin)
+        return q, k, v
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's ``apply_rotary_pos_emb`` on one ``[T, H, D]`` tensor, ``x*cos + rotate_half(x)*sin``
+    with ``rotate_half(x) = [-x2, x1]``, computed as ``x*cos + [x2, x1]*[-sin1, sin2]``: a
+    product's sign is exact, so this is the same value, one op cheaper (``signed_sin``). A family
+    whose rotary embedding stays in fp32 for a bf16 model (OLMo 2) rotates in fp32 and casts the
+    result back, as its HF code does."""
+    out = (x * cos) + (x.roll(x.shape[-1] // 2, dims=-1) * signed_sin)
+    return out if out.dtype == x.dtype else out.to(x.dtype)

@@ -1,0 +1,63 @@
+"""The decoder body's forward on a Hugging Face model's own modules, minus HF's per-call Python.
+
+Hugging Face's ``LlamaModel.forward`` wraps the arithmetic of each layer in Python: decorators,
+keyword plumbing, a module call per norm and projection, the attention interface lookup, views
+and transposes between layouts. On the 2-core CPU that cost 1.7-4.4 ms of a 20-60 ms decode
+step, about 60-150 us a layer (docs/measurements/cpu-kernels.md). ``ModelBody`` runs the same
+arithmetic::
+
+    h = embed(ids) [* embedding_multiplier];  cos, sin = rotary(h, positions)
+    per layer:  q, k, v = split(qkv_proj(norm_1(h)))      (QK norms, clipping: attention.py)
+                q, k    = q * cos + rotate_half(q) * sin  (one pass over q and k together)
+                h       = h + o_proj(paged_attention(q, k, v))
+                h       = h + down_proj(act(gate) * up)   with gate, up = split(gate_up(norm_2(h)))
+                          or h + the family's mixture-of-experts block (feed_forward.py)
+    h = norm(h)
+
+(the norms' places and Granite's multipliers: layer.py) with the same torch ops on the same values
+in the same order (on the CPU the norms take fewer ops that give the same bits, ``RMSNorm``), so
+it equals HF's forward bit for bit in every dtype (tests/engine/model/test_model_body.py), over
+the flat ``[T, H, D]`` layout the paged attention takes, with no transposes. It calls the
+projection modules the model holds when the runner is built (fused or not, quantized or not,
+tensor-parallel shards) and reads the norms' weights, so module swaps must come before, as
+``prepare_model`` does. It runs the families of ``architecture.FAST_BODY_ARCHITECTURES``; the
+runner runs HF's own decoder forward for the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paged_serve.engine.model.body.layer import Layer
+from paged_serve.engine.model.body.norms import RMSNorm
+
+
+class ModelBody:
+    """``body(input_ids [T], position_ids [T])`` -> the final-norm hidden states ``[T, hidden]``
+    of a prepared model, inside an ``attention_context`` like HF's forward.
+
+    ``fused_rms_norm``: the platform's ``F.rms_norm`` gives HF's bits (``Platform``)."""
+
+    def __init__(self, model: nn.Module, *, fused_rms_norm: bool):
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.rotary = inner.rotary_emb
+        self.norm = RMSNorm.of(inner.norm, fused_rms_norm)
+        self.embedding_scale: float | None = getattr(inner, "embedding_multiplier", None)
+        self.layers = [
+            Layer.of(layer, fused_rms_norm)
+            for layer in inner.layers[: inner.config.num_hidden_layers]
+        ]
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        if self.embedding_scale is not None:  # Granite
+            h = h * self.embedding_scale
+        cos, sin = self.rotary(h[None], position_ids[None])  # [1, T, D] each
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, D]: over every head
+        half = sin.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # see attention.rope
+        for layer in self.layers:
+            h = layer(h, cos, signed_sin)
+        return self.norm(h)
