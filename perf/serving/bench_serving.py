@@ -3,14 +3,18 @@
     python -m perf.serving.bench_serving [--system paged-serve:float32] [--system llama-cpp-f32] ...
         [--workload decode-heavy|long-prompt|shared-prefix|concurrency-1|concurrency-8|all]
         [--num-requests N] [--request-rate R] [--repeats N] [--check-requests 4] [--no-check]
-        [--temperature T [--top-p P]]
+        [--temperature T [--top-p P]] [--model HF_FOLDER]
     python -m perf.serving.bench_serving --system external --base-url http://127.0.0.1:8000 ...
 
 Systems (``perf.serving.systems``): ``paged-serve[:DTYPE]`` started from this checkout,
 ``llama-cpp-f32`` / ``llama-cpp-q4_1`` (llama.cpp's ``llama-server``, built by
 ``python -m perf.serving.llama_cpp build``), or an ``external`` server at ``--base-url``; a system
 may carry flags of its own (``--system "paged-serve:float32 --quantization int8"``). Workloads:
-``perf.serving.workloads``. The same token-id prompts go to every system.
+``perf.serving.workloads``. The same token-id prompts go to every system. The model is the
+embedded SmolLM2 unless ``--model`` names a Hugging Face folder: then paged-serve serves it, the
+llama.cpp systems serve its GGUF made by llama.cpp's own converter (``perf.serving.llama_cpp``),
+and the prompts and HF references come from its tokenizer and weights
+(``perf.serving.bench_moe_serving`` runs this on random mixture-of-experts models).
 
 First each system's correctness check, then the timed runs:
 
@@ -132,6 +136,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="llama-server --threads (default: torch's CPU thread count, what paged-serve uses)",
     )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a Hugging Face folder every started system serves (llama.cpp: its GGUF converted "
+        "by llama.cpp's convert_hf_to_gguf.py); default the embedded SmolLM2",
+    )
     p.add_argument("--label", default="", help="a tag for the report, e.g. smoke")
     p.add_argument("--out-dir", type=Path, default=Path("/tmp/bench_serving"))
     args = p.parse_args(argv)
@@ -143,6 +153,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                 s,
                 base_url=args.base_url,
                 extra_args=tuple(args.llama_arg if s.startswith("llama") else args.server_arg),
+                model=args.model,
             )
             for s in args.system or ["paged-serve:float32"]
         ]
@@ -198,12 +209,13 @@ def machine() -> dict[str, Any]:
     }
 
 
-def load_tokenizer() -> Any:
+def load_tokenizer(model: str | None = None) -> Any:
+    """The tokenizer of ``model`` (a Hugging Face folder; None: the embedded default)."""
     from transformers import AutoTokenizer
 
     from paged_serve.engine.model.loader import resolve_model_path
 
-    return AutoTokenizer.from_pretrained(resolve_model_path(None)[0])
+    return AutoTokenizer.from_pretrained(resolve_model_path(model)[0])
 
 
 # ----------------------------------------------------------------------------- the check
@@ -212,14 +224,20 @@ def reference_key(system: System) -> tuple[str, bool]:
 
 
 def compute_references(
-    systems: Sequence[System], workloads: Sequence[ServingWorkload], tokenizer: Any, k: int
+    systems: Sequence[System],
+    workloads: Sequence[ServingWorkload],
+    tokenizer: Any,
+    k: int,
+    model_path: str | None = None,
 ) -> dict[tuple[str, bool], dict[str, dict[int, list[int]]]]:
-    """HF greedy references for every (precision, EOG rule) the systems need, per workload."""
+    """HF greedy references for every (precision, EOG rule) the systems need, per workload, of
+    ``model_path`` (a Hugging Face folder; None: the embedded default)."""
     from paged_serve.engine.model.loader import eos_token_ids, load_model
 
     refs: dict[tuple[str, bool], dict[str, dict[int, list[int]]]] = {}
     for dtype in sorted({s.hf_dtype for s in systems}):
-        model = load_model(None, dtype=getattr(torch, dtype), device=torch.device("cpu")).model
+        cpu = torch.device("cpu")
+        model = load_model(model_path, dtype=getattr(torch, dtype), device=cpu).model
         suppress = llama_cpp_eog_ids(tokenizer, eos_token_ids(model, tokenizer))
         for rule in sorted({s.suppress_eog for s in systems if s.hf_dtype == dtype}):
             started = time.perf_counter()
@@ -334,6 +352,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
         "load_average_start": load_average(),
         "machine": machine(),
         "command": " ".join(["python -m perf.serving.bench_serving", *sys.argv[1:]]),
+        "model": args.model or "the embedded SmolLM2-135M-Instruct",
     }
     print(
         f"commit {report['source']['commit']} ({report['source']['uncommitted_files']} "
@@ -342,14 +361,16 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
         flush=True,
     )
     threads = args.threads or torch.get_num_threads()
-    tokenizer = load_tokenizer()
+    tokenizer = load_tokenizer(args.model)
     workloads = [WORKLOADS[name](tokenizer, args.num_requests, args.seed) for name in args.workload]
     report["workloads"] = {w.name: w.summary() for w in workloads}
     report["request_rate"] = None if math.isinf(args.request_rate) else args.request_rate
     report["sampling"] = args.sampling  # None: greedy timed runs
     references = {}
     if not args.no_check:
-        references = compute_references(args.systems, workloads, tokenizer, args.check_requests)
+        references = compute_references(
+            args.systems, workloads, tokenizer, args.check_requests, args.model
+        )
     log_dir = args.out_dir / f"logs-{started}"
     report["checks"], report["runs"], report["servers"] = {}, [], {}
     all_passed = True

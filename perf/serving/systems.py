@@ -12,6 +12,11 @@ started
   suppressed (``perf.serving.check``);
 * ``external``: a server already running at ``--base-url`` (compared with HF float32).
 
+With ``model`` (bench_serving's ``--model``, a Hugging Face folder) the started systems serve
+that model instead of the embedded default: paged-serve with ``--model``, llama.cpp on the GGUF
+files converted from it by llama.cpp's own converter (``perf.serving.llama_cpp.model_gguf``:
+F32, and Q4_1 quantized from that F32).
+
 ``Server`` starts a system on a free 127.0.0.1 port, waits until ``GET /v1/models`` answers,
 and stops it (SIGTERM, then SIGKILL) on exit; its output goes to a log file.
 """
@@ -47,6 +52,7 @@ class System:
     suppress_eog: bool = False  # llama-server's ignore_eos bans end-of-generation tokens
     base_url: str | None = None  # external only
     extra_args: tuple[str, ...] = field(default=())
+    model: str | None = None  # a Hugging Face folder both servers serve; None: the default
 
 
 # paged-serve flags that change its arithmetic: with one, float32 need not equal HF fp32.
@@ -54,11 +60,16 @@ NUMERICS_FLAGS = ("--quantization",)
 
 
 def parse_system(
-    text: str, *, base_url: str | None = None, extra_args: tuple[str, ...] = ()
+    text: str,
+    *,
+    base_url: str | None = None,
+    extra_args: tuple[str, ...] = (),
+    model: str | None = None,
 ) -> System:
     """``paged-serve[:DTYPE]``, ``llama-cpp-f32``, ``llama-cpp-q4_1`` or ``external``, optionally
     followed by flags for that system alone: ``"paged-serve:float32 --quantization int8"``
-    (they come after ``extra_args`` and name the system apart)."""
+    (they come after ``extra_args`` and name the system apart). ``model``: the Hugging Face
+    folder a started system serves (default: the embedded model)."""
     spec, *own_args = text.split()
     name, _, dtype = spec.partition(":")
     label = " ".join([spec.replace(":", "-"), *own_args]) if own_args else ""
@@ -76,11 +87,14 @@ def parse_system(
             hf_dtype=dtype if dtype in ("bfloat16", "float16") else "float32",
             require_hf_equality=exact,
             extra_args=args,
+            model=model,
         )
     if dtype:
         raise ValueError(f"only paged-serve takes a dtype, got {text!r}")
     if name in LLAMA_CPP_SYSTEMS:
-        return System(label or name, "llama-cpp", suppress_eog=True, extra_args=args)
+        return System(
+            label or name, "llama-cpp", suppress_eog=True, extra_args=args, model=model
+        )
     if name == "external":
         if not base_url:
             raise ValueError("--system external needs --base-url")
@@ -103,6 +117,7 @@ def server_command(
     if system.kind == "paged-serve":
         return [
             sys.executable, "-m", "paged_serve.server.cli",
+            *(["--model", system.model] if system.model else []),
             "--host", "127.0.0.1", "--port", str(port),
             "--dtype", system.dtype, "--no-dashboard", "--log-level", "warning",
             *system.extra_args,
@@ -111,7 +126,8 @@ def server_command(
         from perf.serving.llama_cpp import binary, gguf_for
 
         return [
-            str(binary("llama-server")), "-m", str(gguf_for(system.name.split()[0])),
+            str(binary("llama-server")),
+            "-m", str(gguf_for(system.name.split()[0], model=system.model)),
             "--host", "127.0.0.1", "--port", str(port),
             # One slot per concurrent request, sharing one KV pool, as paged-serve's pool.
             "--parallel", str(llama_slots), "--kv-unified",
