@@ -8,6 +8,9 @@ or llama.cpp's ``llama-server`` as the comparator.
   ``systems.py`` (starting and stopping the servers) and ``llama_cpp.py`` (building llama.cpp).
 * ``bench_spec.py``: speculative decoding through the server, against llama.cpp's n-gram
   drafting.
+* ``bench_moe_serving.py``: bench_serving on random mixture-of-experts models (Qwen3-MoE,
+  Mixtral) written as Hugging Face folders by ``random_moe.py``, llama.cpp serving the GGUF its
+  own converter makes of the same folder.
 * ``load_test.py``: concurrent streaming clients that hang up at random (``tests/reliability``
   runs it small).
 * ``bench_grammar_isolation.py``: how much one costly output constraint slows a plain request
