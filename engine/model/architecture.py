@@ -33,6 +33,8 @@ FAST_BODY_ARCHITECTURES = (
     "Olmo2ForCausalLM",  # norms after each block, QK norms over every head
     "SmolLM3ForCausalLM",  # NoPE layers
     "GraniteForCausalLM",  # embedding and residual multipliers
+    "Gemma2ForCausalLM",  # norms around each block, offset weights, soft-capped scores
+    "Gemma3ForCausalLM",  # and QK norms, a rotary embedding per layer type
     "Qwen3MoeForCausalLM",  # the mixtures of experts: their own blocks (body/feed_forward.py)
     "Qwen2MoeForCausalLM",
     "MixtralForCausalLM",

@@ -10,7 +10,8 @@ attention module when the body is built:
   split into heads (OLMo 2, OLMoE: the norm's weight spans every head);
 * ``clip_qkv`` (OLMoE): q, k and v clamped to ``[-clip, clip]`` after the norms;
 * rotary embedding on every layer, or not on the layers a family leaves without (SmolLM3's
-  NoPE layers: ``use_rope`` false).
+  NoPE layers: ``use_rope`` false);
+* soft-capped scores (Gemma 2's ``attn_logit_softcapping``, ``SOFTCAPPED``).
 
 The arithmetic is HF's, op for op on the same values (tests/engine/model/test_model_body.py).
 """
@@ -25,6 +26,10 @@ from torch import nn
 from paged_serve.engine.model.attention_swap import paged_attention_flat
 from paged_serve.engine.model.body.norms import RMSNorm
 from paged_serve.engine.model.fused_projections import FusedLinear
+
+# Attention classes that pass their ``attn_logit_softcapping`` to the attention function (Gemma 3
+# keeps the attribute but does not pass it).
+SOFTCAPPED = ("Gemma2Attention",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +64,7 @@ class SelfAttention:
     head_dim: int
     scaling: float
     sliding_window: int | None
+    softcap: float | None
 
     @classmethod
     def of(cls, attn: nn.Module, fused_rms_norm: bool) -> SelfAttention:
@@ -99,6 +105,7 @@ class SelfAttention:
             head_dim=d,
             scaling=attn.scaling,
             sliding_window=window,
+            softcap=attn.attn_logit_softcapping if type(attn).__name__ in SOFTCAPPED else None,
         )
 
     def __call__(
@@ -116,7 +123,9 @@ class SelfAttention:
             v = y[:, q_size + k_size :].view(tokens, -1, d)
         else:
             q, k, v = self._qkv(x, cos, signed_sin)
-        out = paged_attention_flat(self.index, q, k, v, self.scaling, self.sliding_window)
+        out = paged_attention_flat(
+            self.index, q, k, v, self.scaling, self.sliding_window, self.softcap
+        )
         return self.o_proj(out.reshape(tokens, -1))
 
     def _qkv(

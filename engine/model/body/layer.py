@@ -1,14 +1,11 @@
-"""One decoder layer: attention and feed-forward between residual adds and RMSNorms.
+"""One decoder layer: attention and feed-forward blocks between residual adds and RMSNorms.
 
-Two arrangements, as the families place their norms:
+Each block is ``h = h + s * out_norm(block(in_norm(h)))``, the families placing their norms in
+three ways:
 
-* pre-norm (Llama and most families)::
-
-      h = h + s * attention(norm_1(h));   h = h + s * feed_forward(norm_2(h))
-
-* post-norm (OLMo 2: no norm on a block's input, one on its output)::
-
-      h = h + norm_1(attention(h));       h = h + norm_2(feed_forward(h))
+* before each block (Llama and most families): ``in_norm`` only;
+* after it (OLMo 2): ``out_norm`` only;
+* around it (Gemma 2 and 3): both.
 
 ``s`` is Granite's ``residual_multiplier`` (none elsewhere).
 """
@@ -27,26 +24,41 @@ from paged_serve.engine.model.body.norms import RMSNorm
 
 @dataclass(frozen=True, slots=True)
 class Layer:
-    """What one decoder layer's forward reads, gathered once."""
+    """What one decoder layer's forward reads, gathered once; a norm None is not there."""
 
     attention: SelfAttention
     feed_forward: GatedMLP | FamilyBlock
-    norm_1: RMSNorm
-    norm_2: RMSNorm
-    post_norm: bool
+    attention_in: RMSNorm | None
+    attention_out: RMSNorm | None
+    feed_forward_in: RMSNorm | None
+    feed_forward_out: RMSNorm | None
     residual_scale: float | None
 
     @classmethod
     def of(cls, layer: nn.Module, fused_rms_norm: bool) -> Layer:
-        post_norm = not hasattr(layer, "input_layernorm")  # OLMo 2
-        norm_1 = layer.post_attention_layernorm if post_norm else layer.input_layernorm
-        norm_2 = layer.post_feedforward_layernorm if post_norm else layer.post_attention_layernorm
+        def norm(name: str) -> RMSNorm:
+            return RMSNorm.of(getattr(layer, name), fused_rms_norm)
+
+        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: around each block
+            norms = (
+                norm("input_layernorm"),
+                norm("post_attention_layernorm"),
+                norm("pre_feedforward_layernorm"),
+                norm("post_feedforward_layernorm"),
+            )
+        elif not hasattr(layer, "input_layernorm"):  # OLMo 2: after each block
+            norms = (
+                None,
+                norm("post_attention_layernorm"),
+                None,
+                norm("post_feedforward_layernorm"),
+            )
+        else:
+            norms = (norm("input_layernorm"), None, norm("post_attention_layernorm"), None)
         return cls(
-            attention=SelfAttention.of(layer.self_attn, fused_rms_norm),
-            feed_forward=feed_forward_of(layer.mlp),
-            norm_1=RMSNorm.of(norm_1, fused_rms_norm),
-            norm_2=RMSNorm.of(norm_2, fused_rms_norm),
-            post_norm=post_norm,
+            SelfAttention.of(layer.self_attn, fused_rms_norm),
+            feed_forward_of(layer.mlp),
+            *norms,
             residual_scale=getattr(layer, "residual_multiplier", None),
         )
 
@@ -54,11 +66,12 @@ class Layer:
         self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
     ) -> torch.Tensor:
         """``h [T, hidden]`` -> the layer's output; ``cos, signed_sin [T, 1, D]`` (``rope``)."""
-        if self.post_norm:
-            h = h + self.norm_1(self.attention(h, cos, signed_sin))
-            return h + self.norm_2(self.feed_forward(h))
-        scale = self.residual_scale
-        out = self.attention(self.norm_1(h), cos, signed_sin)
-        h = h + (out if scale is None else out * scale)
-        out = self.feed_forward(self.norm_2(h))
-        return h + (out if scale is None else out * scale)
+        x = h if self.attention_in is None else self.attention_in(h)
+        h = self._add(h, self.attention(x, cos, signed_sin), self.attention_out)
+        x = h if self.feed_forward_in is None else self.feed_forward_in(h)
+        return self._add(h, self.feed_forward(x), self.feed_forward_out)
+
+    def _add(self, h: torch.Tensor, out: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        if norm is not None:
+            out = norm(out)
+        return h + (out if self.residual_scale is None else out * self.residual_scale)

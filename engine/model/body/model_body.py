@@ -26,6 +26,8 @@ runner runs HF's own decoder forward for the rest.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -45,19 +47,32 @@ class ModelBody:
         self.rotary = inner.rotary_emb
         self.norm = RMSNorm.of(inner.norm, fused_rms_norm)
         self.embedding_scale: float | None = getattr(inner, "embedding_multiplier", None)
+        config = inner.config
         self.layers = [
-            Layer.of(layer, fused_rms_norm)
-            for layer in inner.layers[: inner.config.num_hidden_layers]
+            Layer.of(layer, fused_rms_norm) for layer in inner.layers[: config.num_hidden_layers]
         ]
+        # Gemma 3 rotates its sliding and full layers by different rotary embeddings, one module
+        # taking the layer type; every other family one embedding for all layers.
+        per_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.rope_keys: list[str | None] = (
+            list(config.layer_types[: len(self.layers)]) if per_type else [None] * len(self.layers)
+        )
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed(input_ids)
         if self.embedding_scale is not None:  # Granite
             h = h * self.embedding_scale
-        cos, sin = self.rotary(h[None], position_ids[None])  # [1, T, D] each
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, D]: over every head
-        half = sin.shape[-1] // 2
-        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # see attention.rope
-        for layer in self.layers:
-            h = layer(h, cos, signed_sin)
+        ropes = {key: self._rope(h, position_ids, key) for key in dict.fromkeys(self.rope_keys)}
+        for layer, key in zip(self.layers, self.rope_keys):
+            h = layer(h, *ropes[key])
         return self.norm(h)
+
+    def _rope(
+        self, h: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, signed_sin)``, each ``[T, 1, D]`` (over every head; ``attention.rope``)."""
+        extra = () if layer_type is None else (layer_type,)
+        cos, sin = self.rotary(h[None], position_ids[None], *extra)  # [1, T, D] each
+        cos, sin = cos[0, :, None], sin[0, :, None]
+        half = sin.shape[-1] // 2
+        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)

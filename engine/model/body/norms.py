@@ -10,6 +10,8 @@ from torch import nn
 
 # HF's RMSNorm classes whose weight multiplies before the cast back to the input's dtype.
 WEIGHT_IN_FP32 = ("Olmo2RMSNorm",)
+# Gemma's: the same in fp32, by ``1 + weight`` (its weights are stored as offsets from 1).
+OFFSET_FROM_ONE = ("Gemma2RMSNorm", "Gemma3RMSNorm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,8 +19,9 @@ class RMSNorm:
     """An HF RMSNorm's weight and epsilon (``LlamaRMSNorm`` and its copies in the families).
 
     ``weight_in_fp32``: the weight multiplies the fp32 normalised values before the cast back
-    (OLMo 2's norms, ``WEIGHT_IN_FP32``), not after it (Llama's and the other families'); the
-    same bits in fp32, another rounding in bf16.
+    (OLMo 2's and Gemma's norms), not after it (Llama's and the other families'); the same bits
+    in fp32, another rounding in bf16. Gemma's weight is ``1 + weight`` in fp32, computed once
+    here as its HF forward computes it per call.
     """
 
     weight: torch.Tensor
@@ -29,8 +32,11 @@ class RMSNorm:
     @classmethod
     def of(cls, norm: nn.Module, fused: bool) -> RMSNorm:
         """``norm``'s weight and epsilon; ``fused``: ``Platform.fused_rms_norm`` of its device."""
-        weight_in_fp32 = type(norm).__name__ in WEIGHT_IN_FP32
-        return cls(norm.weight, norm.variance_epsilon, fused, weight_in_fp32)
+        kind = type(norm).__name__
+        eps = norm.eps if kind in OFFSET_FROM_ONE else norm.variance_epsilon
+        if kind in OFFSET_FROM_ONE:
+            return cls(1.0 + norm.weight.detach().float(), eps, fused, weight_in_fp32=True)
+        return cls(norm.weight, eps, fused, weight_in_fp32=kind in WEIGHT_IN_FP32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """HF's values: ``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)``, ``x32`` being x

@@ -195,8 +195,6 @@ ARCHITECTURES: dict[str, tuple[type, type, dict]] = {
 # one of ARCHITECTURES runs the body.
 HF_FORWARD = {
     "cohere": "LayerNorm, attention and MLP in parallel on one normed input",
-    "gemma2": "scaled embeddings, (1 + weight) norms around each block, soft-capping",
-    "gemma3": "scaled embeddings, (1 + weight) norms around each block, local rotary",
     "glm4_moe": "partial rotary embedding",
     "deepseek_v3": "latent attention",
     "deepseek_v2": "latent attention",
@@ -393,4 +391,3 @@ def test_a_partial_rotary_embedding_runs_hfs_forward() -> None:
     prompts = random_prompts([6, 17], seed=3)
     got = [r.token_ids for r in llm.generate(prompts, GREEDY)]
     assert got == [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
-
