@@ -39,6 +39,7 @@ FAST_BODY_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "MixtralForCausalLM",
     "OlmoeForCausalLM",  # and QK norms over every head, clip_qkv
+    "GptOssForCausalLM",  # and attention sinks, rotation by half-angle pairs
 )
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 LINEAR_LAYER_TYPE = "linear_attention"  # gated DeltaNet, over state slots

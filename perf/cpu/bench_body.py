@@ -33,6 +33,7 @@ FAMILIES = (
     "qwen2_moe",
     "mixtral",
     "olmoe",
+    "gpt_oss",
 )
 
 
@@ -55,6 +56,9 @@ def build(family: str, args: argparse.Namespace) -> torch.nn.Module:
         shared_expert_intermediate_size=args.moe_intermediate * 2,
         max_position_embeddings=4096,
         tie_word_embeddings=False,
+        pad_token_id=0,  # inside the vocabulary (Phi-3's default is not)
+        bos_token_id=1,
+        eos_token_id=2,
     )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval().to(getattr(torch, args.dtype))

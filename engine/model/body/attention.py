@@ -11,7 +11,8 @@ attention module when the body is built:
 * ``clip_qkv`` (OLMoE): q, k and v clamped to ``[-clip, clip]`` after the norms;
 * rotary embedding on every layer, or not on the layers a family leaves without (SmolLM3's
   NoPE layers: ``use_rope`` false);
-* soft-capped scores (Gemma 2's ``attn_logit_softcapping``, ``SOFTCAPPED``).
+* soft-capped scores (Gemma 2's ``attn_logit_softcapping``, ``SOFTCAPPED``);
+* attention sinks (gpt-oss: a learned logit per query head, ``sinks``).
 
 The arithmetic is HF's, op for op on the same values (tests/engine/model/test_model_body.py).
 """
@@ -65,6 +66,7 @@ class SelfAttention:
     scaling: float
     sliding_window: int | None
     softcap: float | None
+    sinks: torch.Tensor | None
 
     @classmethod
     def of(cls, attn: nn.Module, fused_rms_norm: bool) -> SelfAttention:
@@ -106,6 +108,7 @@ class SelfAttention:
             scaling=attn.scaling,
             sliding_window=window,
             softcap=attn.attn_logit_softcapping if type(attn).__name__ in SOFTCAPPED else None,
+            sinks=getattr(attn, "sinks", None),
         )
 
     def __call__(
@@ -124,7 +127,7 @@ class SelfAttention:
         else:
             q, k, v = self._qkv(x, cos, signed_sin)
         out = paged_attention_flat(
-            self.index, q, k, v, self.scaling, self.sliding_window, self.softcap
+            self.index, q, k, v, self.scaling, self.sliding_window, self.softcap, self.sinks
         )
         return self.o_proj(out.reshape(tokens, -1))
 

@@ -34,6 +34,11 @@ from torch import nn
 from paged_serve.engine.model.body.layer import Layer
 from paged_serve.engine.model.body.norms import RMSNorm
 
+# Rotary modules that return one angle per pair of lanes (``D/2``) and rotate the two halves of a
+# head: ``[x1 cos - x2 sin, x2 cos + x1 sin]`` (gpt-oss), which is ``rotate_half``'s rotation by
+# the angles repeated over both halves, the same products and sums.
+HALF_ANGLE_ROTARIES = ("GptOssRotaryEmbedding",)
+
 
 class ModelBody:
     """``body(input_ids [T], position_ids [T])`` -> the final-norm hidden states ``[T, hidden]``
@@ -54,6 +59,7 @@ class ModelBody:
         # Gemma 3 rotates its sliding and full layers by different rotary embeddings, one module
         # taking the layer type; every other family one embedding for all layers.
         per_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.half_angles = type(self.rotary).__name__ in HALF_ANGLE_ROTARIES
         self.rope_keys: list[str | None] = (
             list(config.layer_types[: len(self.layers)]) if per_type else [None] * len(self.layers)
         )
@@ -74,5 +80,7 @@ class ModelBody:
         extra = () if layer_type is None else (layer_type,)
         cos, sin = self.rotary(h[None], position_ids[None], *extra)  # [1, T, D] each
         cos, sin = cos[0, :, None], sin[0, :, None]
+        if self.half_angles:
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         half = sin.shape[-1] // 2
         return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # HF's RMSNorm classes whose weight multiplies before the cast back to the input's dtype.
-WEIGHT_IN_FP32 = ("Olmo2RMSNorm",)
+WEIGHT_IN_FP32 = ("Olmo2RMSNorm", "GptOssRMSNorm")
 # Gemma's: the same in fp32, by ``1 + weight`` (its weights are stored as offsets from 1).
 OFFSET_FROM_ONE = ("Gemma2RMSNorm", "Gemma3RMSNorm")
 
@@ -19,9 +19,9 @@ class RMSNorm:
     """An HF RMSNorm's weight and epsilon (``LlamaRMSNorm`` and its copies in the families).
 
     ``weight_in_fp32``: the weight multiplies the fp32 normalised values before the cast back
-    (OLMo 2's and Gemma's norms), not after it (Llama's and the other families'); the same bits
-    in fp32, another rounding in bf16. Gemma's weight is ``1 + weight`` in fp32, computed once
-    here as its HF forward computes it per call.
+    (OLMo 2's, gpt-oss's and Gemma's norms), not after it (Llama's and the other families'); the
+    same bits in fp32, another rounding in bf16. Gemma's weight is ``1 + weight`` in fp32,
+    computed once here as its HF forward computes it per call.
     """
 
     weight: torch.Tensor

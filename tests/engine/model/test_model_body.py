@@ -65,7 +65,7 @@ def test_equals_hf_forward_bit_for_bit(family: str, dtype: torch.dtype) -> None:
 # The coverage suite's families the body runs besides TINY_FAMILIES (architecture.py).
 BODY_FAMILIES = [
     *("phi3", "olmo2", "smollm3", "granite", "gemma2", "gemma3"),
-    *("qwen3_moe", "qwen2_moe", "mixtral", "olmoe"),
+    *("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"),
 ]
 
 

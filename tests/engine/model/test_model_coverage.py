@@ -202,7 +202,6 @@ HF_FORWARD = {
     "qwen3_next": "gated DeltaNet layers, gated attention",
     "qwen3_5": "gated DeltaNet layers, gated attention",
     "qwen3_5_moe": "gated DeltaNet layers, gated attention",
-    "gpt_oss": "attention sinks",
 }
 LENGTHS = [1, 6, 17, 33]
 MAX_TOKENS = 12
