@@ -40,6 +40,7 @@ FAST_BODY_ARCHITECTURES = (
     "MixtralForCausalLM",
     "OlmoeForCausalLM",  # and QK norms over every head, clip_qkv
     "GptOssForCausalLM",  # and attention sinks, rotation by half-angle pairs
+    "Glm4MoeForCausalLM",  # and a partial rotary embedding, optional QK norms
 )
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 LINEAR_LAYER_TYPE = "linear_attention"  # gated DeltaNet, over state slots
@@ -128,10 +129,5 @@ def _check_linear_layers(model: PreTrainedModel, layer_types: list[str]) -> list
 
 def runs_fast_body(model: PreTrainedModel) -> bool:
     """Whether ``engine/model/body/`` runs this model's decoder (else HF's own forward): a family
-    of ``FAST_BODY_ARCHITECTURES`` whose rotary embedding spans the whole head (the body rotates
-    every lane; a partial one, ``partial_rotary_factor`` below 1, runs HF's forward)."""
-    config = model.config
-    rope_parameters = getattr(config, "rope_parameters", None) or {}
-    partial = rope_parameters.get("partial_rotary_factor", 1.0)
-    partial = getattr(config, "partial_rotary_factor", partial) or 1.0
-    return type(model).__name__ in FAST_BODY_ARCHITECTURES and partial == 1.0
+    of ``FAST_BODY_ARCHITECTURES``."""
+    return type(model).__name__ in FAST_BODY_ARCHITECTURES

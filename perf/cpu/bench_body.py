@@ -34,6 +34,7 @@ FAMILIES = (
     "mixtral",
     "olmoe",
     "gpt_oss",
+    "glm4_moe",
 )
 
 

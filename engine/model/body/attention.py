@@ -10,7 +10,8 @@ attention module when the body is built:
   split into heads (OLMo 2, OLMoE: the norm's weight spans every head);
 * ``clip_qkv`` (OLMoE): q, k and v clamped to ``[-clip, clip]`` after the norms;
 * rotary embedding on every layer, or not on the layers a family leaves without (SmolLM3's
-  NoPE layers: ``use_rope`` false);
+  NoPE layers: ``use_rope`` false), over the whole head or its first lanes (a partial rotary
+  embedding: Phi-3 or GLM-4.5 with ``partial_rotary_factor`` below 1);
 * soft-capped scores (Gemma 2's ``attn_logit_softcapping``, ``SOFTCAPPED``);
 * attention sinks (gpt-oss: a learned logit per query head, ``sinks``).
 
@@ -158,6 +159,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
     with ``rotate_half(x) = [-x2, x1]``, computed as ``x*cos + [x2, x1]*[-sin1, sin2]``: a
     product's sign is exact, so this is the same value, one op cheaper (``signed_sin``). A family
     whose rotary embedding stays in fp32 for a bf16 model (OLMo 2) rotates in fp32 and casts the
-    result back, as its HF code does."""
-    out = (x * cos) + (x.roll(x.shape[-1] // 2, dims=-1) * signed_sin)
+    result back, as its HF code does. A partial embedding (``cos`` narrower than the head)
+    rotates the head's first lanes and passes the rest through, as HF's partial form does."""
+    width = cos.shape[-1]
+    if width < x.shape[-1]:
+        return torch.cat((rope(x[..., :width], cos, signed_sin), x[..., width:]), dim=-1)
+    out = (x * cos) + (x.roll(width // 2, dims=-1) * signed_sin)
     return out if out.dtype == x.dtype else out.to(x.dtype)

@@ -65,7 +65,7 @@ def test_equals_hf_forward_bit_for_bit(family: str, dtype: torch.dtype) -> None:
 # The coverage suite's families the body runs besides TINY_FAMILIES (architecture.py).
 BODY_FAMILIES = [
     *("phi3", "olmo2", "smollm3", "granite", "gemma2", "gemma3"),
-    *("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"),
+    *("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "glm4_moe"),
 ]
 
 
@@ -73,11 +73,12 @@ BODY_FAMILIES = [
 @pytest.mark.parametrize("name", BODY_FAMILIES)
 def test_other_families_equal_hf_forward_bit_for_bit(name: str, dtype: torch.dtype) -> None:
     llm = LLM(loaded=loaded(tiny_architecture(name).to(dtype)), max_num_batched_tokens=24)
-    if name == "phi3":
-        # HF's Phi-3 rotary embedding concatenates q into [heads, T, D] order, which the C
-        # decode kernel does not take (it reads each row's heads contiguous), so HF's forward
-        # attends decode rows through the plan while the body's q suits the kernel: another
-        # order of sums. Both through the plan, the rest must match bit for bit.
+    if name in ("phi3", "glm4_moe"):
+        # HF's partial rotary embedding (Phi-3's and GLM-4.5's form, whatever the width)
+        # concatenates q into [heads, T, D] order, which the C decode kernel does not take (it
+        # reads each row's heads contiguous), so HF's forward attends decode rows through the
+        # plan while the body's q suits the kernel: another order of sums. Both through the
+        # plan, the rest must match bit for bit.
         llm.engine.runner.backend.paged_attention.__self__.decode_kernel = None
     assert _run_both(llm, random_prompts([5, 30, 17], seed=1)) > 6
 
