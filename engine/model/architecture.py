@@ -41,6 +41,9 @@ FAST_BODY_ARCHITECTURES = (
     "OlmoeForCausalLM",  # and QK norms over every head, clip_qkv
     "GptOssForCausalLM",  # and attention sinks, rotation by half-angle pairs
     "Glm4MoeForCausalLM",  # and a partial rotary embedding, optional QK norms
+    "DeepseekV3ForCausalLM",  # latent attention through its own (swapped) module
+    "DeepseekV2ForCausalLM",
+    "Glm4MoeLiteForCausalLM",
 )
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 LINEAR_LAYER_TYPE = "linear_attention"  # gated DeltaNet, over state slots

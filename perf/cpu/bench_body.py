@@ -3,7 +3,8 @@
 ``python -m perf.cpu.bench_body [--family llama gemma3_text qwen3_moe ...] [--streams 1 8]`` builds,
 per family of ``architecture.FAST_BODY_ARCHITECTURES`` (by ``model_type``), a random model of
 one shape (``--hidden`` wide, ``--layers`` deep, 16 heads of 64 over 4 KV heads; mixtures of
-experts: ``--experts`` experts of width ``--moe-intermediate``, top-2), fp32 or ``--dtype``, and
+experts: ``--experts`` experts of width ``--moe-intermediate``, top-2; latent attention: a
+256-lane latent), fp32 or ``--dtype``, and
 two engines on it with ``streams`` requests decoding after a ``--context``-token prompt: one
 running the body (engine/model/body/), one HF's own decoder forward (``runner.body = None``),
 everything else alike. Their ``LLMEngine.step`` times (ms, medians over ``--steps`` steps, the
@@ -35,6 +36,8 @@ FAMILIES = (
     "olmoe",
     "gpt_oss",
     "glm4_moe",
+    "deepseek_v3",
+    "glm4_moe_lite",
 )
 
 
@@ -55,6 +58,16 @@ def build(family: str, args: argparse.Namespace) -> torch.nn.Module:
         num_local_experts=args.experts,
         num_experts_per_tok=2,
         shared_expert_intermediate_size=args.moe_intermediate * 2,
+        n_routed_experts=args.experts,  # DeepSeek's names
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        kv_lora_rank=256,  # latent attention: a 256-lane latent, a 64-lane rope key (head_dim)
+        q_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
         max_position_embeddings=4096,
         tie_word_embeddings=False,
         pad_token_id=0,  # inside the vocabulary (Phi-3's default is not)

@@ -35,6 +35,19 @@ SOFTCAPPED = ("Gemma2Attention",)
 
 
 @dataclass(frozen=True, slots=True)
+class Rotary:
+    """One step's rotary embedding for a group of layers: ``cos, signed_sin [T, 1, D]`` as
+    ``rope`` takes them (None where no layer of the group rotates by them), and what the
+    family's rotary module returned (``raw``) with the step's ``position_ids [T]``, as HF's
+    model passes them to an attention module (``FamilyAttention``)."""
+
+    cos: torch.Tensor | None
+    signed_sin: torch.Tensor | None
+    raw: object
+    position_ids: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
 class QKNorms:
     """The query and key RMSNorms; ``per_head``: over ``head_dim`` lanes of each head (Qwen3),
     else over the whole ``[T, heads * head_dim]`` projection (OLMo 2, OLMoE)."""
@@ -112,12 +125,10 @@ class SelfAttention:
             sinks=getattr(attn, "sinks", None),
         )
 
-    def __call__(
-        self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
-    ) -> torch.Tensor:
-        """``x [T, hidden]`` (normed) -> ``o_proj``'s output ``[T, hidden]``; ``cos, signed_sin
-        [T, 1, D]`` (``rope``)."""
+    def __call__(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """``x [T, hidden]`` (normed) -> ``o_proj``'s output ``[T, hidden]``."""
         tokens, d = x.shape[0], self.head_dim
+        cos, signed_sin = rotary.cos, rotary.signed_sin
         if self.qkv is not None and self.norms is None and self.clip is None and self.rope:
             # The common case in one pass over q and k together.
             q_size, k_size, _ = self.qkv_sizes
@@ -152,6 +163,37 @@ class SelfAttention:
         if self.rope:
             q, k = rope(q, cos, signed_sin), rope(k, cos, signed_sin)
         return q, k, v
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyAttention:
+    """An attention the family defines beyond the steps above, through its own module's forward
+    over ``[1, T, hidden]`` as HF's decoder layer calls it: multi-head latent attention
+    (``FAMILY_ATTENTIONS``), whose module the engine has already made attend over the latent
+    cache (engine/model/latent_attention.py)."""
+
+    module: nn.Module
+
+    def __call__(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """``x [T, hidden]`` (normed) -> the module's output ``[T, hidden]``."""
+        out, _ = self.module(
+            hidden_states=x[None],
+            attention_mask=None,
+            position_ids=rotary.position_ids[None],
+            position_embeddings=rotary.raw,
+        )
+        return out[0]
+
+
+# Attention classes the body runs through their own forward (FamilyAttention).
+FAMILY_ATTENTIONS = ("DeepseekV2Attention", "DeepseekV3Attention", "Glm4MoeLiteAttention")
+
+
+def attention_of(attn: nn.Module, fused_rms_norm: bool) -> SelfAttention | FamilyAttention:
+    """The body's attention for the module ``attn``."""
+    if type(attn).__name__ in FAMILY_ATTENTIONS:
+        return FamilyAttention(attn)
+    return SelfAttention.of(attn, fused_rms_norm)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from paged_serve.engine.model.body.attention import SelfAttention
+from paged_serve.engine.model.body.attention import (
+    FamilyAttention,
+    Rotary,
+    SelfAttention,
+    attention_of,
+)
 from paged_serve.engine.model.body.feed_forward import FamilyBlock, GatedMLP, feed_forward_of
 from paged_serve.engine.model.body.norms import RMSNorm
 
@@ -26,7 +31,7 @@ from paged_serve.engine.model.body.norms import RMSNorm
 class Layer:
     """What one decoder layer's forward reads, gathered once; a norm None is not there."""
 
-    attention: SelfAttention
+    attention: SelfAttention | FamilyAttention
     feed_forward: GatedMLP | FamilyBlock
     attention_in: RMSNorm | None
     attention_out: RMSNorm | None
@@ -56,18 +61,16 @@ class Layer:
         else:
             norms = (norm("input_layernorm"), None, norm("post_attention_layernorm"), None)
         return cls(
-            SelfAttention.of(layer.self_attn, fused_rms_norm),
+            attention_of(layer.self_attn, fused_rms_norm),
             feed_forward_of(layer.mlp),
             *norms,
             residual_scale=getattr(layer, "residual_multiplier", None),
         )
 
-    def __call__(
-        self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
-    ) -> torch.Tensor:
-        """``h [T, hidden]`` -> the layer's output; ``cos, signed_sin [T, 1, D]`` (``rope``)."""
+    def __call__(self, h: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """``h [T, hidden]`` -> the layer's output."""
         x = h if self.attention_in is None else self.attention_in(h)
-        h = self._add(h, self.attention(x, cos, signed_sin), self.attention_out)
+        h = self._add(h, self.attention(x, rotary), self.attention_out)
         x = h if self.feed_forward_in is None else self.feed_forward_in(h)
         return self._add(h, self.feed_forward(x), self.feed_forward_out)
 

@@ -31,6 +31,7 @@ import inspect
 import torch
 from torch import nn
 
+from paged_serve.engine.model.body.attention import Rotary, SelfAttention
 from paged_serve.engine.model.body.layer import Layer
 from paged_serve.engine.model.body.norms import RMSNorm
 
@@ -60,6 +61,8 @@ class ModelBody:
         # taking the layer type; every other family one embedding for all layers.
         per_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.half_angles = type(self.rotary).__name__ in HALF_ANGLE_ROTARIES
+        # Latent attention rotates inside its own module: no cos and sin of ours to make.
+        self.rotates = any(isinstance(layer.attention, SelfAttention) for layer in self.layers)
         self.rope_keys: list[str | None] = (
             list(config.layer_types[: len(self.layers)]) if per_type else [None] * len(self.layers)
         )
@@ -70,17 +73,20 @@ class ModelBody:
             h = h * self.embedding_scale
         ropes = {key: self._rope(h, position_ids, key) for key in dict.fromkeys(self.rope_keys)}
         for layer, key in zip(self.layers, self.rope_keys):
-            h = layer(h, *ropes[key])
+            h = layer(h, ropes[key])
         return self.norm(h)
 
-    def _rope(
-        self, h: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, signed_sin)``, each ``[T, 1, D]`` (over every head; ``attention.rope``)."""
+    def _rope(self, h: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None) -> Rotary:
+        """The step's ``Rotary`` for the layers of ``layer_type`` (``cos, signed_sin [T, 1, D]``,
+        over every head; ``attention.rope``)."""
         extra = () if layer_type is None else (layer_type,)
-        cos, sin = self.rotary(h[None], position_ids[None], *extra)  # [1, T, D] each
+        raw = self.rotary(h[None], position_ids[None], *extra)
+        if not self.rotates:
+            return Rotary(None, None, raw, position_ids)
+        cos, sin = raw  # [1, T, D] each
         cos, sin = cos[0, :, None], sin[0, :, None]
         if self.half_angles:
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         half = sin.shape[-1] // 2
-        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return Rotary(cos, signed_sin, raw, position_ids)

@@ -66,6 +66,7 @@ def test_equals_hf_forward_bit_for_bit(family: str, dtype: torch.dtype) -> None:
 BODY_FAMILIES = [
     *("phi3", "olmo2", "smollm3", "granite", "gemma2", "gemma3"),
     *("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "glm4_moe"),
+    *("deepseek_v3", "deepseek_v2", "glm4_moe_lite"),
 ]
 
 
