@@ -44,6 +44,9 @@ FAST_BODY_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",  # latent attention through its own (swapped) module
     "DeepseekV2ForCausalLM",
     "Glm4MoeLiteForCausalLM",
+    "Qwen3NextForCausalLM",  # gated DeltaNet and gated attention through their own modules
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
 )
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 LINEAR_LAYER_TYPE = "linear_attention"  # gated DeltaNet, over state slots

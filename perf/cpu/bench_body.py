@@ -38,6 +38,15 @@ FAMILIES = (
     "glm4_moe",
     "deepseek_v3",
     "glm4_moe_lite",
+    "qwen3_next",
+    "qwen3_5_text",
+)
+
+
+LATENT_FAMILIES = ("deepseek_v3", "glm4_moe_lite")
+# Latent attention: a 256-lane latent, a 64-lane rope key (the head_dim HF's rotary reads).
+LATENT = dict(
+    kv_lora_rank=256, q_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64
 )
 
 
@@ -63,16 +72,12 @@ def build(family: str, args: argparse.Namespace) -> torch.nn.Module:
         first_k_dense_replace=1,
         n_group=1,
         topk_group=1,
-        kv_lora_rank=256,  # latent attention: a 256-lane latent, a 64-lane rope key (head_dim)
-        q_lora_rank=512,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=64,
-        v_head_dim=64,
         max_position_embeddings=4096,
         tie_word_embeddings=False,
         pad_token_id=0,  # inside the vocabulary (Phi-3's default is not)
         bos_token_id=1,
         eos_token_id=2,
+        **(LATENT if family in LATENT_FAMILIES else {}),
     )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval().to(getattr(torch, args.dtype))

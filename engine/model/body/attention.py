@@ -167,31 +167,40 @@ class SelfAttention:
 
 @dataclass(frozen=True, slots=True)
 class FamilyAttention:
-    """An attention the family defines beyond the steps above, through its own module's forward
-    over ``[1, T, hidden]`` as HF's decoder layer calls it: multi-head latent attention
-    (``FAMILY_ATTENTIONS``), whose module the engine has already made attend over the latent
-    cache (engine/model/latent_attention.py)."""
+    """A token mixer the family defines beyond the steps above, through its own module's forward
+    over ``[1, T, hidden]`` as HF's decoder layer calls it: multi-head latent attention and
+    Qwen3-Next's and Qwen3.5's gated attention (``FAMILY_ATTENTIONS``), and their gated DeltaNet
+    layers (``linear_attn``), whose modules the engine has already made attend over the paged
+    caches and state slots (engine/model/latent_attention.py, linear_attention.py)."""
 
     module: nn.Module
 
     def __call__(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         """``x [T, hidden]`` (normed) -> the module's output ``[T, hidden]``."""
-        out, _ = self.module(
+        out = self.module(
             hidden_states=x[None],
             attention_mask=None,
             position_ids=rotary.position_ids[None],
             position_embeddings=rotary.raw,
         )
-        return out[0]
+        return (out[0] if isinstance(out, tuple) else out)[0]
 
 
 # Attention classes the body runs through their own forward (FamilyAttention).
-FAMILY_ATTENTIONS = ("DeepseekV2Attention", "DeepseekV3Attention", "Glm4MoeLiteAttention")
+FAMILY_ATTENTIONS = (
+    "DeepseekV2Attention",
+    "DeepseekV3Attention",
+    "Glm4MoeLiteAttention",
+    "Qwen3NextAttention",
+    "Qwen3_5Attention",
+    "Qwen3_5MoeAttention",
+)
 
 
 def attention_of(attn: nn.Module, fused_rms_norm: bool) -> SelfAttention | FamilyAttention:
-    """The body's attention for the module ``attn``."""
-    if type(attn).__name__ in FAMILY_ATTENTIONS:
+    """The body's token mixer for the module ``attn`` (a layer's ``self_attn`` or
+    ``linear_attn``)."""
+    if type(attn).__name__ in FAMILY_ATTENTIONS or not hasattr(attn, "o_proj"):
         return FamilyAttention(attn)
     return SelfAttention.of(attn, fused_rms_norm)
 

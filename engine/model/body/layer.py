@@ -61,7 +61,7 @@ class Layer:
         else:
             norms = (norm("input_layernorm"), None, norm("post_attention_layernorm"), None)
         return cls(
-            attention_of(layer.self_attn, fused_rms_norm),
+            attention_of(getattr(layer, "self_attn", None) or layer.linear_attn, fused_rms_norm),
             feed_forward_of(layer.mlp),
             *norms,
             residual_scale=getattr(layer, "residual_multiplier", None),

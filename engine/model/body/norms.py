@@ -10,8 +10,15 @@ from torch import nn
 
 # HF's RMSNorm classes whose weight multiplies before the cast back to the input's dtype.
 WEIGHT_IN_FP32 = ("Olmo2RMSNorm", "GptOssRMSNorm")
-# Gemma's: the same in fp32, by ``1 + weight`` (its weights are stored as offsets from 1).
-OFFSET_FROM_ONE = ("Gemma2RMSNorm", "Gemma3RMSNorm")
+# Gemma's and Qwen3-Next's and Qwen3.5's: the same in fp32, by ``1 + weight`` (their weights are
+# stored as offsets from 1).
+OFFSET_FROM_ONE = (
+    "Gemma2RMSNorm",
+    "Gemma3RMSNorm",
+    "Qwen3NextRMSNorm",
+    "Qwen3_5RMSNorm",
+    "Qwen3_5MoeRMSNorm",
+)
 
 
 @dataclass(frozen=True, slots=True)

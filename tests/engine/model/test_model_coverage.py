@@ -195,9 +195,6 @@ ARCHITECTURES: dict[str, tuple[type, type, dict]] = {
 # one of ARCHITECTURES runs the body.
 HF_FORWARD = {
     "cohere": "LayerNorm, attention and MLP in parallel on one normed input",
-    "qwen3_next": "gated DeltaNet layers, gated attention",
-    "qwen3_5": "gated DeltaNet layers, gated attention",
-    "qwen3_5_moe": "gated DeltaNet layers, gated attention",
 }
 LENGTHS = [1, 6, 17, 33]
 MAX_TOKENS = 12
