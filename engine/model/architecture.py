@@ -47,6 +47,7 @@ FAST_BODY_ARCHITECTURES = (
     "Qwen3NextForCausalLM",  # gated DeltaNet and gated attention through their own modules
     "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM",
+    "CohereForCausalLM",  # LayerNorm, attention and MLP in parallel, rotation in pairs
 )
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 LINEAR_LAYER_TYPE = "linear_attention"  # gated DeltaNet, over state slots

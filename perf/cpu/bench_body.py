@@ -40,6 +40,7 @@ FAMILIES = (
     "glm4_moe_lite",
     "qwen3_next",
     "qwen3_5_text",
+    "cohere",
 )
 
 

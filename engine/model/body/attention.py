@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from paged_serve.engine.model.attention_swap import paged_attention_flat
-from paged_serve.engine.model.body.norms import RMSNorm
+from paged_serve.engine.model.body.norms import Norm, norm_of
 from paged_serve.engine.model.fused_projections import FusedLinear
 
 # Attention classes that pass their ``attn_logit_softcapping`` to the attention function (Gemma 3
@@ -45,6 +45,13 @@ class Rotary:
     signed_sin: torch.Tensor | None
     raw: object
     position_ids: torch.Tensor
+    interleaved: bool = False  # lanes rotated in pairs (Cohere), not halves: ``rope_pairs``
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, H, D]`` rotated by this step's embedding (``rope`` or ``rope_pairs``)."""
+        if self.interleaved:
+            return rope_pairs(x, self.cos, self.signed_sin)
+        return rope(x, self.cos, self.signed_sin)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +59,8 @@ class QKNorms:
     """The query and key RMSNorms; ``per_head``: over ``head_dim`` lanes of each head (Qwen3),
     else over the whole ``[T, heads * head_dim]`` projection (OLMo 2, OLMoE)."""
 
-    q: RMSNorm
-    k: RMSNorm
+    q: Norm
+    k: Norm
     per_head: bool
 
 
@@ -100,9 +107,9 @@ class SelfAttention:
         norms = None
         if q_norm is not None:
             norms = QKNorms(
-                RMSNorm.of(q_norm, fused_rms_norm),
-                RMSNorm.of(k_norm, fused_rms_norm),
-                per_head=q_norm.weight.numel() == d,
+                norm_of(q_norm, fused_rms_norm),
+                norm_of(k_norm, fused_rms_norm),
+                per_head=q_norm.weight.shape[-1] == d,  # Cohere's: [heads, head_dim]
             )
         # Qwen2/3 set sliding_window per layer; Mistral, Mixtral and Phi-3 pass their config's
         # to every layer; Llama has neither; Qwen2-MoE's config says 0 for none.
@@ -128,23 +135,22 @@ class SelfAttention:
     def __call__(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         """``x [T, hidden]`` (normed) -> ``o_proj``'s output ``[T, hidden]``."""
         tokens, d = x.shape[0], self.head_dim
-        cos, signed_sin = rotary.cos, rotary.signed_sin
         if self.qkv is not None and self.norms is None and self.clip is None and self.rope:
             # The common case in one pass over q and k together.
             q_size, k_size, _ = self.qkv_sizes
             y = self.qkv(x)
-            qk = rope(y[:, : q_size + k_size].view(tokens, -1, d), cos, signed_sin)
+            qk = rotary.rotate(y[:, : q_size + k_size].view(tokens, -1, d))
             q, k = qk.split((q_size // d, k_size // d), dim=1)
             v = y[:, q_size + k_size :].view(tokens, -1, d)
         else:
-            q, k, v = self._qkv(x, cos, signed_sin)
+            q, k, v = self._qkv(x, rotary)
         out = paged_attention_flat(
             self.index, q, k, v, self.scaling, self.sliding_window, self.softcap, self.sinks
         )
         return self.o_proj(out.reshape(tokens, -1))
 
     def _qkv(
-        self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+        self, x: torch.Tensor, rotary: Rotary
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v ``[T, heads, D]`` with the norms, clipping and rotary embedding applied."""
         tokens, d, norms = x.shape[0], self.head_dim, self.norms
@@ -161,7 +167,7 @@ class SelfAttention:
         if norms is not None and norms.per_head:
             q, k = norms.q(q), norms.k(k)
         if self.rope:
-            q, k = rope(q, cos, signed_sin), rope(k, cos, signed_sin)
+            q, k = rotary.rotate(q), rotary.rotate(k)
         return q, k, v
 
 
@@ -217,3 +223,13 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
         return torch.cat((rope(x[..., :width], cos, signed_sin), x[..., width:]), dim=-1)
     out = (x * cos) + (x.roll(width // 2, dims=-1) * signed_sin)
     return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def rope_pairs(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Cohere's rotary embedding on one ``[T, H, D]`` tensor: lanes rotated in pairs
+    ``(x[2i], x[2i+1])``, in fp32 and cast back, as its HF code computes it: ``x*cos +
+    rotate(x)*sin`` with ``rotate(x) = [-x[2i+1], x[2i]]`` is ``x*cos + swap(x)*signed_sin``
+    (``signed_sin`` negated on the even lanes; a product's sign is exact)."""
+    x32 = x.float()
+    swapped = x32.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return ((x32 * cos) + (swapped * signed_sin)).to(x.dtype)

@@ -33,12 +33,14 @@ from torch import nn
 
 from paged_serve.engine.model.body.attention import Rotary, SelfAttention
 from paged_serve.engine.model.body.layer import Layer
-from paged_serve.engine.model.body.norms import RMSNorm
+from paged_serve.engine.model.body.norms import norm_of
 
 # Rotary modules that return one angle per pair of lanes (``D/2``) and rotate the two halves of a
 # head: ``[x1 cos - x2 sin, x2 cos + x1 sin]`` (gpt-oss), which is ``rotate_half``'s rotation by
 # the angles repeated over both halves, the same products and sums.
 HALF_ANGLE_ROTARIES = ("GptOssRotaryEmbedding",)
+# Rotary modules whose angles repeat per pair of lanes, which rotate in pairs (Cohere's).
+PAIRED_ROTARIES = ("CohereRotaryEmbedding",)
 
 
 class ModelBody:
@@ -51,7 +53,7 @@ class ModelBody:
         inner = model.model
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
-        self.norm = RMSNorm.of(inner.norm, fused_rms_norm)
+        self.norm = norm_of(inner.norm, fused_rms_norm)
         self.embedding_scale: float | None = getattr(inner, "embedding_multiplier", None)
         config = inner.config
         self.layers = [
@@ -61,6 +63,7 @@ class ModelBody:
         # taking the layer type; every other family one embedding for all layers.
         per_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.half_angles = type(self.rotary).__name__ in HALF_ANGLE_ROTARIES
+        self.paired = type(self.rotary).__name__ in PAIRED_ROTARIES
         # Latent attention rotates inside its own module: no cos and sin of ours to make.
         self.rotates = any(isinstance(layer.attention, SelfAttention) for layer in self.layers)
         self.rope_keys: list[str | None] = (
@@ -87,6 +90,9 @@ class ModelBody:
         cos, sin = cos[0, :, None], sin[0, :, None]
         if self.half_angles:
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        if self.paired:
+            signed_sin = torch.stack((-sin[..., 0::2], sin[..., 1::2]), dim=-1).flatten(-2)
+            return Rotary(cos, signed_sin, raw, position_ids, interleaved=True)
         half = sin.shape[-1] // 2
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         return Rotary(cos, signed_sin, raw, position_ids)

@@ -75,3 +75,24 @@ class RMSNorm:
         if self.weight_in_fp32:
             return (self.weight * h).to(dtype)
         return self.weight * h.to(dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleNorm:
+    """A norm the body does not reimplement (Cohere's LayerNorm: mean removed, no bias, per-head
+    weights for its QK norms), through the module's own forward."""
+
+    module: nn.Module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+Norm = RMSNorm | ModuleNorm
+
+
+def norm_of(norm: nn.Module, fused: bool) -> Norm:
+    """``RMSNorm`` for the families' RMSNorms (every class named ``*RMSNorm``), else the module."""
+    if type(norm).__name__.endswith("RMSNorm"):
+        return RMSNorm.of(norm, fused)
+    return ModuleNorm(norm)

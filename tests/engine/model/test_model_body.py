@@ -71,7 +71,7 @@ def test_equals_hf_forward_bit_for_bit(family: str, dtype: torch.dtype) -> None:
 
 # The coverage suite's families the body runs besides TINY_FAMILIES (architecture.py).
 BODY_FAMILIES = [
-    *("phi3", "olmo2", "smollm3", "granite", "gemma2", "gemma3"),
+    *("phi3", "olmo2", "smollm3", "granite", "gemma2", "gemma3", "cohere"),
     *("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "glm4_moe"),
     *("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "qwen3_next", "qwen3_5", "qwen3_5_moe"),
 ]
@@ -99,6 +99,19 @@ def test_olmoe_clip_qkv() -> None:
     llm = LLM(loaded=loaded(model), max_num_batched_tokens=24)
     assert llm.engine.runner.body.layers[0].attention.clip == 0.3
     _run_both(llm, random_prompts([5, 30, 17], seed=5))
+
+
+def test_cohere_qk_norms() -> None:
+    """Cohere's optional QK norms: LayerNorms with a weight per head and lane."""
+    config_cls, model_cls, extra = ARCHITECTURES["cohere"]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**COMMON, **extra, "use_qk_norm": True})).eval()
+    for module in model.modules():  # weights that start at one: make them matter
+        if type(module).__name__ == "CohereLayerNorm":
+            torch.nn.init.normal_(module.weight, mean=1.0, std=0.3)
+    llm = LLM(loaded=loaded(model), max_num_batched_tokens=24)
+    assert llm.engine.runner.body.layers[0].attention.norms.per_head
+    _run_both(llm, random_prompts([5, 30, 17], seed=6))
 
 
 @pytest.mark.parametrize("family", list(TINY_FAMILIES))

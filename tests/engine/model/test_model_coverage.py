@@ -193,9 +193,7 @@ ARCHITECTURES: dict[str, tuple[type, type, dict]] = {
 }
 # The families HF's own decoder forward runs (not engine/model/body/), and why; every other
 # one of ARCHITECTURES runs the body.
-HF_FORWARD = {
-    "cohere": "LayerNorm, attention and MLP in parallel on one normed input",
-}
+HF_FORWARD: dict[str, str] = {}
 LENGTHS = [1, 6, 17, 33]
 MAX_TOKENS = 12
 PREEMPTION_STEPS = 40  # tokens: enough for 3 requests to outgrow a pool of 6 blocks
