@@ -6,16 +6,20 @@ attention module when the body is built:
 * the projections: ``q_proj``/``k_proj``/``v_proj`` apart (tensor parallelism keeps them apart),
   our fused ``qkv_proj`` (a ``FusedLinear``), or the family's own fused ``qkv_proj`` (Phi-3:
   a plain ``nn.Linear`` whose output is q, k, v in that order);
-* QK norms: none, per head over ``head_dim`` (Qwen3), or over the whole projection before it is
-  split into heads (OLMo 2, OLMoE: the norm's weight spans every head);
+* QK norms: none, per head over ``head_dim`` (Qwen3; Cohere's LayerNorms, a weight per head
+  and lane), or over the whole projection before it is split into heads (OLMo 2, OLMoE: the
+  norm's weight spans every head);
 * ``clip_qkv`` (OLMoE): q, k and v clamped to ``[-clip, clip]`` after the norms;
 * rotary embedding on every layer, or not on the layers a family leaves without (SmolLM3's
   NoPE layers: ``use_rope`` false), over the whole head or its first lanes (a partial rotary
-  embedding: Phi-3 or GLM-4.5 with ``partial_rotary_factor`` below 1);
+  embedding: Phi-3 or GLM-4.5 with ``partial_rotary_factor`` below 1), rotating halves of the
+  head (``rope``) or pairs of lanes (Cohere: ``rope_pairs``);
 * soft-capped scores (Gemma 2's ``attn_logit_softcapping``, ``SOFTCAPPED``);
 * attention sinks (gpt-oss: a learned logit per query head, ``sinks``).
 
-The arithmetic is HF's, op for op on the same values (tests/engine/model/test_model_body.py).
+Token mixers beyond these steps (latent attention, the hybrids' gated attention and gated
+DeltaNet) run through their own modules (``FamilyAttention``). The arithmetic is HF's, op for op
+on the same values (tests/engine/model/test_model_body.py).
 """
 
 from __future__ import annotations
@@ -56,8 +60,8 @@ class Rotary:
 
 @dataclass(frozen=True, slots=True)
 class QKNorms:
-    """The query and key RMSNorms; ``per_head``: over ``head_dim`` lanes of each head (Qwen3),
-    else over the whole ``[T, heads * head_dim]`` projection (OLMo 2, OLMoE)."""
+    """The query and key norms; ``per_head``: over ``head_dim`` lanes of each head (Qwen3,
+    Cohere), else over the whole ``[T, heads * head_dim]`` projection (OLMo 2, OLMoE)."""
 
     q: Norm
     k: Norm
