@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from paged_serve.engine.model.attention_swap import paged_attention_flat
+from paged_serve.engine.model.body.family_module import family_forward
 from paged_serve.engine.model.body.norms import Norm, norm_of
 from paged_serve.engine.model.fused_projections import FusedLinear
 
@@ -187,13 +188,13 @@ class FamilyAttention:
 
     def __call__(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         """``x [T, hidden]`` (normed) -> the module's output ``[T, hidden]``."""
-        out = self.module(
-            hidden_states=x[None],
+        return family_forward(
+            self.module,
+            x,
             attention_mask=None,
             position_ids=rotary.position_ids[None],
             position_embeddings=rotary.raw,
         )
-        return (out[0] if isinstance(out, tuple) else out)[0]
 
 
 # Attention classes the body runs through their own forward (FamilyAttention).

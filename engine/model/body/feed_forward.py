@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from paged_serve.engine.model.body.family_module import family_forward
 from paged_serve.engine.model.fused_projections import FusedLinear
 
 
@@ -68,8 +69,7 @@ class FamilyBlock:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``."""
-        out = self.module(x[None])
-        return (out[0] if isinstance(out, tuple) else out)[0]
+        return family_forward(self.module, x)
 
 
 def feed_forward_of(mlp: nn.Module) -> GatedMLP | FamilyBlock:

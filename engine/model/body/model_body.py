@@ -69,12 +69,13 @@ class ModelBody:
         self.rope_keys: list[str | None] = (
             list(config.layer_types[: len(self.layers)]) if per_type else [None] * len(self.layers)
         )
+        self.rope_groups = tuple(dict.fromkeys(self.rope_keys))  # each key once, in order
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed(input_ids)
         if self.embedding_scale is not None:  # Granite
             h = h * self.embedding_scale
-        ropes = {key: self._rope(h, position_ids, key) for key in dict.fromkeys(self.rope_keys)}
+        ropes = {key: self._rope(h, position_ids, key) for key in self.rope_groups}
         for layer, key in zip(self.layers, self.rope_keys):
             h = layer(h, ropes[key])
         return self.norm(h)

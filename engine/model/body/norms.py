@@ -40,10 +40,9 @@ class RMSNorm:
     def of(cls, norm: nn.Module, fused: bool) -> RMSNorm:
         """``norm``'s weight and epsilon; ``fused``: ``Platform.fused_rms_norm`` of its device."""
         kind = type(norm).__name__
-        eps = norm.eps if kind in OFFSET_FROM_ONE else norm.variance_epsilon
         if kind in OFFSET_FROM_ONE:
-            return cls(1.0 + norm.weight.detach().float(), eps, fused, weight_in_fp32=True)
-        return cls(norm.weight, eps, fused, weight_in_fp32=kind in WEIGHT_IN_FP32)
+            return cls(1.0 + norm.weight.detach().float(), norm.eps, fused, weight_in_fp32=True)
+        return cls(norm.weight, norm.variance_epsilon, fused, kind in WEIGHT_IN_FP32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """HF's values: ``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)``, ``x32`` being x

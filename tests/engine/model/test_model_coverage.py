@@ -191,9 +191,6 @@ ARCHITECTURES: dict[str, tuple[type, type, dict]] = {
         },
     ),
 }
-# The families HF's own decoder forward runs (not engine/model/body/), and why; every other
-# one of ARCHITECTURES runs the body.
-HF_FORWARD: dict[str, str] = {}
 LENGTHS = [1, 6, 17, 33]
 MAX_TOKENS = 12
 PREEMPTION_STEPS = 40  # tokens: enough for 3 requests to outgrow a pool of 6 blocks
@@ -365,10 +362,10 @@ def test_seeded_n2_sampling_is_batch_invariant(expected) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
-def test_each_family_runs_the_body_it_is_meant_to(name: str) -> None:
-    """A family the body runs never falls back to HF's forward unnoticed, and the reverse."""
+def test_each_family_runs_the_body(name: str) -> None:
+    """Every covered family runs engine/model/body/: none falls back to HF's forward unnoticed."""
     llm = LLM(loaded=loaded(tiny_architecture(name)), kv_cache_memory=4 << 20)
-    assert (llm.engine.runner.body is not None) == (name not in HF_FORWARD)
+    assert llm.engine.runner.body is not None
 
 
 def test_a_partial_rotary_embedding() -> None:
