@@ -33,6 +33,8 @@ from paged_serve.engine.observe.engine_state import EngineState, StateWatch
 from paged_serve.engine.observe.metrics import EngineStats, SnapshotCollector
 from paged_serve.engine.observe.weight_memory import WeightMemory
 from paged_serve.engine.outputs import RequestOutput
+from paged_serve.engine.pooling.pooling_model import PoolingModel
+from paged_serve.engine.pooling_params import PoolingParams
 from paged_serve.engine.request_streams import RequestStreams, Stream
 from paged_serve.engine.sampling_params import SamplingParams
 from paged_serve.engine.sched.admission import check_cache_salt
@@ -162,6 +164,7 @@ class AsyncEngine:
         *,
         cache_salt: str | None = None,
         probe: bool = False,
+        pooling: PoolingParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Validate and queue a request; iterate the result for its outputs.
 
@@ -171,13 +174,14 @@ class AsyncEngine:
         health probe, never refused for a full waiting queue and never counted among the
         waiting requests ``max_waiting`` bounds (its caller keeps probes few: one at a time).
         Raises ValueError (bad request), QueueFullError or EngineDeadError before streaming.
-        Leaving the iteration early (or cancelling it) aborts every sample.
+        Leaving the iteration early (or cancelling it) aborts every sample. ``pooling``: a
+        pooling request (``pool`` below is the call to use).
         """
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
         check_cache_salt(cache_salt)
         ids = self.engine.tokenize(prompt)
-        self.engine.validate(ids, params)
+        self.engine.validate(ids, params, pooling)
         request_id = request_id or self.new_request_id()
         group = sample_ids(request_id, params.n)
         stream = Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -197,7 +201,7 @@ class AsyncEngine:
                         f"{waiting} requests are already waiting (limit {self.max_waiting})"
                     )
             self._streams.open(group, stream, probe=probe)
-            loop.post(PendingAdd(request_id, ids, params, cache_salt, probe))
+            loop.post(PendingAdd(request_id, ids, params, cache_salt, probe, pooling))
         return self._iterate(group, stream)
 
     async def _iterate(self, group: list[str], stream: Stream) -> AsyncIterator[RequestOutput]:
@@ -213,6 +217,28 @@ class AsyncEngine:
         finally:
             for rid in unfinished:
                 self.abort(rid)
+
+    @property
+    def pooling(self) -> PoolingModel | None:
+        """A pooling model's pipeline (what it answers, its sizes and prompts); None for a
+        model that generates."""
+        return self.engine.pooling
+
+    async def pool(
+        self,
+        prompt: str | Sequence[int],
+        params: PoolingParams,
+        request_id: str | None = None,
+    ) -> RequestOutput:
+        """Run one pooling request to its end: its output's ``pooled`` is the embedding or
+        the label scores (``finish_reason`` ``error`` when it failed, ``abort`` when the
+        engine dropped it). Raises as ``add_request`` does, before anything runs; cancelling
+        the call aborts the request."""
+        carrier = SamplingParams(max_tokens=1, temperature=0.0)  # nothing is sampled
+        async for out in self.add_request(prompt, carrier, request_id, pooling=params):
+            if out.finished:
+                return out
+        raise EngineDeadError("the engine ended the request without an output")
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks are freed before the next step runs."""

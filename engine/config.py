@@ -10,6 +10,8 @@ from typing import Literal
 from paged_serve.engine.spec.config import SpeculativeConfig
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "embed", "classify")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # made at load from full-precision weights, on the CPU (engine/model/int8_weights.py, int4_weights)
@@ -69,6 +71,11 @@ class EngineConfig:
     whose mask takes longer fails alone (``engine/sample/token_mask.py``).
     speculative_config: speculative decoding (``engine/spec/``): a ``SpeculativeConfig``, None
     for none, or ``"auto"``: prompt lookup with its defaults on the CPU, none on CUDA.
+    runner, convert: vLLM's ``--runner auto|generate|pooling`` and ``--convert
+    auto|embed|classify``: what the model is served for (``engine/model/model_task.py``; the
+    engine replaces ``auto`` by what it resolved once the model is loaded).
+    hf_overrides: config fields set over the checkpoint's ``config.json`` before the model is
+    built (vLLM's ``--hf-overrides``: ``is_matryoshka``, ``classifier_from_token``, ...).
     """
 
     model: str | None = None
@@ -92,6 +99,9 @@ class EngineConfig:
     max_pending_grammar_compiles: int = 16
     grammar_fill_timeout_s: float = 0.1
     speculative_config: SpeculativeConfig | Literal["auto"] | None = "auto"
+    runner: str = "auto"
+    convert: str = "auto"
+    hf_overrides: dict[str, object] | None = None
 
     def __post_init__(self) -> None:
         for name in ("grammar_compile_timeout_s", "grammar_fill_timeout_s"):
@@ -139,5 +149,9 @@ class EngineConfig:
                 "speculative_config must be a SpeculativeConfig, None or 'auto', got "
                 f"{self.speculative_config!r}"
             )
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.convert not in CONVERTS:
+            raise ValueError(f"convert must be one of {CONVERTS}, got {self.convert!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

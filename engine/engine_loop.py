@@ -32,6 +32,7 @@ from paged_serve.engine.llm_engine import LLMEngine
 from paged_serve.engine.observe.engine_snapshot import EngineSnapshot, take_snapshot
 from paged_serve.engine.observe.engine_state import EngineState, StateWatch
 from paged_serve.engine.outputs import RequestOutput
+from paged_serve.engine.pooling_params import PoolingParams
 from paged_serve.engine.request_streams import RequestStreams
 from paged_serve.engine.sampling_params import SamplingParams
 from paged_serve.engine.sched.request import RequestStatus
@@ -50,6 +51,7 @@ class PendingAdd:
     params: SamplingParams
     cache_salt: str | None
     probe: bool
+    pooling: PoolingParams | None = None
 
 
 class EngineLoop:
@@ -209,7 +211,11 @@ class EngineLoop:
         for add in adds:
             try:
                 self.engine.add_request(
-                    add.prompt_ids, add.params, add.request_id, cache_salt=add.cache_salt
+                    add.prompt_ids,
+                    add.params,
+                    add.request_id,
+                    cache_salt=add.cache_salt,
+                    pooling=add.pooling,
                 )
             except ValueError as exc:
                 replies.append((add.request_id, exc))

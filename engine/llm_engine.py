@@ -13,6 +13,7 @@ Not thread-safe: the async engine drives it from a single thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -30,9 +31,16 @@ from paged_serve.engine.observe.metrics import EngineStats
 from paged_serve.engine.observe.weight_memory import weight_memory
 from paged_serve.engine.outputs import RequestOutput
 from paged_serve.engine.platform.platform import platform_for
+from paged_serve.engine.pooling.pooling_model import is_causal, pooling_model
+from paged_serve.engine.pooling_params import PoolingParams
 from paged_serve.engine.runner.build import build_runner, context_length, load_for
 from paged_serve.engine.sampling_params import SamplingParams
-from paged_serve.engine.sched.admission import check_cache_salt, check_request, prompt_token_ids
+from paged_serve.engine.sched.admission import (
+    check_cache_salt,
+    check_pooling_request,
+    check_request,
+    prompt_token_ids,
+)
 from paged_serve.engine.sched.block_manager import BlockManager
 from paged_serve.engine.sched.forks import make_samples, sample_ids
 from paged_serve.engine.sched.live_request import LiveRequest
@@ -54,6 +62,10 @@ class LLMEngine:
         share_model = loaded is not None
         if loaded is None:
             loaded = load_for(config, self.platform)
+        # what the model is served for, resolved: every rank prepares the same model
+        config = self.config = dataclasses.replace(
+            config, runner=loaded.task.runner, convert=loaded.task.convert or config.convert
+        )
         self.loaded = loaded
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -61,7 +73,12 @@ class LLMEngine:
         self.max_model_len = context_length(config, loaded.max_model_len)
         self.tp: TensorParallelWorkers | None = None
         if config.tensor_parallel_size > 1:  # shards the model in place, the workers their copies
-            check_servable(loaded.model)
+            check_servable(loaded.model, pooling=loaded.task.pooling)
+            if loaded.task.pooling and not is_causal(loaded.model):
+                raise ValueError(
+                    "tensor parallelism shards decoders: serve a bidirectional encoder with "
+                    "--tensor-parallel-size 1"
+                )
             self.tp = TensorParallelWorkers.start(
                 config,
                 loaded.model,
@@ -87,6 +104,7 @@ class LLMEngine:
             if self.tokenizer is not None
             else None
         )
+        task = loaded.task
         self.runner = build_runner(
             loaded.model,
             config,
@@ -94,7 +112,18 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=sorted(self.eos_token_ids),
             group=lambda: None if self.tp is None else self.tp.group,
+            pooling=(
+                (lambda m: pooling_model(m, self.tokenizer, loaded.path, task.convert))
+                if task.pooling
+                else None
+            ),
         )
+        self.pooling = self.runner.pooling  # a pooling model's pipeline, None when generating
+        budget = config.max_num_batched_tokens
+        whole_prompts = self.pooling is not None and not self.pooling.causal
+        if self.pooling is not None:
+            self.max_model_len, budget = self.pooling.limits(self.max_model_len, budget)
+            logger.info("%s", self.pooling.describe())
         self.weights = weight_memory(
             loaded.model, next(loaded.model.parameters()).dtype, loaded.quantization
         )
@@ -105,20 +134,27 @@ class LLMEngine:
             # A prefix hit would skip tokens whose linear-attention state was never kept.
             logger.info("prefix caching is off: a hybrid model's recurrent state is per sequence")
             prefix_caching = False
+        if whole_prompts:  # an encoder's keys depend on the tokens after them too
+            prefix_caching = False
         self.block_manager = BlockManager(
             self.runner.kv_cache.num_blocks,
             config.block_size,
             enable_prefix_caching=prefix_caching,
             state_slots=None if state_cache is None else StateSlots(state_cache.num_slots),
         )
-        self.speculator = build_speculator(
-            config, loaded, self.platform, max_model_len=self.max_model_len, hybrid=state_cache
+        self.speculator = (
+            None
+            if self.pooling is not None  # nothing is generated, so nothing is drafted
+            else build_speculator(
+                config, loaded, self.platform, max_model_len=self.max_model_len, hybrid=state_cache
+            )
         )
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=budget,
             speculator=self.speculator,
+            whole_prompts=whole_prompts,
         )
         self.stats = EngineStats()
         # Seeds of unseeded requests: from the OS, so a restart does not replay the same
@@ -156,9 +192,32 @@ class LLMEngine:
         """Token ids of a text prompt (with the tokenizer's special tokens) or a checked id list."""
         return prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        pooling: PoolingParams | None = None,
+    ) -> None:
         """Raise ValueError if the request can never run (engine/sched/admission.py), or its
-        output constraint does not compile."""
+        output constraint does not compile; a pooling request (``pooling``) to a generating
+        model, or a generating one to a pooling model, can never run either."""
+        if (pooling is None) != (self.pooling is None):
+            raise InvalidRequestError(
+                "this model generates text: serve an embedding or classification model with "
+                "--runner pooling"
+                if self.pooling is None
+                else f"this model is served for {self.pooling.task} (--runner pooling): "
+                "serve a text-generation model with --runner generate"
+            )
+        if pooling is not None:
+            self.pooling.check(pooling)
+            check_pooling_request(
+                prompt_token_ids,
+                pooling,
+                max_model_len=self.max_model_len,
+                block_manager=self.block_manager,
+            )
+            return
         check_request(
             prompt_token_ids,
             params,
@@ -184,8 +243,13 @@ class LLMEngine:
         request_id: str | None = None,
         *,
         cache_salt: str | None = None,
+        pooling: PoolingParams | None = None,
     ) -> str:
         """Queue a request and return its id. Raises ValueError for a request that cannot run.
+
+        A pooling model takes pooling requests only (``pooling``, engine/pooling_params.py):
+        the prompt is run and pooled, and its one output carries the answer (``pooled``);
+        ``params`` then only carries ``n == 1``.
 
         With ``params.n > 1`` the prompt is prefilled once and forked into ``n`` samples sharing its
         blocks (copy-on-write); their ids are ``sample_ids(request_id, params.n)``, and sample ``i``
@@ -196,7 +260,7 @@ class LLMEngine:
         """
         check_cache_salt(cache_salt)
         ids = self.tokenize(prompt)
-        self.validate(ids, params)
+        self.validate(ids, params, pooling)
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
@@ -213,6 +277,9 @@ class LLMEngine:
                     sample.deferred_matcher = self.grammars.matcher(compiled)
                 else:
                     sample.matcher = self.grammars.matcher(compiled)
+        if pooling is not None:
+            samples[0].pooling = pooling
+            samples[0].whole_prompt = self.pooling.reads_every_token
         for sample in samples:
             self.outputs.live[sample.request_id] = LiveRequest.start(sample, self.tokenizer)
         self.scheduler.add(samples[0])

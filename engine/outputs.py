@@ -54,6 +54,8 @@ class RequestOutput:
     # On a request's first output when it asked for prompt_logprobs: one entry per prompt
     # token, None for the first (it has no context).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # A pooling request's answer, on its one (finished) output: an embedding or label scores.
+    pooled: list[float] | None = None
 
 
 @dataclass(slots=True)

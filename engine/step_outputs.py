@@ -63,7 +63,7 @@ class StepOutputs:
         ``accepted + 1`` of them (``engine/sample/sampling_rows.py``)."""
         accepted = accepted or {}
         now = time.monotonic()
-        outputs: list[RequestOutput] = []
+        outputs = [self._pooled(rid, data, now) for rid, data in result.pooled.items()]
         i = 0
         while i < len(result.request_ids):
             request_id = result.request_ids[i]
@@ -81,6 +81,10 @@ class StepOutputs:
                 outputs.append(self.finish(live, "error", now=now, error=error))
             i += rows
         return outputs
+
+    def _pooled(self, request_id: str, data: list[float], now: float) -> RequestOutput:
+        """A pooling request whose prompt this step completed: done, with its answer."""
+        return self.finish(self.live[request_id], "stop", now=now, pooled=data)
 
     def _tokens(
         self, live: LiveRequest, result: StepResult, rows: range, now: float
@@ -162,9 +166,11 @@ class StepOutputs:
         logprobs: list[TokenLogprob] | None = None,
         stop_reason: str | int | None = None,
         error: str | None = None,
+        pooled: list[float] | None = None,
     ) -> RequestOutput:
         """End the request for ``reason`` (its blocks are freed now); ``tokens`` and
-        ``logprobs`` are this step's last ones; ``now`` is ``time.monotonic()`` seconds."""
+        ``logprobs`` are this step's last ones, ``pooled`` a pooling request's answer; ``now``
+        is ``time.monotonic()`` seconds."""
         req = live.request
         self.scheduler.finish(req, reason)
         self.live.pop(req.request_id, None)
@@ -177,4 +183,5 @@ class StepOutputs:
             stop_reason=stop_reason,
             metrics=metrics,
             error=error,
+            pooled=pooled,
         )

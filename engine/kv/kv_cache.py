@@ -49,7 +49,8 @@ def cache_layout(hf_config: object, tensor_parallel_size: int = 1) -> CacheLayou
     head_dim = getattr(hf_config, "head_dim", None) or (
         hf_config.hidden_size // hf_config.num_attention_heads
     )
-    heads = hf_config.num_key_value_heads // tensor_parallel_size
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    heads = kv_heads // tensor_parallel_size
     return CacheLayout(sides=2, num_kv_heads=heads, head_dim=head_dim)
 
 

@@ -54,22 +54,29 @@ LINEAR_LAYER_TYPE = "linear_attention"  # gated DeltaNet, over state slots
 
 
 def attention_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's attention modules: those named ``*Attention`` that know their ``layer_idx``."""
+    """The model's attention modules: those named ``*Attention`` that know their ``layer_idx``
+    (an encoder's ``*SelfAttention``, the one that calls the interface, where its wrapper is
+    an ``*Attention`` too)."""
     return [
         m
         for m in model.modules()
-        if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")
+        if type(m).__name__.endswith("Attention") and getattr(m, "layer_idx", None) is not None
     ]
 
 
-def check_servable(model: PreTrainedModel) -> None:
-    """Raise ValueError naming what the engine lacks to serve ``model``; None when it can."""
+def check_servable(model: PreTrainedModel, pooling: bool = False) -> None:
+    """Raise ValueError naming what the engine lacks to serve ``model``; None when it can.
+    A pooling model (``pooling``: embeddings, classifiers) needs no LM head and may be a
+    bidirectional encoder (BERT's ``encoder.layer`` holds its layers)."""
     name, config = type(model).__name__, model.config
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder model: paged-serve serves decoder-only LMs")
-    if model.get_output_embeddings() is None or model.base_model is model:
+    if not pooling and (model.get_output_embeddings() is None or model.base_model is model):
         raise ValueError(f"{name} is not a causal LM: an LM head over a decoder (base_model)")
-    if not isinstance(getattr(getattr(model, "model", None), "layers", None), nn.ModuleList):
+    modules = attention_layers(model)
+    encoder = pooling and any(getattr(m, "is_causal", True) is False for m in modules)
+    decoder_layers = getattr(getattr(model, "model", None), "layers", None)
+    if not encoder and not isinstance(decoder_layers, nn.ModuleList):
         raise ValueError(
             f"{name} keeps its decoder layers elsewhere than model.model.layers, the list the "
             "engine's module swaps (fused and quantized projections, sharding) walk"
@@ -98,7 +105,7 @@ def check_servable(model: PreTrainedModel) -> None:
             "paged attention cannot be swapped in"
         )
     modules = attention_layers(model)
-    if any(getattr(m, "is_causal", True) is False for m in modules):
+    if not pooling and any(getattr(m, "is_causal", True) is False for m in modules):
         raise ValueError(
             f"{name} has bidirectional attention layers: paged-serve serves causal LMs"
         )

@@ -61,6 +61,7 @@ def paged_attention_forward(
         sliding_window,
         softcap=softcap or None,
         sinks=s_aux,
+        causal=getattr(module, "is_causal", True) is not False,
     )
     return out.unsqueeze(0), None
 
@@ -74,10 +75,12 @@ def paged_attention_flat(
     sliding_window: int | None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Layer ``layer_idx`` of the current step: write ``k, v [T, Hkv, D]`` at the step's slots,
-    then attend ``q [T, Hq, D]`` over each sequence's blocks; ``[T, Hq, D]``. ``softcap`` and
-    ``sinks [Hq]`` as in ``kernels/interface.py``."""
+    then attend ``q [T, Hq, D]`` over each sequence's blocks; ``[T, Hq, D]``. ``softcap``,
+    ``sinks [Hq]`` and ``causal`` (False: a bidirectional encoder's layer, each query seeing
+    its whole sequence) as in ``kernels/interface.py``."""
     ctx = current_attention_context()
     k_cache, v_cache = ctx.kv_cache.layer(layer_idx)
     ctx.backend.write_kv(k, v, k_cache, v_cache, slot_mapping=ctx.slot_mapping)
@@ -94,16 +97,18 @@ def paged_attention_flat(
         sliding_window=sliding_window,
         softcap=softcap,
         sinks=sinks,
+        **({} if causal else {"causal": False}),  # TEMP until the kernels take it
     )
 
 
 AttentionInterface.register(ATTN_NAME, paged_attention_forward)
 
 
-def install_paged_attention(model: PreTrainedModel) -> None:
+def install_paged_attention(model: PreTrainedModel, pooling: bool = False) -> None:
     """Point every attention layer of ``model`` at the paged attention function (ValueError,
-    naming what is missing, for a model the engine cannot serve: engine/model/architecture.py)."""
-    check_servable(model)
+    naming what is missing, for a model the engine cannot serve: engine/model/architecture.py;
+    ``pooling``: a pooling model, which may be a bidirectional encoder)."""
+    check_servable(model, pooling)
     install_latent_attention(model)  # MLA: absorbed weights over the latent cache
     install_linear_attention(model)  # gated DeltaNet mixers over state slots
     model.set_attn_implementation(ATTN_NAME)

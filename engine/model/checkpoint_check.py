@@ -125,11 +125,12 @@ def stored_shapes(folder: Path) -> dict[str, Shape] | None:
     return shapes
 
 
-def check_checkpoint(folder: Path) -> None:
+def check_checkpoint(folder: Path, auto_class: type = AutoModelForCausalLM) -> None:
     """Refuse the local checkpoint ``folder`` when its config is nonsensical or its safetensors
-    headers do not hold the tensors, and the shapes, the config implies (module docstring);
-    nothing is allocated. A folder without safetensors files (``.bin`` weights) has only its
-    config checked here; ``check_loading_info`` covers it after the load."""
+    headers do not hold the tensors, and the shapes, the config implies (module docstring), as
+    ``auto_class`` builds the model; nothing is allocated. A folder without safetensors files
+    (``.bin`` weights) has only its config checked here; ``check_loading_info`` covers it after
+    the load."""
     where = str(folder / "config.json")
     try:
         raw = json.loads(Path(where).read_text())
@@ -149,7 +150,7 @@ def check_checkpoint(folder: Path) -> None:
     if stored_quantization(config) not in (None, "mxfp4"):
         return  # stored under the quantization's own names and shapes
     try:
-        model = meta_model(config)
+        model = meta_model(config, auto_class)
     except (ArithmeticError, ValueError, TypeError, RuntimeError) as exc:
         raise ValueError(f"{where}: no model can be built from it ({exc})") from None
     missing, unexpected, mismatched = _compare(model, shapes)
@@ -159,13 +160,15 @@ def check_checkpoint(folder: Path) -> None:
     # load; check_loading_info decides
 
 
-def meta_model(config: PretrainedConfig) -> PreTrainedModel:
+def meta_model(
+    config: PretrainedConfig, auto_class: type = AutoModelForCausalLM
+) -> PreTrainedModel:
     """The model of ``config`` with every parameter and buffer on the meta device: created
     there (``torch.device`` as a context), not created on the host and moved, as
     accelerate's ``init_empty_weights`` does, which would ask the allocator for a config's
     absurd sizes first."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto_class.from_config(config, dtype=torch.float32)
     model.tie_weights()  # a tied head shares the embedding (from_pretrained ties at load)
     return model
 

@@ -37,6 +37,12 @@ from transformers import (
 
 from paged_serve.engine.config import cache_root
 from paged_serve.engine.model.checkpoint_check import check_checkpoint, check_loading_info
+from paged_serve.engine.model.model_task import (
+    GENERATE,
+    ModelTask,
+    position_offset,
+    resolve_task,
+)
 from paged_serve.engine.model.quantized_loading import load_quantized, stored_quantization_config
 from paged_serve.engine.model.shard_loading import CPU, load_shard
 from paged_serve.engine.model.stored_quantization import stored_quantization
@@ -66,6 +72,8 @@ class LoadedModel:
     load_seconds: float
     shard: tuple[int, int] | None = None  # (rank, world size): already sharded for that rank
     quantization: str | None = None  # how the checkpoint stores its weights, one line
+    task: ModelTask = GENERATE  # what it is served for (engine/model/model_task.py)
+    path: str | None = None  # the folder (or id) it was read from
 
 
 def default_gguf_path() -> Path:
@@ -185,22 +193,30 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     quantization: str | None = None,
+    runner: str = "auto",
+    convert: str = "auto",
+    hf_overrides: dict[str, object] | None = None,
 ) -> LoadedModel:
     """Load weights and tokenizer (the tokenizer may be absent for token-id-only folders).
     ``quantization`` is ``--quantization``: a checkpoint method it names must be the
     checkpoint's. A checkpoint stored quantized (GPTQ, AWQ, compressed-tensors, FP8) keeps its
-    projections so (engine/model/quantized_loading.py)."""
+    projections so (engine/model/quantized_loading.py). ``runner``, ``convert`` and
+    ``hf_overrides`` (``EngineConfig``'s) decide what it is served for and so which model class
+    loads it (engine/model/model_task.py)."""
     start = time.perf_counter()
     path, name = resolve_model_path(model)
-    _check_local(path)
+    task, auto_class = model_task(path, runner, convert, hf_overrides)
+    _check_local(path, auto_class)
     quant = _checkpoint_quantization(path, quantization)
     if quant is not None:
+        if task.pooling:
+            raise ValueError("checkpoints stored quantized are served for generation only")
         hf_model = load_quantized(path, quant, dtype=dtype, device=device)
         return _loaded(hf_model.eval(), path, name, start, quantization=quant.describe())
     # Placed on ``device`` as it loads (each safetensors shard read straight to it), not built
     # on the host and moved: on a GPU the host never holds the whole model.
     quantized = quantized_checkpoint_options(path)
-    hf_model, info = AutoModelForCausalLM.from_pretrained(
+    hf_model, info = auto_class.from_pretrained(
         path,
         dtype=dtype,
         device_map={"": device},
@@ -210,7 +226,24 @@ def load_model(
     check_loading_info(path, info)  # what transformers renamed, and hub ids, end here
     if quantized:
         _parameters_in(hf_model, dtype)
-    return _loaded(hf_model.eval(), path, name, start)
+    return _loaded(hf_model.eval(), path, name, start, task=task, hf_overrides=hf_overrides)
+
+
+def model_task(
+    path: str, runner: str, convert: str, hf_overrides: dict[str, object] | None
+) -> tuple[ModelTask, type]:
+    """What the checkpoint at ``path`` is served for, its config read with ``hf_overrides``,
+    and the auto class that loads it for that (a config its class cannot take is the
+    ValueError ``check_checkpoint`` words for it)."""
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (ArithmeticError, TypeError) as exc:
+        _check_local(path)  # names the field that is wrong
+        raise ValueError(f"{path}/config.json: {type(exc).__name__}: {exc}") from None
+    for key, value in (hf_overrides or {}).items():
+        setattr(config, key, value)
+    task = resolve_task(config, path, runner, convert)
+    return task, task.auto_class(config)
 
 
 def _parameters_in(model: nn.Module, dtype: torch.dtype) -> None:
@@ -231,11 +264,12 @@ def _checkpoint_quantization(path: str, requested: str | None) -> CheckpointQuan
     return checkpoint_quantization(stored_quantization_config(folder), requested)
 
 
-def _check_local(path: str) -> None:
-    """Check a local checkpoint folder against its config before it is loaded (a ValueError
-    naming what does not match); a hub id is checked after its load."""
+def _check_local(path: str, auto_class: type = AutoModelForCausalLM) -> None:
+    """Check a local checkpoint folder against its config, as ``auto_class`` builds it, before
+    it is loaded (a ValueError naming what does not match); a hub id is checked after its
+    load."""
     if (Path(path) / "config.json").is_file():
-        check_checkpoint(Path(path))
+        check_checkpoint(Path(path), auto_class)
 
 
 def load_model_shard(
@@ -246,13 +280,20 @@ def load_model_shard(
     world_size: int,
     device: torch.device = CPU,
     quantization: str | None = None,
+    runner: str = "auto",
+    convert: str = "auto",
+    hf_overrides: dict[str, object] | None = None,
 ) -> LoadedModel | None:
     """Rank ``rank``'s tensor-parallel shard of ``model`` read from its safetensors files alone,
-    each tensor put on ``device`` as it is read (engine/model/shard_loading.py; a checkpoint
-    stored quantized: engine/model/quantized_loading.py, each projection sliced in its stored
-    layout); None where only the whole model can be read. ``quantization``: as ``load_model``."""
+        each tensor put on ``device`` as it is read (engine/model/shard_loading.py; a checkpoint
+        stored quantized: engine/model/quantized_loading.py, each projection sliced in its stored
+        layout); None where only the whole model can be read (a checkpoint not loaded as a causal LM
+    among them). ``quantization``, ``runner``, ``convert``, ``hf_overrides``: as ``load_model``."""
     start = time.perf_counter()
     path, name = resolve_model_path(model)
+    task, auto_class = model_task(path, runner, convert, hf_overrides)
+    if auto_class is not AutoModelForCausalLM:
+        return None
     _check_local(path)
     shard = (rank, world_size)
     quant = _checkpoint_quantization(path, quantization)
@@ -260,11 +301,13 @@ def load_model_shard(
         hf_model = load_quantized(path, quant, dtype=dtype, device=device, shard=shard)
         if hf_model is None:
             return None
+        if task.pooling:
+            raise ValueError("checkpoints stored quantized are served for generation only")
         return _loaded(hf_model.eval(), path, name, start, shard, quantization=quant.describe())
     hf_model = load_shard(path, rank=rank, world_size=world_size, dtype=dtype, device=device)
     if hf_model is None:
         return None
-    return _loaded(hf_model, path, name, start, shard=shard)
+    return _loaded(hf_model, path, name, start, shard=shard, task=task, hf_overrides=hf_overrides)
 
 
 def _loaded(
@@ -274,15 +317,22 @@ def _loaded(
     start: float,
     shard: tuple[int, int] | None = None,
     quantization: str | None = None,
+    task: ModelTask = GENERATE,
+    hf_overrides: dict[str, object] | None = None,
 ) -> LoadedModel:
     """The loaded model with its tokenizer (absent for token-id-only folders), EOS ids and
-    context length; ``start`` is when loading began (``time.perf_counter``)."""
+    context length; ``start`` is when loading began (``time.perf_counter``). ``hf_overrides``
+    are set on the model's config (a shard's too, so the driver's pooling head reads them)."""
+    for key, value in (hf_overrides or {}).items():
+        setattr(hf_model.config, key, value)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError):
         tokenizer = None
         logger.warning("no tokenizer found at %s: only token-id prompts will work", path)
+    # RoBERTa-style embeddings spend the first positions on padding (model_task.py)
     max_len = int(getattr(hf_model.config, "max_position_embeddings", 0) or 4096)
+    max_len -= position_offset(hf_model)
     return LoadedModel(
         model=hf_model,
         tokenizer=tokenizer,
@@ -292,4 +342,6 @@ def _loaded(
         load_seconds=time.perf_counter() - start,
         shard=shard,
         quantization=quantization,
+        task=task,
+        path=path,
     )

@@ -29,7 +29,7 @@ def prepare_model(model: PreTrainedModel, config: EngineConfig, platform: Platfo
     refused)."""
     if config.quantization in WEIGHT_ONLY_QUANTIZATIONS:
         platform.check_quantization(config.quantization)
-    install_paged_attention(model)
+    install_paged_attention(model, pooling=config.runner == "pooling")
     experts = install_paged_experts(model)  # mixture-of-experts layers: the fused MoE
     if experts:
         logger.info("%d experts modules on the fused mixture-of-experts pass", experts)

@@ -24,6 +24,7 @@ from paged_serve.engine.model.loader import LoadedModel, load_model, load_model_
 from paged_serve.engine.model.prep import prepare_model
 from paged_serve.engine.parallel.group import TensorParallelGroup
 from paged_serve.engine.platform.platform import Platform
+from paged_serve.engine.pooling.pooling_model import PoolingModel
 from paged_serve.engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ def load_for(config: EngineConfig, platform: Platform, rank: int = 0) -> LoadedM
             world_size=world,
             device=platform.device,
             quantization=config.quantization,
+            **task_options(config),
         )
         if shard is not None:
             return shard
@@ -54,10 +56,20 @@ def load_for(config: EngineConfig, platform: Platform, rank: int = 0) -> LoadedM
             dtype=choice.dtype,
             device=torch.device("cpu"),
             quantization=config.quantization,
+            **task_options(config),
         )
     return load_model(
-        config.model, dtype=choice.dtype, device=platform.device, quantization=config.quantization
+        config.model,
+        dtype=choice.dtype,
+        device=platform.device,
+        quantization=config.quantization,
+        **task_options(config),
     )
+
+
+def task_options(config: EngineConfig) -> dict[str, object]:
+    """The loader's options of what the model is served for (engine/model/model_task.py)."""
+    return {"runner": config.runner, "convert": config.convert, "hf_overrides": config.hf_overrides}
 
 
 def context_length(config: EngineConfig, native: int) -> int:
@@ -74,11 +86,13 @@ def build_runner(
     max_model_len: int,
     eos_token_ids: Sequence[int] = (),
     group: Callable[[], TensorParallelGroup | None] = lambda: None,
+    pooling: Callable[[PreTrainedModel], PoolingModel] | None = None,
 ) -> ModelRunner:
     """Prepare ``model`` (loaded, and sharded under tensor parallelism) in place, move it to
     the platform's device and make its runner. ``group`` is called once the model is prepared
     and gives the tensor-parallel group the runner steps with (a worker rank reports itself
-    loaded and joins then); None without tensor parallelism."""
+    loaded and joins then); None without tensor parallelism. ``pooling`` builds a pooling
+    model's pipeline once the model is on its device (the driver's runner pools)."""
     prepare_model(model, config, platform)
     model.to(platform.device)
     return ModelRunner(
@@ -88,4 +102,5 @@ def build_runner(
         max_model_len=max_model_len,
         eos_token_ids=tuple(eos_token_ids),
         tp=group(),
+        pooling=None if pooling is None else pooling(model),
     )

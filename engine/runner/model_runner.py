@@ -9,6 +9,7 @@ CUDA graph instead when ``enable_decode_graphs`` captured one that holds them.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from paged_serve.engine.model.body import ModelBody
 from paged_serve.engine.model.logits_head import LogitsHead
 from paged_serve.engine.platform.host_tensors import to_device
 from paged_serve.engine.platform.platform import Platform
+from paged_serve.engine.pooling.pooler import pool_chunks, pooled_chunks
+from paged_serve.engine.pooling.pooling_model import PoolingModel
 from paged_serve.engine.runner.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
 from paged_serve.engine.runner.prompt_logprobs import (
     PromptScores,
@@ -55,12 +58,15 @@ class LaunchedStep:
     top: tuple[torch.Tensor, torch.Tensor] | None
     prompt_scores: PromptScores | None = None
     failed: dict[str, tuple[int, str]] = field(default_factory=dict)
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
+    pool_states: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def read(self) -> StepResult:
         """Wait for the device and return the step's results as Python values."""
         prompt = self.prompt_scores.read() if self.prompt_scores is not None else {}
         if self.tokens is None or self.logprobs is None:
-            return StepResult([], [], [], [], prompt)
+            pooled = {request_id: row.tolist() for request_id, row in self.pooled.items()}
+            return StepResult([], [], [], [], prompt, pooled=pooled, pool_states=self.pool_states)
         token_ids = self.tokens.tolist()  # the sync
         top: list[list[tuple[int, float]]] = [[] for _ in token_ids]
         if self.top is not None:
@@ -78,6 +84,10 @@ class ModelRunner:
     (``Platform.kv_budget_bytes``) and, where the platform captures them (CUDA with the triton
     backend, unless ``enforce_eager``), decode graphs for batch sizes up to ``max_num_seqs``.
 
+    A pooling model's runner (``pooling``, the driver's; ``config.runner == "pooling"`` on
+    every rank) pools each prompt (``engine/pooling/``) instead of sampling, and captures no
+    decode graph.
+
     With ``tp`` (tensor parallelism) the model is this rank's shard: the KV cache holds the
     local KV heads, its budget is the smallest of all ranks', the driver (rank 0) sends each
     step to the workers before running it, and a worker runs ``run_worker_step``.
@@ -92,9 +102,15 @@ class ModelRunner:
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
         tp: TensorParallelGroup | None = None,
+        pooling: PoolingModel | None = None,
     ):
         self.model = model
         self.tp = tp
+        self.pooling = pooling
+        # what the model's forward takes besides ids and positions (an encoder has no cache)
+        forward_args = inspect.signature(model.base_model.forward).parameters
+        self._use_cache = {"use_cache": False} if "use_cache" in forward_args else {}
+        self._position_offset = 0 if pooling is None else pooling.position_offset
         self.eos_token_ids = eos_token_ids  # blocked while a row is short of its min_tokens
         self.platform = platform
         self.device = device = platform.device
@@ -152,7 +168,8 @@ class ModelRunner:
         self.lm_head = LogitsHead.of(model)
         self.graphs: DecodeGraphs | None = None
         self.platform.prepare_host()
-        if self.platform.captures_decode_graphs(config, self.backend):
+        pools = config.runner == "pooling"
+        if not pools and self.platform.captures_decode_graphs(config, self.backend):
             self._capture_decode_graphs(config.max_num_seqs, max_model_len)
 
     def _capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
@@ -233,8 +250,13 @@ class ModelRunner:
         with attention_context(ctx):
             if self.body is not None:
                 return self.body(input_ids, position_ids)
+            extra = dict(self._use_cache)
+            if inputs.token_type_ids:
+                extra["token_type_ids"] = self._tensor(inputs.token_type_ids, torch.long)[None]
+            if self._position_offset:
+                position_ids = position_ids + self._position_offset
             out = self.model.base_model(
-                input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False
+                input_ids=input_ids[None], position_ids=position_ids[None], **extra
             )
             return out.last_hidden_state[0]
 
@@ -256,9 +278,7 @@ class ModelRunner:
         """The eager forward to hidden states, then the LM head on the sampled rows and, chunk
         by chunk, on the prompt rows being scored."""
         hidden = self.hidden_states(inputs)  # [T, H]
-        return self._sampled_logits(hidden, inputs), score_prompt(
-            hidden, self.lm_head, scoring
-        )
+        return self._sampled_logits(hidden, inputs), score_prompt(hidden, self.lm_head, scoring)
 
     def _forward_logits(self, inputs: StepInputs) -> torch.Tensor | None:
         if self.graphs is not None and self.graphs.holds(inputs):
@@ -285,6 +305,8 @@ class ModelRunner:
             self.tp.send_packed_step(pack_step(message))
         self._copy_blocks(batch.block_copies)
         self._copy_states(batch.state_copies)
+        if self.pooling is not None:
+            return self._pool(batch, inputs)
         rows = sampling_rows(batch)
         draw = self.sampler.begin(rows, self.vocab_size)  # grammar masks fill during the forward
         logits, prompt_scores = self.forward(inputs, plan_prompt_scoring(batch))
@@ -297,6 +319,19 @@ class ModelRunner:
         return LaunchedStep(
             ids, sampled.tokens, sampled.logprobs, sampled.top, prompt_scores, failed
         )
+
+    def _pool(self, batch: ScheduledBatch, inputs: StepInputs) -> LaunchedStep:
+        """A pooling model's step: the forward to hidden states, each prompt chunk pooled, and
+        the answers of the prompts the step completes (``engine/pooling/``)."""
+        chunks = pooled_chunks(batch)
+        pooled, states = pool_chunks(self.hidden_states(inputs), chunks, self.pooling.pooling)
+        answers: dict[str, torch.Tensor] = {}
+        if pooled:
+            params = {c.request_id: c.params for c in chunks}
+            ids = list(pooled)
+            rows = torch.stack([pooled[i] for i in ids])
+            answers = dict(zip(ids, self.pooling.finish(rows, [params[i] for i in ids])))
+        return LaunchedStep([], None, None, None, pooled=answers, pool_states=states)
 
     def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
         if block_copies:

@@ -23,6 +23,8 @@ class StepInputs:
     each of a drafted request's last token and drafts).
     A hybrid model's step also has ``S`` linear-attention ``state_slots`` and ``has_state`` flags
     (0: the sequence's first chunk, which starts from a zero state); empty lists otherwise.
+    ``token_type_ids``: ``T`` segment ids when a pooling request of the step has them (a BERT
+    cross-encoder's pairs), else empty.
     """
 
     input_ids: list[int]
@@ -34,6 +36,7 @@ class StepInputs:
     logit_rows: list[int]
     state_slots: list[int] = field(default_factory=list)
     has_state: list[int] = field(default_factory=list)
+    token_type_ids: list[int] = field(default_factory=list)
 
     @property
     def max_seqlen_q(self) -> int:
@@ -82,6 +85,11 @@ def flatten_step(
             # Pending forks (n > 1) sample their first token from the same logits row.
             logit_rows += [cu[-1] - 1] * group_size(request)
     has_state = [int(s.start > 0) for s in batch.requests] if batch.state_slots else []
+    token_types: list[int] = []
+    if any(s.request.pooling and s.request.pooling.token_type_ids for s in batch.requests):
+        for s in batch.requests:
+            types = s.request.pooling.token_type_ids if s.request.pooling else None
+            token_types += list(types[s.start : s.end]) if types else [0] * s.num_new_tokens
     return StepInputs(
         input_ids,
         positions,
@@ -92,4 +100,5 @@ def flatten_step(
         logit_rows,
         list(batch.state_slots),
         has_state,
+        token_types,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from paged_serve.engine.errors import InvalidRequestError
+from paged_serve.engine.pooling_params import PoolingParams
 from paged_serve.engine.sampling_params import SamplingParams
 from paged_serve.engine.sched.block_manager import BlockManager
 
@@ -65,6 +66,33 @@ def check_request(
         raise ValueError(
             f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) needs {need} KV blocks;"
             f" the cache has {block_manager.num_blocks}"
+        )
+
+
+def check_pooling_request(
+    prompt_token_ids: list[int],
+    params: PoolingParams,
+    *,
+    max_model_len: int,
+    block_manager: BlockManager,
+) -> None:
+    """Raise ValueError if a pooling request can never run: an empty prompt, longer than the
+    context (tokens), segment ids that do not match it, more KV blocks than the pool holds."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("the input is empty")
+    if n > max_model_len:
+        raise ValueError(
+            f"the input has {n} tokens; this model's context is {max_model_len} tokens"
+        )
+    types = params.token_type_ids
+    if types is not None and len(types) != n:
+        raise ValueError(f"{len(types)} token type ids for {n} tokens")
+    need = block_manager.blocks_for(n)
+    if need > block_manager.num_blocks:
+        raise ValueError(
+            f"the input ({n} tokens) needs {need} KV blocks; the cache has "
+            f"{block_manager.num_blocks}"
         )
 
 

@@ -38,7 +38,10 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """True when this chunk reaches the request's last token, so a token is sampled."""
+        """True when this chunk reaches the request's last token, so a token is sampled (a
+        pooling request samples nothing: its prompt is pooled)."""
+        if self.request.pooling is not None:
+            return False
         return self.end - len(self.draft) == self.request.num_tokens
 
 
@@ -86,3 +89,7 @@ class StepResult:
     # Per request id: which of its rows could not sample this step (0, or a drafted row's
     # position: the tokens of the rows before it stand) and why.
     failed: dict[str, tuple[int, str]] = field(default_factory=dict)
+    # Per pooling request id whose prompt this step completed: its answer (an embedding or
+    # label scores, engine/pooling/); per one whose prompt goes on: its pooler's running state.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
+    pool_states: dict[str, object] = field(default_factory=dict)

@@ -60,6 +60,7 @@ class LiveRequest:
         stop_reason: str | int | None = None,
         metrics: RequestMetrics | None = None,
         error: str | None = None,
+        pooled: list[float] | None = None,
     ) -> RequestOutput:
         """This step's output; a ``finish_reason`` makes it the last one (text flushed)."""
         req = self.request
@@ -84,6 +85,7 @@ class LiveRequest:
             metrics=metrics,
             error=error,
             prompt_logprobs=prompt_logprobs,
+            pooled=pooled,
         )
 
 

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from paged_serve.engine.outputs import TokenLogprob
+from paged_serve.engine.pooling_params import PoolingParams
 from paged_serve.engine.sampling_params import SamplingParams
 
 
@@ -60,6 +61,13 @@ class Request:
     # With prompt_logprobs asked: one entry per prompt token scored so far (None for token 0,
     # which has no context); see engine/runner/prompt_logprobs.py.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # A pooling request (engine/pooling/): its prompt is pooled into one row, nothing is
+    # generated. ``pool_state`` is the pooler's running state between prompt chunks (a device
+    # tensor, engine/pooling/pooler.py); ``whole_prompt`` asks every prompt token to be computed
+    # (a pooling that reads each one: no prefix-cache hit may skip any).
+    pooling: PoolingParams | None = None
+    pool_state: object | None = None
+    whole_prompt: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -76,6 +84,12 @@ class Request:
         computes its whole prompt: a cached block has no logits)."""
         scored = self.prompt_logprobs
         return scored is not None and len(scored) < len(self.prompt_token_ids)
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Every prompt token must be computed: prompt logprobs still to score, or a pooling
+        that reads each token's hidden state."""
+        return self.whole_prompt or self.needs_prompt_scoring
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -10,6 +10,10 @@ pool is empty, the most recently admitted running request is preempted: its bloc
 it goes back to the front of the waiting queue to be recomputed later (its outputs so far are
 kept). The oldest request therefore always makes progress, so the loop cannot deadlock as long
 as every request fits in the pool on its own (the engine refuses those that cannot).
+
+With ``whole_prompts`` (a bidirectional encoder, whose every token attends to every other) a
+prompt is admitted only in a step that can run all of it: prompts are never chunked, and a
+request is done in the step that admits it.
 """
 
 from __future__ import annotations
@@ -71,8 +75,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         speculator: DraftSource | None = None,
+        whole_prompts: bool = False,
     ):
         self.block_manager = block_manager
+        self.whole_prompts = whole_prompts
         self.speculator = speculator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -136,9 +142,11 @@ class Scheduler:
                 break
             tokens = request.all_token_ids
             salt = request.cache_salt
-            cached = [] if request.needs_prompt_scoring else bm.cached_prefix(tokens, salt)
+            cached = [] if request.skips_prefix_cache else bm.cached_prefix(tokens, salt)
             start = len(cached) * bm.block_size
             num_new = min(request.num_tokens - start, budget)
+            if self.whole_prompts and num_new < request.num_tokens - start:
+                break  # a bidirectional encoder sees its whole prompt in one pass
             if not bm.can_allocate(start + num_new, cached):
                 break
             self.waiting.popleft()
@@ -199,6 +207,8 @@ class Scheduler:
             bm.commit(req.request_id, tokens, req.num_computed_tokens)
             if req.request_id in result.prompt_logprobs:
                 req.prompt_logprobs += result.prompt_logprobs[req.request_id]
+            if req.pooling is not None:
+                req.pool_state = result.pool_states.get(req.request_id)
         for child in join_forks(batch, bm):
             self.add_running(child)
         return accepted
