@@ -1,0 +1,240 @@
+"""Tiny random-weight pooling checkpoints written to folders, as users ship them: a word-level
+tokenizer (no download), the model's safetensors and, for embedders, a sentence-transformers
+folder. Engine and server tests load them by path."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    BertModel,
+    ModernBertConfig,
+    ModernBertModel,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3ForSequenceClassification,
+    XLMRobertaConfig,
+    XLMRobertaForSequenceClassification,
+    XLMRobertaModel,
+)
+
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "<eos>", "[MASK]"]
+WORDS = SPECIALS + ["yes", "no", "query:", "document:"] + [f"w{i}" for i in range(118)]
+PAD, CLS, SEP, EOS = 0, 2, 3, 4
+
+
+def word_tokenizer(encoder: bool) -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer over ``WORDS``: ``w0 .. w117``, ``yes``, ``no``.
+    An encoder's wraps inputs as BERT does (``[CLS] a [SEP]``, pairs ``[CLS] a [SEP] b [SEP]``
+    with segment ids 0 then 1); a decoder's adds nothing."""
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if encoder:
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]",
+            pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", CLS), ("[SEP]", SEP)],
+        )
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            unk_token="[UNK]",
+            pad_token="[PAD]",
+            cls_token="[CLS]",
+            sep_token="[SEP]",
+            mask_token="[MASK]",
+            model_max_length=512,
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="<eos>"
+    )
+
+
+def sentence_transformers_folder(
+    folder: Path,
+    width: int,
+    pooling: str,
+    *,
+    normalize: bool = True,
+    dense: int | None = None,
+    prompts: dict[str, str] | None = None,
+    max_seq_length: int | None = None,
+) -> None:
+    """Write a sentence-transformers pipeline beside a transformer's files in ``folder``:
+    ``pooling`` in sentence-transformers' old flag style (``mean_tokens``, ``cls_token``,
+    ``lasttoken``, ``max_tokens``), an optional Dense layer to ``dense`` lanes (tanh), then
+    Normalize."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}
+    ]
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    config = {"word_embedding_dimension": width, f"pooling_mode_{pooling}": True}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(config))
+    modules.append(
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}
+    )
+    if dense is not None:
+        from safetensors.torch import save_file
+
+        path = folder / "2_Dense"
+        path.mkdir(exist_ok=True)
+        linear = torch.nn.Linear(width, dense)
+        save_file(
+            {"linear.weight": linear.weight.detach(), "linear.bias": linear.bias.detach()},
+            str(path / "model.safetensors"),
+        )
+        dense_config = {
+            "in_features": width,
+            "out_features": dense,
+            "bias": True,
+            "activation_function": "torch.nn.modules.activation.Tanh",
+        }
+        (path / "config.json").write_text(json.dumps(dense_config))
+        modules.append(
+            {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+        )
+    if normalize:
+        (folder / "3_Normalize").mkdir(exist_ok=True)
+        modules.append(
+            {
+                "idx": 3,
+                "name": "3",
+                "path": "3_Normalize",
+                "type": "sentence_transformers.models.Normalize",
+            }
+        )
+    (folder / "modules.json").write_text(json.dumps(modules))
+    st_config = {
+        "prompts": prompts or {},
+        "default_prompt_name": None,
+        "similarity_fn_name": "cosine",
+    }
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(st_config))
+    if max_seq_length is not None:
+        bert_config = {"max_seq_length": max_seq_length, "do_lower_case": False}
+        (folder / "sentence_bert_config.json").write_text(json.dumps(bert_config))
+
+
+def _save(model: PreTrainedModel, folder: Path, encoder: bool) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    word_tokenizer(encoder).save_pretrained(folder)
+    return folder
+
+
+def _qwen3_config(**extra: object) -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=len(WORDS),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        **extra,
+    )
+
+
+def _bert_config(config_class: type = BertConfig, **extra: object) -> object:
+    settings = {
+        "vocab_size": len(WORDS),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 128,
+        "pad_token_id": PAD,
+        **extra,
+    }
+    return config_class(**settings)
+
+
+def qwen3_embedder(folder: Path, pooling: str = "lasttoken", seed: int = 0, **st: object) -> Path:
+    """A Qwen3 causal LM with a sentence-transformers folder (Qwen3-Embedding's shape)."""
+    torch.manual_seed(seed)
+    _save(Qwen3ForCausalLM(_qwen3_config()), folder, encoder=False)
+    sentence_transformers_folder(folder, 64, pooling, **st)
+    return folder
+
+
+def bert_embedder(folder: Path, pooling: str = "mean_tokens", seed: int = 0, **st: object) -> Path:
+    """A BertModel with a sentence-transformers folder (all-MiniLM's shape)."""
+    torch.manual_seed(seed)
+    _save(BertModel(_bert_config(), add_pooling_layer=False), folder, encoder=True)
+    sentence_transformers_folder(folder, 64, pooling, **st)
+    return folder
+
+
+def xlm_roberta_embedder(folder: Path, pooling: str = "cls_token", seed: int = 0) -> Path:
+    """An XLMRobertaModel with CLS pooling (bge-m3's shape)."""
+    torch.manual_seed(seed)
+    config = _bert_config(XLMRobertaConfig, max_position_embeddings=130, pad_token_id=1)
+    _save(XLMRobertaModel(config, add_pooling_layer=False), folder, encoder=True)
+    sentence_transformers_folder(folder, 64, pooling)
+    return folder
+
+
+def modernbert_embedder(folder: Path, pooling: str = "mean_tokens", seed: int = 0) -> Path:
+    """A ModernBertModel (global and local attention layers) with mean pooling."""
+    torch.manual_seed(seed)
+    config = ModernBertConfig(
+        vocab_size=len(WORDS),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        global_attn_every_n_layers=2,
+        local_attention=8,
+        pad_token_id=PAD,
+        cls_token_id=CLS,
+        sep_token_id=SEP,
+    )
+    _save(ModernBertModel(config), folder, encoder=True)
+    sentence_transformers_folder(folder, 64, pooling)
+    return folder
+
+
+def bert_cross_encoder(folder: Path, seed: int = 0) -> Path:
+    """A BERT cross-encoder (one label, sentence-transformers' CrossEncoder shape): segment ids
+    tell the query from the document."""
+    torch.manual_seed(seed)
+    config = _bert_config(num_labels=1, type_vocab_size=2)
+    return _save(BertForSequenceClassification(config), folder, encoder=True)
+
+
+def xlm_roberta_cross_encoder(folder: Path, seed: int = 0) -> Path:
+    """An XLM-RoBERTa cross-encoder (bge-reranker-v2-m3's shape)."""
+    torch.manual_seed(seed)
+    config = _bert_config(
+        XLMRobertaConfig, num_labels=1, max_position_embeddings=130, pad_token_id=1
+    )
+    return _save(XLMRobertaForSequenceClassification(config), folder, encoder=True)
+
+
+def qwen3_classifier(folder: Path, num_labels: int = 3, seed: int = 0) -> Path:
+    """A Qwen3ForSequenceClassification scoring the last token."""
+    torch.manual_seed(seed)
+    labels = {i: f"label_{i}" for i in range(num_labels)}
+    config = _qwen3_config(num_labels=num_labels, id2label=labels)
+    return _save(Qwen3ForSequenceClassification(config), folder, encoder=False)
+
+
+def qwen3_reranker(folder: Path, seed: int = 0) -> Path:
+    """A Qwen3 causal LM scored from its "yes"/"no" logits (Qwen3-Reranker's shape; served with
+    vLLM's ``--hf-overrides '{"classifier_from_token": ["no", "yes"]}'``)."""
+    torch.manual_seed(seed)
+    return _save(Qwen3ForCausalLM(_qwen3_config()), folder, encoder=False)
+
+
+RERANKER_OVERRIDES = {"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
