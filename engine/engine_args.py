@@ -9,8 +9,16 @@ every entry point can import it without loading the engine.
 from __future__ import annotations
 
 import argparse
+import json
 
-from paged_serve.engine.config import ATTENTION_BACKENDS, DTYPES, QUANTIZATIONS, EngineConfig
+from paged_serve.engine.config import (
+    ATTENTION_BACKENDS,
+    CONVERTS,
+    DTYPES,
+    QUANTIZATIONS,
+    RUNNERS,
+    EngineConfig,
+)
 from paged_serve.engine.spec.config import SpeculativeConfig
 
 
@@ -45,6 +53,30 @@ def add_engine_args(parser: argparse.ArgumentParser) -> dict[str, argparse._Argu
         "from a full-precision checkpoint (faster decoding at low concurrency, tokens that "
         "differ from the unquantized model's: int8 one scale per row, int4 4-bit codes with a "
         "scale and offset per 32 inputs, as llama.cpp's Q4_1)",
+    )
+    model.add_argument(
+        "--runner",
+        default="auto",
+        choices=RUNNERS,
+        help="generate: text generation; pooling: embeddings, classification, scores and "
+        "rerank (auto: pooling for encoders, *ForSequenceClassification and sentence-"
+        "transformers folders, generate for other causal LMs)",
+    )
+    model.add_argument(
+        "--convert",
+        default="auto",
+        choices=CONVERTS,
+        help="what a pooling model answers: embed (embeddings) or classify (label scores, "
+        "cross-encoder scores); auto: classify for a classifier, else embed",
+    )
+    model.add_argument(
+        "--hf-overrides",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="config fields set over config.json, e.g. '{\"is_matryoshka\": true}' or "
+        '\'{"classifier_from_token": ["no", "yes"]}\' (a Qwen3-Reranker scored from its yes/no '
+        "logits)",
     )
     model.add_argument("--device", default="auto")
     model.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
@@ -156,6 +188,17 @@ def _speculative_config(text: str) -> SpeculativeConfig | str | None:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _json_object(text: str) -> dict[str, object]:
+    """``--hf-overrides``: a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig keyword arguments from the parsed shared flags."""
     return dict(
@@ -178,4 +221,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_pending_grammar_compiles=args.max_pending_grammar_compiles,
         grammar_fill_timeout_s=args.grammar_fill_timeout,
         speculative_config=args.speculative_config,
+        runner=args.runner,
+        convert=args.convert,
+        hf_overrides=args.hf_overrides,
     )
