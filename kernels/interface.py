@@ -103,10 +103,27 @@ class WriteKv(Protocol):
 class PagedAttention(Protocol):
     """Attention of ragged query chunks over the paged cache: ``[T, Hq, D]`` in q's dtype.
     ``max_seqlen_q`` / ``max_seqlen_k``: the step's longest query chunk and context (tokens);
-    ``sliding_window``: each query sees its ``w`` most recent positions; ``softcap`` c: each
-    score ``s`` (scaled) becomes ``c * tanh(s / c)`` before the mask (Gemma 2); ``sinks``:
-    ``[Hq]`` fp32 logits, one per query head, that join each row's softmax denominator and
-    attend to nothing (gpt-oss)."""
+    ``softcap`` c: each score ``s`` (scaled) becomes ``c * tanh(s / c)`` before the mask
+    (Gemma 2); ``sinks``: ``[Hq]`` fp32 logits, one per query head, that join each row's
+    softmax denominator and attend to nothing (gpt-oss).
+
+    Which keys a query sees: of the keys of its own sequence, at positions ``k`` in
+    ``[0, seq_len)``, the query at position ``q`` (token ``i`` of a chunk of ``q_len`` sits at
+    ``seq_len - q_len + i``) sees, with ``sliding_window`` w or without one:
+
+    ===========================  ===================  =====================
+    ``causal``                   no window            window ``w``
+    ===========================  ===================  =====================
+    True (decoders)              ``k <= q``           ``q - w < k <= q``
+    False (encoders)             every ``k``          ``|k - q| < w``
+    ===========================  ===================  =====================
+
+    ``causal=False`` serves bidirectional encoders (BERT, XLM-RoBERTa, ModernBERT, Nomic BERT),
+    whose whole prompt is one chunk (``q_len == seq_len``). Its window is ModernBERT's local
+    attention: the layer passes ``w = local_attention // 2 + 1`` and Hugging Face keeps
+    ``|q - k| <= local_attention // 2`` (transformers' ``sliding_window_bidirectional_overlay``),
+    the same keys. A decode row (``q_len`` 1, at ``seq_len - 1``) sees the same keys either way.
+    """
 
     def __call__(
         self,
@@ -123,6 +140,7 @@ class PagedAttention(Protocol):
         sliding_window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        causal: bool = True,
     ) -> torch.Tensor: ...
 
 

@@ -15,7 +15,8 @@ Shared conventions (the kernels follow them exactly):
   ``cu_seqlens_q [S + 1]`` gives each sequence's slice. ``seq_lens [S]`` is each sequence's
   context length *including* the new tokens, so the ``i``-th of ``q_len`` new tokens sits at
   position ``seq_len - q_len + i`` and attends to every key at a position ``<=`` its own
-  (causal inside the chunk, full over the cached prefix).
+  (causal inside the chunk, full over the cached prefix); with ``causal=False`` (encoders) to
+  every key of its sequence, positions ``[0, seq_len)``.
 * GQA: query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)`` (HF's repeat_kv).
 * Sampling keeps a token when it passes all of top-k, top-p and min-p, defined on the
   temperature-scaled distribution ``p = softmax(logits / temperature)``:
@@ -55,13 +56,17 @@ def paged_attention_ref(
     max_seqlen_k: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Attention of ragged query chunks over the paged KV cache, in fp32, one sequence at a time.
 
     q: ``[T, Hq, D]``; k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``;
     block_tables: ``[S, max_blocks]`` int32; seq_lens: ``[S]`` int32 (context incl. new tokens);
-    cu_seqlens_q: ``[S + 1]`` int32. ``sliding_window`` w (if set) limits each query to the
-    ``w`` most recent positions (its own included), as HF's Mistral does.
+    cu_seqlens_q: ``[S + 1]`` int32. The query at position ``q`` sees the keys ``k <= q`` of its
+    sequence; ``sliding_window`` w (if set) limits it to the ``w`` most recent of them
+    (``k > q - w``, its own included), as HF's Mistral does. ``causal=False`` (bidirectional
+    encoders): it sees every key ``k`` in ``[0, seq_len)``, and with a window those with
+    ``|k - q| < w`` (ModernBERT's local attention, ``w = local_attention // 2 + 1``).
     ``max_seqlen_q`` / ``max_seqlen_k`` are accepted for interface parity with the kernel.
     ``softcap`` c replaces each scaled score ``s`` by ``c * tanh(s / c)`` before masking (Gemma
     2); ``sinks [Hq]`` adds ``exp(sink_h)`` to each row's softmax denominator, a logit that
@@ -87,9 +92,7 @@ def paged_attention_ref(
             scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - (last - first), seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        allowed = k_pos <= q_pos
-        if sliding_window is not None:
-            allowed &= k_pos > q_pos - sliding_window
+        allowed = _allowed_keys(q_pos, k_pos, sliding_window, causal)
         scores = scores.masked_fill(~allowed, float("-inf"))
         if sinks is not None:  # one more column per head, dropped after the softmax
             sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
@@ -98,6 +101,21 @@ def paged_attention_ref(
             probs = torch.softmax(scores, dim=-1)
         out[first:last] = (probs @ v.transpose(0, 1)).transpose(0, 1)
     return out.to(q.dtype)
+
+
+def _allowed_keys(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None, causal: bool
+) -> torch.Tensor:
+    """``[Lq, L]`` bool: which key positions ``k_pos [1, L]`` each query position ``q_pos
+    [Lq, 1]`` sees (``paged_attention_ref``'s rule)."""
+    if causal:
+        allowed = k_pos <= q_pos
+        if sliding_window is not None:
+            allowed &= k_pos > q_pos - sliding_window
+        return allowed
+    if sliding_window is None:
+        return torch.ones(q_pos.shape[0], k_pos.shape[1], dtype=torch.bool, device=q_pos.device)
+    return (k_pos - q_pos).abs() < sliding_window
 
 
 def mla_attention_ref(

@@ -139,8 +139,8 @@ def _mla_attention_kernel(
         q_lat = q_lat.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
 
-    kv_lo, kv_hi, tile_begin, tile_end = _key_tiles(
-        seq_len, q_len, tile_tok0, split, num_kv_splits, 0, TOKENS_PER_TILE, TILE_N, False
+    kv_lo, kv_hi, tile_begin, tile_end = _key_tiles(  # no window (False), causal (True)
+        seq_len, q_len, tile_tok0, split, num_kv_splits, 0, TOKENS_PER_TILE, TILE_N, False, True
     )
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -20,6 +20,10 @@ in tiles of ``TILE_N`` positions, keeping an online softmax (running max ``m``, 
   free or poisoned (NaN) cache slots and stale block-table entries cannot reach the result.
   Loaded keys are masked to ``-inf`` where causal (``key_pos > query_pos``) or outside the
   sliding window; rows that have seen no key yet keep ``m = -inf`` without producing NaN.
+* **Causality** is a compile-time switch (``CAUSAL``). Causal, a query tile reads keys up to
+  its last query's position (``[q_lo - w + 1, q_hi]`` with a window ``w``); not causal
+  (bidirectional encoders), up to ``seq_len`` (``[q_lo - w + 1, q_hi + w)`` with a window,
+  where a key is seen when ``|key_pos - query_pos| < w``), clipped to ``[0, seq_len)``.
 * **Head dims** that are not powers of two (80, 96) are padded to the next power of two with
   masked loads; the padded lanes are zero so they add nothing to ``q . k``.
 
@@ -61,10 +65,10 @@ Layout
 ------
 The kernel is built from ``@triton.jit`` helpers, which Triton inlines (the same PTX as one
 long body): ``_locate_q_tile`` (the binary search), ``_key_tiles`` (the split's run of key
-tiles), ``_load_kv_tile`` (one gathered K/V tile), ``_attend_key_tile`` (the masked scores of
-a tile, then ``_online_softmax_step``) and ``_store_rows`` (the normalised rows, or a split's
-partials and, with the fused merge, the last split's ``_merge_partials``); ``merge_splits``
-launches the reduce. The launcher checks its inputs with
+tiles), ``_load_kv_tile`` (one gathered K/V tile), ``_attend_key_tile`` (the scores of a tile,
+masked by ``_allowed_keys``, then ``_online_softmax_step``) and ``_store_rows`` (the normalised
+rows, or a split's partials and, with the fused merge, the last split's ``_merge_partials``);
+``merge_splits`` launches the reduce. The launcher checks its inputs with
 ``kernels/triton/attention_checks.py``, which returns the sizes as an ``AttentionShapes``
 record, and takes every launch setting -- grids, compile-time arguments, warps -- from the
 frozen ``AttentionLaunch`` that :func:`attention_launch` builds (``ci/aot_compile.py`` compiles
@@ -139,12 +143,19 @@ def _key_tiles(
     TOKENS_PER_TILE: tl.constexpr,
     TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):
-    """``(kv_lo, kv_hi, first, end)``: the query tile needs keys ``[kv_lo, kv_hi)`` (causal,
-    windowed; ``kv_lo`` a multiple of ``TILE_N``), and this split walks key tiles
-    ``[first, end)`` of them, one contiguous run of ``cdiv(tiles, num_kv_splits)`` tiles."""
+    """``(kv_lo, kv_hi, first, end)``: the query tile needs keys ``[kv_lo, kv_hi)`` (up to its
+    last query's position when ``CAUSAL``, else to ``seq_len``; windowed; ``kv_lo`` a multiple
+    of ``TILE_N``), and this split walks key tiles ``[first, end)`` of them, one contiguous run
+    of ``cdiv(tiles, num_kv_splits)`` tiles."""
     last_tok = tl.minimum(q_len, tile_tok0 + TOKENS_PER_TILE) - 1
     kv_hi = seq_len - q_len + last_tok + 1
+    if not CAUSAL:  # keys after the queries too: |k - q| < w reaches q_hi + w - 1
+        if USE_WINDOW:
+            kv_hi = tl.minimum(kv_hi - 1 + sliding_window, seq_len)
+        else:
+            kv_hi = seq_len
     if USE_WINDOW:
         kv_lo = tl.maximum(seq_len - q_len + tile_tok0 - sliding_window + 1, 0)
         kv_lo = (kv_lo // TILE_N) * TILE_N
@@ -208,10 +219,11 @@ def _attend_key_tile(
     acc,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step over a key tile: ``(m_i, l_i, acc)`` updated with the scores
-    ``q . k`` (log2 units) of the keys each row may see (causal, in the window). With
+    ``q . k`` (log2 units) of the keys each row may see (``_allowed_keys``). With
     ``USE_SOFTCAP`` a score is ``c * tanh(scale * q.k / c)``: ``softcap_in = scale / c``,
     ``softcap_out = c * log2(e)``."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -221,11 +233,27 @@ def _attend_key_tile(
         s = (1.0 - 2.0 / (e2x + 1.0)) * softcap_out
     else:
         s = s * scale_log2
-    allowed = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
-    if USE_WINDOW:
-        allowed = allowed & (offs_n[None, :] > q_pos[:, None] - sliding_window)
+    allowed = _allowed_keys(offs_n, n_valid, q_pos, sliding_window, USE_WINDOW, CAUSAL)
     s = tl.where(allowed, s, float("-inf"))
     return _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+
+
+@triton.jit
+def _allowed_keys(
+    offs_n, n_valid, q_pos, sliding_window, USE_WINDOW: tl.constexpr, CAUSAL: tl.constexpr
+):
+    """``[rows, TILE_N]`` (``[1, TILE_N]`` when no row differs): which loaded keys
+    (positions ``offs_n``) each row's query (position ``q_pos``) sees. ``CAUSAL``: ``k <= q``,
+    and ``k > q - w`` with a window; else every key, and ``|k - q| < w`` with a window."""
+    allowed = n_valid[None, :]
+    if CAUSAL:
+        allowed = allowed & (offs_n[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            allowed = allowed & (offs_n[None, :] > q_pos[:, None] - sliding_window)
+    elif USE_WINDOW:
+        distance = offs_n[None, :] - q_pos[:, None]
+        allowed = allowed & (distance < sliding_window) & (distance > -sliding_window)
+    return allowed
 
 
 @triton.jit
@@ -382,6 +410,7 @@ def _paged_attention_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
+    CAUSAL: tl.constexpr,
     SPLIT: tl.constexpr,
     MERGE: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -420,7 +449,7 @@ def _paged_attention_kernel(
     # -- this split's run of key tiles, one online-softmax step each
     kv_lo, kv_hi, tile_begin, tile_end = _key_tiles(
         seq_len, q_len, tile_tok0, split, num_kv_splits, sliding_window,
-        TOKENS_PER_TILE, TILE_N, USE_WINDOW,
+        TOKENS_PER_TILE, TILE_N, USE_WINDOW, CAUSAL,
     )  # fmt: skip
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -435,7 +464,7 @@ def _paged_attention_kernel(
         )  # fmt: skip
         m_i, l_i, acc = _attend_key_tile(
             q, k, v, offs_n, n_valid, q_pos, sliding_window, scale_log2, softcap_in, softcap_out,
-            m_i, l_i, acc, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION,
+            m_i, l_i, acc, USE_WINDOW, USE_SOFTCAP, CAUSAL, DOT_PRECISION,
         )  # fmt: skip
     if USE_SINKS and not SPLIT:  # (split-KV: the merge adds the sink once)
         # the head's sink logit joins the denominator like a key whose value is zero
@@ -545,6 +574,7 @@ class AttentionLaunch:
     the partials (one launch, ``num_tickets`` counters) instead of the reduce kernel. Launches
     with prefill chunks, where splits are never chosen automatically, keep the reduce: folded
     in, the merge made the head-dim-256 prefill builds spill on sm_90 (``ci/aot_compile.py``).
+    ``causal``: the kernel's ``CAUSAL`` (False: bidirectional encoders).
     """
 
     shapes: AttentionShapes
@@ -557,6 +587,7 @@ class AttentionLaunch:
     use_softcap: bool = False
     use_sinks: bool = False
     fuse_merge: bool = True
+    causal: bool = True
 
     @property
     def split(self) -> bool:
@@ -597,6 +628,7 @@ class AttentionLaunch:
             USE_WINDOW=self.use_window,
             USE_SOFTCAP=self.use_softcap,
             USE_SINKS=self.use_sinks,
+            CAUSAL=self.causal,
             SPLIT=self.split,
             MERGE=self.merge_in_kernel,
             DOT_FP32=self.dot_fp32,
@@ -621,9 +653,11 @@ def attention_launch(
     sinks: bool = False,
     num_sms: int = REFERENCE_SMS,
     fuse_merge: bool = True,
+    causal: bool = True,
 ) -> AttentionLaunch:
     """The launch settings of one call (``num_kv_splits=None``: :func:`choose_num_kv_splits`
-    for a GPU of ``num_sms`` multiprocessors; ``fuse_merge``: as ``AttentionLaunch``).
+    for a GPU of ``num_sms`` multiprocessors; ``fuse_merge``, ``causal``: as
+    ``AttentionLaunch``).
 
     A fixed function of the shapes, dtype and arguments, never of tensor contents.
     """
@@ -652,6 +686,7 @@ def attention_launch(
         use_softcap=softcap is not None,
         use_sinks=sinks,
         fuse_merge=fuse_merge,
+        causal=causal,
     )
 
 
@@ -720,6 +755,7 @@ def paged_attention(
     workspace: torch.Tensor | None = None,
     fuse_merge: bool = True,
     tickets: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Attention of ragged query chunks over the paged KV cache; see ``paged_attention_ref``.
 
@@ -728,7 +764,8 @@ def paged_attention(
     tokens); cu_seqlens_q: ``[S + 1]`` int32. ``max_seqlen_q`` / ``max_seqlen_k`` must be the
     true maxima (they size the launch; they are not checked against the device tensors).
     ``softcap`` (> 0) and ``sinks`` (``[Hq]``, any float dtype, on q's device) as in
-    ``kernels/interface.py``.
+    ``kernels/interface.py``. ``causal=False``: each query sees every key of its sequence
+    (with ``sliding_window`` w, those within ``|k - q| < w``), as ``kernels/interface.py``.
     ``num_kv_splits``: split-KV factor, None = :func:`choose_num_kv_splits`. ``out``: optional
     ``[T, Hq, D]`` output in q's dtype. ``workspace``: optional contiguous fp32 scratch of at
     least :func:`workspace_numel` elements for split-KV (allocated here when omitted).
@@ -757,6 +794,8 @@ def paged_attention(
     sinks = check_sinks(sinks, shapes, q.device)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0, got {softcap}")
+    if not isinstance(causal, bool):  # a mask tensor or None here is a caller's mistake
+        raise ValueError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     out = check_out(out, q)
     if shapes.num_tokens == 0 or shapes.num_seqs == 0 or max_seqlen_q == 0:
         return out
@@ -771,6 +810,7 @@ def paged_attention(
         sinks=sinks is not None,
         num_sms=multiprocessor_count(q.device),
         fuse_merge=fuse_merge,
+        causal=causal,
     )
     if launch.split:
         part_out, part_lse = _partials(workspace, shapes, launch.num_kv_splits, q.device)

@@ -8,7 +8,8 @@ Under the interpreter (CPU) the cases below are a covering subset -- every value
 appears at least once: batch sizes 1/3/7; (Hq, Hkv) (4,4), (8,2), (9,3), (16,2); head dims
 64/80/128; block sizes 16/32; contexts 1, bs-1, bs, bs+1 and ragged; decode-only, prefill-only
 and mixed batches; split-KV off, explicit and automatic; sliding window; fp32 and fp16. The
-cartesian grid (plus 32/8 heads, head dims 96/256, contexts to 8k, bf16) runs on CUDA only.
+non-causal (encoder) cases add head dims 96 and bf16. The cartesian grid (plus 32/8 heads, head
+dims 96/256, contexts to 8k, bf16) runs on CUDA only.
 """
 
 from __future__ import annotations
@@ -59,9 +60,12 @@ def _check(
     dtype: torch.dtype,
     num_kv_splits: int | None = None,
     sliding_window: int | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     head_dim = batch.q.shape[-1]
-    kwargs = dict(batch.kwargs(), scale=head_dim**-0.5, sliding_window=sliding_window)
+    kwargs = dict(
+        batch.kwargs(), scale=head_dim**-0.5, sliding_window=sliding_window, causal=causal
+    )
     out = paged_attention(
         batch.q, batch.k_cache, batch.v_cache, num_kv_splits=num_kv_splits, **kwargs
     )
@@ -126,6 +130,53 @@ def test_matches_reference(
         device=device,
     )
     _check(batch, dtype=dtype, num_kv_splits=num_kv_splits, sliding_window=sliding_window)
+
+
+# Encoders: every sequence's whole prompt in one chunk (q_len None), lengths 17, 1, 37, 15 at
+# block size 16. A window of 5 cuts both sides of most queries; fp32's 16-key tiles and 16-token
+# query tiles (GQA 4) make a tile's key range start past 0 and end before seq_len.
+PROMPTS_4 = [(None, BS_P1), (None, ONE), (None, (2, 5)), (None, BS_M1)]
+CHUNKS_3 = [(5, (2, 0)), (None, BS_P1), (3, (1, 3))]  # (the semantics hold over a prefix too)
+NONCAUSAL_CASES = [
+    # id, seqs, (Hq, Hkv), head_dim, block_size, dtype, num_kv_splits, sliding_window
+    ("prompts-4", PROMPTS_4, (8, 2), 80, 16, torch.float32, None, None),
+    ("prompts-4-window", PROMPTS_4, (8, 2), 96, 16, torch.float32, None, 5),
+    ("prompts-4-bf16", PROMPTS_4, (4, 4), 96, 16, torch.bfloat16, None, None),
+    ("prompts-4-bf16-window", PROMPTS_4, (9, 3), 80, 16, torch.bfloat16, None, 9),
+    ("prompts-3-window-split2", PROMPTS_4[1:], (8, 2), 64, 32, torch.float32, 2, 7),
+    ("chunks-over-prefix", CHUNKS_3, (8, 2), 64, 16, torch.float32, None, None),
+    # one-token sequences only: the decode-only launch, split and merged in the kernel
+    ("one-token-split2", [(1, (2, 3)), (None, ONE), (1, BS)], (8, 2), 64, 16, torch.float32, 2, 4),
+]
+
+
+@pytest.mark.parametrize(
+    "spec,heads,head_dim,block_size,dtype,num_kv_splits,sliding_window",
+    [c[1:] for c in NONCAUSAL_CASES],
+    ids=[c[0] for c in NONCAUSAL_CASES],
+)
+def test_non_causal_matches_reference(
+    paged_batch, device, spec, heads, head_dim, block_size, dtype, num_kv_splits, sliding_window
+):
+    """``causal=False`` (bidirectional encoders): every query sees its whole sequence, or the
+    keys within ``|k - q| < w``. Where a sequence has more than one query, that differs from
+    causal attention; a one-token sequence's query sees the same keys either way."""
+    batch = paged_batch(
+        _seqs(spec, block_size),
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        device=device,
+    )
+    checks = dict(dtype=dtype, num_kv_splits=num_kv_splits, sliding_window=sliding_window)
+    out = _check(batch, causal=False, **checks)
+    causal = _check(batch, **checks)
+    if batch.max_seqlen_q == 1:
+        assert torch.equal(out, causal)
+    else:
+        assert not torch.allclose(out.float(), causal.float(), atol=0.1, rtol=0.1)
 
 
 SCORE_CASES = [
@@ -390,6 +441,7 @@ BAD_INPUTS = {
     "cu-seqlens-shape": lambda a, k: _replace(a, k, cu_seqlens_q=k["cu_seqlens_q"][:2]),
     "table-too-small": lambda a, k: _replace(a, k, max_seqlen_k=33),
     "bad-window": lambda a, k: _replace(a, k, sliding_window=0),
+    "causal-not-bool": lambda a, k: _replace(a, k, causal=None),
     "bad-splits": lambda a, k: _replace(a, k, num_kv_splits=0),
     "out-dtype": lambda a, k: _replace(a, k, out=a[0].new_zeros(3, 8, 64).half()),
     "small-workspace": lambda a, k: _replace(a, k, num_kv_splits=2, workspace=a[0].new_zeros(10)),

@@ -109,6 +109,54 @@ def test_softcap_and_sinks_match_naive_loop(paged_batch, softcap, with_sinks: bo
     assert not torch.allclose(out, plain, atol=1e-3)  # the case is one where they matter
 
 
+def _dense_context(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[Hkv, seq_len, D]``: a sequence's cached tokens, position by position."""
+    block_size = cache.shape[1]
+    rows = [cache[int(table[j // block_size]), j % block_size] for j in range(seq_len)]
+    return torch.stack(rows).transpose(0, 1)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 1, 3])
+def test_non_causal_ref_matches_sdpa_per_sequence(paged_batch, sliding_window):
+    """``causal=False``: each sequence's queries against all its keys, as torch's SDPA computes
+    it without a causal mask (with a window, the explicit mask ``|i - j| < w`` over positions):
+    whole prompts of lengths off the block size, a one-token prompt, a chunk over a prefix."""
+    seqs = [(6, 6), (1, 1), (9, 9), (3, 11)]
+    batch = paged_batch(
+        seqs,
+        num_q_heads=6,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    kwargs = dict(batch.kwargs(), scale=0.25, sliding_window=sliding_window)
+    out = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, causal=False, **kwargs)
+    cu = batch.cu_seqlens_q.tolist()
+    for s, seq_len in enumerate(batch.seq_lens.tolist()):
+        table = batch.block_tables[s]
+        k = _dense_context(batch.k_cache, table, seq_len).double().repeat_interleave(3, 0)
+        v = _dense_context(batch.v_cache, table, seq_len).double().repeat_interleave(3, 0)
+        q = batch.q[cu[s] : cu[s + 1]].double().transpose(0, 1)  # [Hq, Lq, D]
+        mask = None
+        if sliding_window is not None:
+            q_pos = torch.arange(seq_len - q.shape[1], seq_len)[:, None]
+            mask = (torch.arange(seq_len)[None, :] - q_pos).abs() < sliding_window
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=False, scale=0.25
+        )
+        got = out[cu[s] : cu[s + 1]].double().transpose(0, 1)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    causal = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, **kwargs)
+    one_token = slice(cu[1], cu[2])
+    assert torch.equal(out[one_token], causal[one_token])  # it sees its one key either way
+    if sliding_window == 1:  # the query's own key alone, causal or not
+        assert torch.equal(out, causal)
+    else:
+        assert not torch.allclose(out, causal, atol=1e-2)
+
+
 def test_write_kv_ref_matches_naive_loop():
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(3, 4, 2, 8, generator=gen)

@@ -24,6 +24,12 @@ so fp32 greedy tokens still equal HF's: tests/engine/test_greedy_equality.py). A
 row alone stays on the plan, so that it keeps HF's own bf16 tokens. Steps with a prefill chunk
 run the plan for every row. Every step's K/V write goes through the kernel's ``write_kv`` (a
 ``memcpy`` a row, bit-exact) when the tensors suit it.
+
+A non-causal step (``causal=False``, bidirectional encoders) is planned without the causal
+mask, and the plan is keyed on ``causal`` too. When every sequence of such a step is one token
+long, that token sits at its sequence's last position and sees the same keys causal or not, so
+the C kernel, which attends a row over its whole context (the latest ``w`` with a window),
+takes it alike.
 """
 
 from __future__ import annotations
@@ -81,9 +87,11 @@ class PlannedTorchAttention:
         max_seqlen_k: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        causal: bool = True,
     ) -> torch.Tensor:
         """As ``paged_attention_ref``: ``q [T, Hq, D]`` over the paged cache, the math in q's
-        dtype (fp32 in the C kernel, which decode-only steps take: ``_decodes_in_place``)."""
+        dtype (fp32 in the C kernel, which decode-only steps take: ``_decodes_in_place``).
+        ``causal=False``: each query sees its whole sequence (``kernels/interface.py``)."""
         plain = softcap is None and sinks is None  # the C kernel has neither
         if plain and self._decodes_in_place(q, k_cache, v_cache, seq_lens):
             return self.decode_kernel.attend(
@@ -95,7 +103,7 @@ class PlannedTorchAttention:
                 scale=scale,
                 sliding_window=sliding_window,
             )
-        key = (cu_seqlens_q, seq_lens, block_tables, q.shape[0], sliding_window)
+        key = (cu_seqlens_q, seq_lens, block_tables, q.shape[0], sliding_window, causal)
         if self._plan is None or not _same_key(key, self._plan_key):
             self._plan = AttentionPlan.build(
                 cu_seqlens_q=cu_seqlens_q,
@@ -104,6 +112,7 @@ class PlannedTorchAttention:
                 block_size=k_cache.shape[1],
                 num_tokens=q.shape[0],
                 sliding_window=sliding_window,
+                causal=causal,
             )
             self._plan_key = key
         return self._plan.run(

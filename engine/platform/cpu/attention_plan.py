@@ -1,13 +1,15 @@
 """How the CPU platform attends a step: an ``AttentionPlan`` groups the step's sequences (decode
 rows by similar context length, each prefill chunk alone), gathers each group's cache blocks
 into dense K and V and runs torch's ``scaled_dot_product_attention`` in Hugging Face's layout,
-so that a sequence alone gets HF's own blocking and rounding in every dtype.
+so that a sequence alone gets HF's own blocking and rounding in every dtype. A plan is causal
+(decoders) or not (bidirectional encoders: every query sees its whole sequence, or the keys
+within ``|k - q| < w`` of a sliding window; ``kernels/interface.py``).
 
 The plan is derived from a step's metadata alone (host copies of ``cu_seqlens_q``, ``seq_lens``
 and the block tables), so one plan serves every layer of the step
 (``engine/platform/cpu/attention.py`` keeps it). The fp32 oracle it is tested against is
 ``paged_serve.kernels.reference.paged_attention_ref``
-(tests/engine/platform/cpu/test_cpu_attention.py). """
+(tests/engine/platform/cpu/test_cpu_attention.py)."""
 
 from __future__ import annotations
 
@@ -78,8 +80,10 @@ class UniformGroup:
     longest context;
     tail: the (sequence, position) index pairs past each sequence's end (None when all are
     equally long); mask: ``[S, 1, q_len, max_len]`` bool, or None when nothing is cut off (one
-    fresh prompt runs causal; equally long decode rows see everything); alone: the step's only
-    sequence of its kind (a decode row split into a group of its own by length is not alone).
+    fresh prompt runs causal; equally long decode rows see everything, and so do the queries of
+    a non-causal sequence without a window); alone: the step's only sequence of its kind (a
+    decode row split into a group of its own by length is not alone); causal: whether a query
+    sees only the keys up to its own position (False: its whole sequence, ``_allowed_keys``).
 
     Layout: q is laid out as Hugging Face's sdpa attention lays it out, ``[S, Hq, Lq, D]`` with
     GQA in the kernel, so a sequence alone gets HF's blocking and rounding in every dtype. Two
@@ -98,6 +102,7 @@ class UniformGroup:
     tail: tuple[torch.Tensor, torch.Tensor] | None
     mask: torch.Tensor | None
     alone: bool
+    causal: bool = True
 
     @classmethod
     def build(
@@ -110,6 +115,7 @@ class UniformGroup:
         q_len: int,
         sliding_window: int | None,
         alone: bool | None = None,
+        causal: bool = True,
     ) -> UniformGroup:
         device = block_tables.device
         num_seqs, max_len = len(seq_lens), max(seq_lens)
@@ -119,19 +125,19 @@ class UniformGroup:
         if min(seq_lens) < max_len:
             tail = (k_pos[None, :] >= lens[:, None]).nonzero(as_tuple=True)
         # The mask is built only where something is cut off: one fresh prompt runs the causal
-        # fast path, and decode rows of equal length need none.
+        # fast path, decode rows of equal length need none, nor do non-causal queries that see
+        # every key of their sequence.
         window_cuts = sliding_window is not None and sliding_window < max_len
         fresh = q_len == max_len and num_seqs == 1
+        causal_cuts = causal and q_len > 1 and not fresh
         mask = None
-        if (q_len > 1 and not fresh) or tail is not None or window_cuts:
+        if causal_cuts or tail is not None or window_cuts:
             q_pos = (lens - q_len)[:, None] + torch.arange(q_len, device=device)[None, :]
-            allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Lq, Lk]
-            if sliding_window is not None:
-                allowed &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+            allowed = _allowed_keys(q_pos, k_pos, lens, sliding_window, causal)
             mask = allowed[:, None]  # [S, 1, Lq, Lk]
         blocks = context_blocks(block_tables, max_len, block_size)
         alone = num_seqs == 1 if alone is None else alone
-        return cls(rows, num_seqs, q_len, blocks, max_len, tail, mask, alone)
+        return cls(rows, num_seqs, q_len, blocks, max_len, tail, mask, alone, causal)
 
     def attend(
         self,
@@ -175,7 +181,7 @@ class UniformGroup:
             k,
             v,
             attn_mask=self.mask,
-            is_causal=self.mask is None and q_len > 1,
+            is_causal=self.causal and self.mask is None and q_len > 1,
             scale=scale,
             enable_gqa=True,
         )
@@ -201,7 +207,7 @@ class UniformGroup:
             scores = torch.tanh(scores / softcap) * softcap
         q_len, max_len = q.shape[2], k.shape[2]
         allowed = self.mask
-        if allowed is None and q_len > 1:  # one fresh prompt: causal
+        if allowed is None and q_len > 1 and self.causal:  # one fresh prompt: causal
             allowed = torch.ones(q_len, max_len, dtype=torch.bool, device=q.device)
             allowed = allowed.tril(max_len - q_len)
         if allowed is not None:
@@ -214,6 +220,29 @@ class UniformGroup:
         else:
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
         return torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
+
+
+def _allowed_keys(
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    lens: torch.Tensor,
+    sliding_window: int | None,
+    causal: bool,
+) -> torch.Tensor:
+    """``[S, Lq, Lk]`` bool: which key positions ``k_pos [Lk]`` the queries at ``q_pos [S, Lq]``
+    see, of sequences ``lens [S]`` long (``kernels/interface.py``'s rule). Causal: ``k <= q``
+    (which keeps them inside their sequence), and ``k > q - w`` with a window; else every
+    ``k < len``, and ``|k - q| < w`` with a window."""
+    k, q = k_pos[None, None, :], q_pos[:, :, None]
+    if causal:
+        allowed = k <= q
+        if sliding_window is not None:
+            allowed &= k > q - sliding_window
+        return allowed
+    inside = k < lens[:, None, None]  # [S, 1, Lk]
+    if sliding_window is None:
+        return inside.expand(-1, q_pos.shape[1], -1)
+    return inside & ((k - q).abs() < sliding_window)
 
 
 # Decode rows are attended in groups padded to each group's longest context. A shorter row
@@ -245,7 +274,8 @@ class AttentionPlan:
     """A step's attention work, derived from its metadata alone: the decode sequences (one query
     token) in groups of similar context length (``length_groups``), each prefill chunk on its
     own, so no sequence is padded far past its own length. It holds no cache data, so one plan
-    serves every layer of a step. ``pure_decode``: one group holds every row, in order."""
+    serves every layer of a step. ``pure_decode``: one group holds every row, in order.
+    ``causal=False`` builds every group's masks without the causal part (encoders)."""
 
     groups: tuple[UniformGroup, ...]
     pure_decode: bool
@@ -260,11 +290,12 @@ class AttentionPlan:
         block_size: int,
         num_tokens: int,
         sliding_window: int | None,
+        causal: bool = True,
     ) -> AttentionPlan:
         cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
         device = cu_seqlens_q.device
         decode = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]
-        common = {"sliding_window": sliding_window, "block_size": block_size}
+        common = {"sliding_window": sliding_window, "block_size": block_size, "causal": causal}
         split = [[decode[j] for j in g] for g in length_groups([lens[i] for i in decode])]
         pure_decode = len(decode) == len(lens) == num_tokens and len(split) == 1
         groups: list[UniformGroup] = []

@@ -1,8 +1,8 @@
 """The CPU platform's attention: an ``AttentionPlan`` kept for all layers of a step equals a plan
 derived afresh on every call, bit for bit (on every attention case the kernel tests use, across
 "layers" that share one step's metadata, and from step to step), and the fp32 oracle
-``paged_attention_ref`` up to rounding. It computes in the model's dtype, and there it equals
-Hugging Face's sdpa attention bit for bit."""
+``paged_attention_ref`` up to rounding, causal or not (encoders). It computes in the model's
+dtype, and there it equals Hugging Face's sdpa attention bit for bit."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from tests.kernels.test_reference import _naive_attention
 CPU = torch.device("cpu")
 
 
-def _fresh_plan(q, k_cache, v_cache, dtype, *, scale, sliding_window=None, **metadata):
+def _fresh_plan(q, k_cache, v_cache, dtype, *, scale, sliding_window=None, causal=True, **metadata):
     """A plan derived for this call alone, computing in ``dtype``."""
     plan = AttentionPlan.build(
         cu_seqlens_q=metadata["cu_seqlens_q"],
@@ -37,6 +37,7 @@ def _fresh_plan(q, k_cache, v_cache, dtype, *, scale, sliding_window=None, **met
         block_size=k_cache.shape[1],
         num_tokens=q.shape[0],
         sliding_window=sliding_window,
+        causal=causal,
     )
     return plan.run(q, k_cache, v_cache, scale, dtype)
 
@@ -99,6 +100,56 @@ def test_k_and_v_in_one_allocation_gather_together_to_the_same_result(
     together = _fresh_plan(batch.q, k_view, v_view, dtype, **kwargs)
     apart = _fresh_plan(batch.q, batch.k_cache, batch.v_cache, dtype, **kwargs)
     assert torch.equal(together, apart)
+
+
+# Encoder steps: whole prompts of 17, 1, 37 and 9 tokens (block size 16), decode rows beside
+# them in one case (the same keys causal or not), and a chunk over a cached prefix.
+NONCAUSAL_SPECS = {
+    "prompts": [(None, (1, 1)), (None, (0, 1)), (None, (2, 5)), (None, (0, 9))],
+    "one-prompt": [(None, (2, 5))],
+    "with-decode-rows": [(None, (1, 1)), (1, (2, 3)), (None, (0, 9)), (1, (0, 30))],
+    "chunk-over-prefix": [(5, (2, 0)), (None, (0, 9))],
+}
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", sorted(NONCAUSAL_SPECS))
+def test_non_causal_steps_equal_the_oracle(kind: str, dtype: torch.dtype, window: int | None):
+    """``causal=False``: every query sees its whole sequence (``|k - q| < w`` with a window).
+    The plan is keyed on it: a causal call on the same metadata tensors before and after gets
+    its own plan."""
+    batch = _batch(NONCAUSAL_SPECS[kind], (8, 2), 64, 16, dtype)
+    kwargs = dict(batch.kwargs(), scale=0.125, sliding_window=window)
+    planned = PlannedTorchAttention()
+    causal = planned.paged_attention(batch.q, batch.k_cache, batch.v_cache, **kwargs)
+    out = planned.paged_attention(batch.q, batch.k_cache, batch.v_cache, causal=False, **kwargs)
+    again = planned.paged_attention(batch.q, batch.k_cache, batch.v_cache, **kwargs)
+    assert torch.equal(again, causal)
+    fresh = _fresh_plan(batch.q, batch.k_cache, batch.v_cache, dtype, causal=False, **kwargs)
+    assert out.dtype == dtype and torch.equal(out, fresh)
+    oracle = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, causal=False, **kwargs)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, oracle, rtol=tol, atol=tol)
+    assert not torch.allclose(out.float(), causal.float(), atol=0.1)  # the cases tell them apart
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_non_causal_prompt_gets_what_hf_computes_for_it(dtype: torch.dtype) -> None:
+    """One encoder prompt alone equals Hugging Face's sdpa attention of a bidirectional layer
+    (``is_causal`` False, no mask) bit for bit, in bf16 too."""
+    batch = _batch([(None, (2, 5))], (9, 3), 64, 16, dtype)
+    out = PlannedTorchAttention().paged_attention(
+        batch.q, batch.k_cache, batch.v_cache, **batch.kwargs(), scale=0.125, causal=False
+    )
+    slots = (batch.block_tables[0, :3].long()[:, None] * 16 + torch.arange(16)).flatten()[:37]
+    keys = batch.k_cache.view(-1, 3, 64)[slots].transpose(0, 1)[None]  # [1, Hkv, L, D]
+    values = batch.v_cache.view(-1, 3, 64)[slots].transpose(0, 1)[None]
+    module = types.SimpleNamespace(is_causal=False, num_key_value_groups=3, training=False)
+    want, _ = sdpa_attention_forward(
+        module, batch.q.transpose(0, 1)[None], keys, values, None, scaling=0.125
+    )
+    assert torch.equal(out, want[0])
 
 
 def test_a_new_step_gets_a_new_plan():

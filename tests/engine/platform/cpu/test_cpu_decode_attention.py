@@ -190,6 +190,28 @@ def test_the_torch_backend_takes_it_for_decode_only_steps(kernel, monkeypatch):
         assert calls == expected
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_a_non_causal_step_of_one_token_sequences_takes_it_alike(kernel, monkeypatch, window):
+    """An encoder step whose sequences are one token each (a one-token prompt, or a row over a
+    prefix) sees the same keys causal or not: the C kernel takes it and equals the non-causal
+    reference."""
+    calls = []
+    real = kernel.attend
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "attend", counted)
+    batch = _batch([(None, (0, 1)), (1, (0, 20)), (None, (0, 1))], (8, 2), 64, 16, torch.float32)
+    kwargs = dict(batch.kwargs(), scale=0.125, sliding_window=window)
+    planned = PlannedTorchAttention(decode_kernel=kernel)
+    out = planned.paged_attention(batch.q, batch.k_cache, batch.v_cache, causal=False, **kwargs)
+    assert calls == [3]
+    ref = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, causal=False, **kwargs)
+    _assert_close_to_reference(out, ref, torch.float32)
+
+
 def test_the_cpu_backend_loads_it():
     """The engine's CPU backend has the kernel wherever it builds, so the engine tests (greedy
     equality with Hugging Face among them) run through it."""
