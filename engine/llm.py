@@ -1,4 +1,5 @@
-"""Offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+"""Offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``; on a pooling model
+(``--runner pooling``) ``embed(prompts)`` and ``classify(prompts)``, vLLM's offline names."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.llm_engine import LLMEngine
 from paged_serve.engine.model.loader import LoadedModel
 from paged_serve.engine.outputs import CompletionResult
+from paged_serve.engine.pooling_params import PoolingParams
 from paged_serve.engine.sampling_params import SamplingParams
 from paged_serve.engine.sched.forks import sample_ids
 
@@ -67,6 +69,40 @@ class LLM:
             while self.engine.has_unfinished:
                 for out in self.engine.step():
                     results[out.request_id].add(out)
+        except BaseException:
+            for rid in order:
+                self.engine.abort(rid)
+            raise
+        return [results[rid] for rid in order]
+
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], params: PoolingParams | None = None
+    ) -> list[list[float]]:
+        """The embedding of every prompt (all batched together), in prompt order."""
+        return self.pool(prompts, params or PoolingParams("embed"))
+
+    def classify(
+        self, prompts: Prompt | Sequence[Prompt], params: PoolingParams | None = None
+    ) -> list[list[float]]:
+        """The label scores of every prompt (probabilities unless ``activation=False``)."""
+        return self.pool(prompts, params or PoolingParams("classify"))
+
+    def pool(self, prompts: Prompt | Sequence[Prompt], params: PoolingParams) -> list[list[float]]:
+        """Every prompt pooled with ``params`` (all batched together), in prompt order; a
+        request that fails raises RuntimeError naming why."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        carrier = SamplingParams(max_tokens=1, temperature=0.0)  # nothing is sampled
+        order: list[str] = []
+        results: dict[str, list[float]] = {}
+        try:
+            for prompt in prompts:
+                order.append(self.engine.add_request(prompt, carrier, pooling=params))
+            while self.engine.has_unfinished:
+                for out in self.engine.step():
+                    if out.finish_reason != "stop":
+                        raise RuntimeError(f"request {out.request_id}: {out.error}")
+                    results[out.request_id] = out.pooled
         except BaseException:
             for rid in order:
                 self.engine.abort(rid)

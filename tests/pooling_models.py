@@ -50,6 +50,7 @@ def word_tokenizer(encoder: bool) -> PreTrainedTokenizerFast:
             sep_token="[SEP]",
             mask_token="[MASK]",
             model_max_length=512,
+            model_input_names=["input_ids", "token_type_ids", "attention_mask"],
         )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="<eos>"
@@ -178,7 +179,9 @@ def bert_embedder(folder: Path, pooling: str = "mean_tokens", seed: int = 0, **s
 def xlm_roberta_embedder(folder: Path, pooling: str = "cls_token", seed: int = 0) -> Path:
     """An XLMRobertaModel with CLS pooling (bge-m3's shape)."""
     torch.manual_seed(seed)
-    config = _bert_config(XLMRobertaConfig, max_position_embeddings=130, pad_token_id=1)
+    config = _bert_config(
+        XLMRobertaConfig, max_position_embeddings=130, pad_token_id=1, type_vocab_size=1
+    )
     _save(XLMRobertaModel(config, add_pooling_layer=False), folder, encoder=True)
     sentence_transformers_folder(folder, 64, pooling)
     return folder
@@ -217,7 +220,11 @@ def xlm_roberta_cross_encoder(folder: Path, seed: int = 0) -> Path:
     """An XLM-RoBERTa cross-encoder (bge-reranker-v2-m3's shape)."""
     torch.manual_seed(seed)
     config = _bert_config(
-        XLMRobertaConfig, num_labels=1, max_position_embeddings=130, pad_token_id=1
+        XLMRobertaConfig,
+        num_labels=1,
+        max_position_embeddings=130,
+        pad_token_id=1,
+        type_vocab_size=1,
     )
     return _save(XLMRobertaForSequenceClassification(config), folder, encoder=True)
 

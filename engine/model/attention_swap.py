@@ -97,7 +97,7 @@ def paged_attention_flat(
         sliding_window=sliding_window,
         softcap=softcap,
         sinks=sinks,
-        **({} if causal else {"causal": False}),  # TEMP until the kernels take it
+        causal=causal,
     )
 
 

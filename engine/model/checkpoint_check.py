@@ -29,6 +29,7 @@ start error.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -125,10 +126,13 @@ def stored_shapes(folder: Path) -> dict[str, Shape] | None:
     return shapes
 
 
-def check_checkpoint(folder: Path, auto_class: type = AutoModelForCausalLM) -> None:
+def check_checkpoint(
+    folder: Path, auto_class: type = AutoModelForCausalLM, **options: object
+) -> None:
     """Refuse the local checkpoint ``folder`` when its config is nonsensical or its safetensors
     headers do not hold the tensors, and the shapes, the config implies (module docstring), as
-    ``auto_class`` builds the model; nothing is allocated. A folder without safetensors files
+    ``auto_class`` builds the model (with ``options``, ``load_options``'s); nothing is
+    allocated. A folder without safetensors files
     (``.bin`` weights) has only its config checked here; ``check_loading_info`` covers it after
     the load."""
     where = str(folder / "config.json")
@@ -150,7 +154,7 @@ def check_checkpoint(folder: Path, auto_class: type = AutoModelForCausalLM) -> N
     if stored_quantization(config) not in (None, "mxfp4"):
         return  # stored under the quantization's own names and shapes
     try:
-        model = meta_model(config, auto_class)
+        model = meta_model(config, auto_class, **options)
     except (ArithmeticError, ValueError, TypeError, RuntimeError) as exc:
         raise ValueError(f"{where}: no model can be built from it ({exc})") from None
     missing, unexpected, mismatched = _compare(model, shapes)
@@ -160,15 +164,31 @@ def check_checkpoint(folder: Path, auto_class: type = AutoModelForCausalLM) -> N
     # load; check_loading_info decides
 
 
+def load_options(folder: Path, auto_class: type) -> dict[str, object]:
+    """What the model is built with beyond its config: a bare BERT-style encoder whose
+    checkpoint stores no pooler (sentence-transformers saves none; embeddings never run it) is
+    built without one (``add_pooling_layer=False``), so no tensor is missing."""
+    if auto_class is AutoModelForCausalLM or not (folder / "config.json").is_file():
+        return {}
+    shapes = stored_shapes(folder)
+    if shapes is None or any(name.split(".")[-3:-2] == ["pooler"] for name in shapes):
+        return {}
+    config = AutoConfig.from_pretrained(folder)
+    model_class = auto_class._model_mapping.get(type(config), None)
+    if model_class is None or "add_pooling_layer" not in inspect.signature(model_class).parameters:
+        return {}
+    return {"add_pooling_layer": False}
+
+
 def meta_model(
-    config: PretrainedConfig, auto_class: type = AutoModelForCausalLM
+    config: PretrainedConfig, auto_class: type = AutoModelForCausalLM, **options: object
 ) -> PreTrainedModel:
     """The model of ``config`` with every parameter and buffer on the meta device: created
     there (``torch.device`` as a context), not created on the host and moved, as
     accelerate's ``init_empty_weights`` does, which would ask the allocator for a config's
     absurd sizes first."""
     with torch.device("meta"):
-        model = auto_class.from_config(config, dtype=torch.float32)
+        model = auto_class.from_config(config, dtype=torch.float32, **options)
     model.tie_weights()  # a tied head shares the embedding (from_pretrained ties at load)
     return model
 

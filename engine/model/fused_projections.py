@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from paged_serve.engine.model.linear_swap import transformer_layers
 from paged_serve.engine.quant.linear import concat
 
 # (owner attribute, the projections that read one input, the fused module's name)
@@ -135,12 +136,13 @@ def fuse_group(owner: nn.Module, names: tuple[str, ...], fused_name: str) -> boo
 
 @torch.no_grad()
 def fuse_projections(model: nn.Module) -> int:
-    """Fuse q/k/v and gate/up in every decoder layer of a Hugging Face causal LM, in place.
+    """Fuse q/k/v and gate/up in every decoder layer of a Hugging Face causal LM, in place (an
+    encoder's layers, whose projections have other names, are left as they are).
 
     Returns the number of groups fused (two per layer for the supported families).
     """
     count = 0
-    for layer in model.model.layers:
+    for layer in transformer_layers(model):
         for owner_name, names, fused_name in FUSED_GROUPS:
             owner = getattr(layer, owner_name, None)
             if owner is not None and fuse_group(owner, names, fused_name):

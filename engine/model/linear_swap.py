@@ -1,4 +1,4 @@
-"""One walk for every projection swap (int8, int4, the CPU kernels): the decoder layers'
+"""One walk for every projection swap (int8, int4, the CPU kernels): the transformer layers'
 ``nn.Linear`` children and the LM head, each replaced by what a factory makes of it."""
 
 from __future__ import annotations
@@ -22,11 +22,25 @@ def _swap_children(module: nn.Module, make: LinearFactory) -> int:
     return count
 
 
+def transformer_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's list of transformer layers: a decoder's ``model.model.layers``, a BERT or
+    RoBERTa encoder's ``encoder.layer``, ModernBERT's ``layers``."""
+    decoder = getattr(model, "model", None)
+    if isinstance(getattr(decoder, "layers", None), nn.ModuleList):
+        return decoder.layers
+    base = getattr(model, "base_model", model)
+    for owner, name in ((getattr(base, "encoder", None), "layer"), (base, "layers")):
+        if isinstance(getattr(owner, name, None), nn.ModuleList):
+            return getattr(owner, name)
+    raise ValueError(f"{type(model).__name__}: no list of transformer layers found")
+
+
 def swap_linears(model: nn.Module, make: LinearFactory) -> int:
-    """In place, every plain ``nn.Linear`` under ``model.model.layers`` and the LM head (if it
-    is one) for ``make(linear)`` where that is not None; returns how many were swapped. A
-    swapped LM head is no longer tied to the embeddings unless ``make`` keeps the Parameter."""
-    count = _swap_children(model.model.layers, make)
+    """In place, every plain ``nn.Linear`` of the model's transformer layers
+    (``transformer_layers``) and the LM head (if it is one) for ``make(linear)`` where that is
+    not None; returns how many were swapped. A swapped LM head is no longer tied to the
+    embeddings unless ``make`` keeps the Parameter."""
+    count = _swap_children(transformer_layers(model), make)
     head = model.get_output_embeddings()
     if type(head) is nn.Linear and (replacement := make(head)) is not None:
         model.lm_head = replacement

@@ -36,7 +36,11 @@ from transformers import (
 )
 
 from paged_serve.engine.config import cache_root
-from paged_serve.engine.model.checkpoint_check import check_checkpoint, check_loading_info
+from paged_serve.engine.model.checkpoint_check import (
+    check_checkpoint,
+    check_loading_info,
+    load_options,
+)
 from paged_serve.engine.model.model_task import (
     GENERATE,
     ModelTask,
@@ -206,7 +210,8 @@ def load_model(
     start = time.perf_counter()
     path, name = resolve_model_path(model)
     task, auto_class = model_task(path, runner, convert, hf_overrides)
-    _check_local(path, auto_class)
+    options = load_options(Path(path), auto_class)
+    _check_local(path, auto_class, **options)
     quant = _checkpoint_quantization(path, quantization)
     if quant is not None:
         if task.pooling:
@@ -222,6 +227,7 @@ def load_model(
         device_map={"": device},
         output_loading_info=True,
         **quantized,
+        **options,
     )
     check_loading_info(path, info)  # what transformers renamed, and hub ids, end here
     if quantized:
@@ -264,12 +270,12 @@ def _checkpoint_quantization(path: str, requested: str | None) -> CheckpointQuan
     return checkpoint_quantization(stored_quantization_config(folder), requested)
 
 
-def _check_local(path: str, auto_class: type = AutoModelForCausalLM) -> None:
+def _check_local(path: str, auto_class: type = AutoModelForCausalLM, **options: object) -> None:
     """Check a local checkpoint folder against its config, as ``auto_class`` builds it, before
     it is loaded (a ValueError naming what does not match); a hub id is checked after its
     load."""
     if (Path(path) / "config.json").is_file():
-        check_checkpoint(Path(path), auto_class)
+        check_checkpoint(Path(path), auto_class, **options)
 
 
 def load_model_shard(
