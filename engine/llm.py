@@ -76,28 +76,40 @@ class LLM:
         return [results[rid] for rid in order]
 
     def embed(
-        self, prompts: Prompt | Sequence[Prompt], params: PoolingParams | None = None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: PoolingParams | Sequence[PoolingParams] | None = None,
     ) -> list[list[float]]:
         """The embedding of every prompt (all batched together), in prompt order."""
         return self.pool(prompts, params or PoolingParams("embed"))
 
     def classify(
-        self, prompts: Prompt | Sequence[Prompt], params: PoolingParams | None = None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: PoolingParams | Sequence[PoolingParams] | None = None,
     ) -> list[list[float]]:
         """The label scores of every prompt (probabilities unless ``activation=False``)."""
         return self.pool(prompts, params or PoolingParams("classify"))
 
-    def pool(self, prompts: Prompt | Sequence[Prompt], params: PoolingParams) -> list[list[float]]:
-        """Every prompt pooled with ``params`` (all batched together), in prompt order; a
+    def pool(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: PoolingParams | Sequence[PoolingParams],
+    ) -> list[list[float]]:
+        """Every prompt pooled with ``params`` (one for all, or one per prompt: a cross-
+        encoder's pairs carry their own segment ids), all batched together, in prompt order; a
         request that fails raises RuntimeError naming why."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        param_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(param_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(param_list)} PoolingParams")
         carrier = SamplingParams(max_tokens=1, temperature=0.0)  # nothing is sampled
         order: list[str] = []
         results: dict[str, list[float]] = {}
         try:
-            for prompt in prompts:
-                order.append(self.engine.add_request(prompt, carrier, pooling=params))
+            for prompt, p in zip(prompts, param_list):
+                order.append(self.engine.add_request(prompt, carrier, pooling=p))
             while self.engine.has_unfinished:
                 for out in self.engine.step():
                     if out.finish_reason != "stop":

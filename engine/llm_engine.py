@@ -73,12 +73,12 @@ class LLMEngine:
         self.max_model_len = context_length(config, loaded.max_model_len)
         self.tp: TensorParallelWorkers | None = None
         if config.tensor_parallel_size > 1:  # shards the model in place, the workers their copies
-            check_servable(loaded.model, pooling=loaded.task.pooling)
             if loaded.task.pooling and not is_causal(loaded.model):
                 raise ValueError(
                     "tensor parallelism shards decoders: serve a bidirectional encoder with "
                     "--tensor-parallel-size 1"
                 )
+            check_servable(loaded.model, pooling=loaded.task.pooling)
             self.tp = TensorParallelWorkers.start(
                 config,
                 loaded.model,

@@ -14,7 +14,10 @@ from transformers import (
     BertForSequenceClassification,
     BertModel,
     ModernBertConfig,
+    ModernBertForSequenceClassification,
     ModernBertModel,
+    NomicBertConfig,
+    NomicBertModel,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen3Config,
@@ -190,7 +193,23 @@ def xlm_roberta_embedder(folder: Path, pooling: str = "cls_token", seed: int = 0
 def modernbert_embedder(folder: Path, pooling: str = "mean_tokens", seed: int = 0) -> Path:
     """A ModernBertModel (global and local attention layers) with mean pooling."""
     torch.manual_seed(seed)
-    config = ModernBertConfig(
+    config = _modernbert_config()
+    _save(ModernBertModel(config), folder, encoder=True)
+    sentence_transformers_folder(folder, 64, pooling)
+    return folder
+
+
+def nomic_bert_embedder(folder: Path, pooling: str = "mean_tokens", seed: int = 0) -> Path:
+    """A NomicBertModel (rotary positions, SwiGLU) with mean pooling (nomic-embed's shape)."""
+    torch.manual_seed(seed)
+    config = _bert_config(NomicBertConfig, max_position_embeddings=256, type_vocab_size=2)
+    _save(NomicBertModel(config), folder, encoder=True)
+    sentence_transformers_folder(folder, 64, pooling)
+    return folder
+
+
+def _modernbert_config(**extra: object) -> ModernBertConfig:
+    return ModernBertConfig(
         vocab_size=len(WORDS),
         hidden_size=64,
         intermediate_size=128,
@@ -202,10 +221,15 @@ def modernbert_embedder(folder: Path, pooling: str = "mean_tokens", seed: int = 
         pad_token_id=PAD,
         cls_token_id=CLS,
         sep_token_id=SEP,
+        **extra,
     )
-    _save(ModernBertModel(config), folder, encoder=True)
-    sentence_transformers_folder(folder, 64, pooling)
-    return folder
+
+
+def modernbert_cross_encoder(folder: Path, pooling: str = "mean", seed: int = 0) -> Path:
+    """A ModernBertForSequenceClassification with one label and ``classifier_pooling``."""
+    torch.manual_seed(seed)
+    config = _modernbert_config(num_labels=1, classifier_pooling=pooling)
+    return _save(ModernBertForSequenceClassification(config), folder, encoder=True)
 
 
 def bert_cross_encoder(folder: Path, seed: int = 0) -> Path:

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from paged_serve.engine.model.latent_attention import unservable_latent_reason
 from paged_serve.engine.model.linear_attention import linear_attention_layers
+from paged_serve.engine.model.linear_swap import transformer_layers
 
 # Decoders engine/model/body/ runs op for op (tests/engine/model/test_model_body.py).
 FAST_BODY_ARCHITECTURES = (
@@ -62,6 +63,21 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
         for m in model.modules()
         if type(m).__name__.endswith("Attention") and getattr(m, "layer_idx", None) is not None
     ]
+
+
+def number_attention_layers(model: PreTrainedModel) -> None:
+    """Give the attention module of each transformer layer that lacks one its ``layer_idx``
+    (Nomic BERT's modules are not numbered; the paged cache is indexed by it), in place."""
+    for index, layer in enumerate(transformer_layers(model)):
+        unnumbered = [
+            m
+            for m in layer.modules()
+            if type(m).__name__.endswith("Attention")
+            and hasattr(m, "is_causal")
+            and getattr(m, "layer_idx", None) is None
+        ]
+        if len(unnumbered) == 1:
+            unnumbered[0].layer_idx = index
 
 
 def check_servable(model: PreTrainedModel, pooling: bool = False) -> None:

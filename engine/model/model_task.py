@@ -53,7 +53,7 @@ class ModelTask:
     def auto_class(self, config: PretrainedConfig) -> type:
         """The transformers auto class that loads the checkpoint for this task."""
         architecture = _architecture(config)
-        if not self.pooling or architecture.endswith(GENERATIVE_SUFFIXES):
+        if not self.pooling or not architecture or architecture.endswith(GENERATIVE_SUFFIXES):
             return AutoModelForCausalLM
         if architecture.endswith("ForSequenceClassification"):
             return AutoModelForSequenceClassification
@@ -78,7 +78,8 @@ def resolve_task(
     if convert not in CONVERTS:
         raise ValueError(f"--convert must be one of {CONVERTS}, got {convert!r}")
     architecture = _architecture(config)
-    generative = architecture.endswith(GENERATIVE_SUFFIXES)
+    # a config that names no architecture loads as a causal LM, as it always has
+    generative = not architecture or architecture.endswith(GENERATIVE_SUFFIXES)
     classifier = architecture.endswith("ForSequenceClassification")
     from_token = bool(getattr(config, "classifier_from_token", None))
     declared = (Path(folder) / SENTENCE_TRANSFORMERS_MODULES).is_file()

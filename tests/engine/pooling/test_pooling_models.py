@@ -21,7 +21,9 @@ from tests.pooling_models import (
     WORDS,
     bert_cross_encoder,
     bert_embedder,
+    modernbert_cross_encoder,
     modernbert_embedder,
+    nomic_bert_embedder,
     qwen3_classifier,
     qwen3_embedder,
     qwen3_reranker,
@@ -63,6 +65,7 @@ EMBEDDERS = {
     "bert-cls-unnormalized": lambda f: bert_embedder(f, "cls_token", normalize=False),
     "xlm-roberta-cls": xlm_roberta_embedder,
     "modernbert-mean": modernbert_embedder,  # local attention: a bidirectional 8-token window
+    "nomic-bert-mean": nomic_bert_embedder,  # rotary positions
 }
 
 
@@ -170,7 +173,9 @@ def test_a_reranker_scores_from_its_yes_and_no_logits(tmp_path: Path) -> None:
     close(ours, ref)
 
 
-@pytest.mark.parametrize("build", [bert_cross_encoder, xlm_roberta_cross_encoder])
+@pytest.mark.parametrize(
+    "build", [bert_cross_encoder, xlm_roberta_cross_encoder, modernbert_cross_encoder]
+)
 def test_a_cross_encoder_scores_pairs_as_hf(build, tmp_path: Path) -> None:
     """Pairs as the tokenizer encodes them, BERT's segment ids included."""
     folder = build(tmp_path / "ce")
