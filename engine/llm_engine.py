@@ -31,7 +31,7 @@ from paged_serve.engine.observe.metrics import EngineStats
 from paged_serve.engine.observe.weight_memory import weight_memory
 from paged_serve.engine.outputs import RequestOutput
 from paged_serve.engine.platform.platform import platform_for
-from paged_serve.engine.pooling.pooling_model import is_causal, pooling_model
+from paged_serve.engine.pooling.pooling_model import pooling_model
 from paged_serve.engine.pooling_params import PoolingParams
 from paged_serve.engine.runner.build import build_runner, context_length, load_for
 from paged_serve.engine.sampling_params import SamplingParams
@@ -73,11 +73,6 @@ class LLMEngine:
         self.max_model_len = context_length(config, loaded.max_model_len)
         self.tp: TensorParallelWorkers | None = None
         if config.tensor_parallel_size > 1:  # shards the model in place, the workers their copies
-            if loaded.task.pooling and not is_causal(loaded.model):
-                raise ValueError(
-                    "tensor parallelism shards decoders: serve a bidirectional encoder with "
-                    "--tensor-parallel-size 1"
-                )
             check_servable(loaded.model, pooling=loaded.task.pooling)
             self.tp = TensorParallelWorkers.start(
                 config,

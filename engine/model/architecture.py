@@ -83,8 +83,11 @@ def number_attention_layers(model: PreTrainedModel) -> None:
 def check_servable(model: PreTrainedModel, pooling: bool = False) -> None:
     """Raise ValueError naming what the engine lacks to serve ``model``; None when it can.
     A pooling model (``pooling``: embeddings, classifiers) needs no LM head and may be a
-    bidirectional encoder (BERT's ``encoder.layer`` holds its layers)."""
+    bidirectional encoder (BERT's ``encoder.layer`` holds its layers; attention modules without
+    a ``layer_idx`` are numbered, ``number_attention_layers``)."""
     name, config = type(model).__name__, model.config
+    if pooling:
+        number_attention_layers(model)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder model: paged-serve serves decoder-only LMs")
     if not pooling and (model.get_output_embeddings() is None or model.base_model is model):

@@ -16,7 +16,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 
 from paged_serve.engine.kv.attention_context import current_attention_context
-from paged_serve.engine.model.architecture import check_servable, number_attention_layers
+from paged_serve.engine.model.architecture import check_servable
 from paged_serve.engine.model.latent_attention import (
     install_latent_attention,
     latent_attention_flat,
@@ -108,8 +108,6 @@ def install_paged_attention(model: PreTrainedModel, pooling: bool = False) -> No
     """Point every attention layer of ``model`` at the paged attention function (ValueError,
     naming what is missing, for a model the engine cannot serve: engine/model/architecture.py;
     ``pooling``: a pooling model, which may be a bidirectional encoder)."""
-    if pooling:
-        number_attention_layers(model)
     check_servable(model, pooling)
     install_latent_attention(model)  # MLA: absorbed weights over the latent cache
     install_linear_attention(model)  # gated DeltaNet mixers over state slots

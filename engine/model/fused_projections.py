@@ -156,7 +156,7 @@ def unfuse_projections(model: nn.Module) -> int:
     (tensor parallelism shards those, so a model prepared once can still be sharded).
     Returns the number of groups split."""
     count = 0
-    for layer in model.model.layers:
+    for layer in transformer_layers(model):
         for owner_name, names, fused_name in FUSED_GROUPS:
             owner = getattr(layer, owner_name, None)
             fused = getattr(owner, fused_name, None)

@@ -11,6 +11,11 @@ Megatron's layout, applied to every decoder layer of the supported families::
     DeltaNet:  input projections,      column-parallel by key heads and the value heads they
                conv1d, A_log, dt_bias  serve (gated DeltaNet: each rank's own q, k, v channels)
                out_proj                row-parallel, all_reduce
+    encoder:   attention.self.query,   column-parallel by heads (BERT and RoBERTa-style
+               key, value;             encoder layers: a pooling model's bidirectional
+               intermediate.dense      encoder), and the MLP's rows
+               attention.output.dense, row-parallel, all_reduce
+               output.dense
 
 A column-parallel projection is a plain ``nn.Linear`` holding its rank's output rows, so the
 attention module's ``view(*shape, -1, head_dim)`` yields the local heads by itself and the paged
@@ -35,6 +40,7 @@ from torch import nn
 from paged_serve.engine.model.fused_projections import linear_from, unfuse_projections
 from paged_serve.engine.model.latent_attention import is_latent_attention
 from paged_serve.engine.model.linear_attention import is_gated_delta_net
+from paged_serve.engine.model.linear_swap import transformer_layers
 from paged_serve.engine.platform.cpu.linears import restore_plain_linears
 from paged_serve.engine.platform.cpu.packed_experts import restore_plain_experts
 from paged_serve.engine.quant.experts import StoredExperts
@@ -112,6 +118,9 @@ def check_shardable(model: nn.Module, world_size: int) -> None:
     divides, and per-head q/k norms only (a norm over all heads, as OLMo 2's, would need every
     rank's heads). ``model`` has its plain projections (``plain_projections``)."""
     name = type(model).__name__
+    if is_encoder(model):
+        _check_encoder_shardable(model, world_size)
+        return
     head_dim = getattr(model.config, "head_dim", None)
     for i, layer in enumerate(model.model.layers):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -364,6 +373,9 @@ def shard_model(
     """
     shape = shard_shape(model.config, world_size)
     plain_projections(model)
+    if is_encoder(model):
+        _shard_encoder(model, rank, world_size, group)
+        return shape
     for layer in model.model.layers:
         attn, mlp = getattr(layer, "self_attn", None), layer.mlp
         if attn is None:  # a hybrid's gated DeltaNet layer (check_shardable)
@@ -441,3 +453,55 @@ def _shard_dense_mlp(mlp: nn.Module, rank: int, world_size: int, group: object |
     for name in ("gate_proj", "up_proj"):
         setattr(mlp, name, _rows(getattr(mlp, name), rank, world_size))
     mlp.down_proj = _columns(mlp.down_proj, rank, world_size, group)
+
+
+# A BERT or RoBERTa-style encoder layer's projections, by their paths in the layer.
+ENCODER_COLUMN_PARALLEL = (
+    "attention.self.query",
+    "attention.self.key",
+    "attention.self.value",
+    "intermediate.dense",
+)
+ENCODER_ROW_PARALLEL = ("attention.output.dense", "output.dense")
+
+
+def is_encoder(model: nn.Module) -> bool:
+    """``model`` keeps its layers elsewhere than a decoder's ``model.model.layers`` (a pooling
+    model's bidirectional encoder)."""
+    return not isinstance(getattr(getattr(model, "model", None), "layers", None), nn.ModuleList)
+
+
+def _owner(layer: nn.Module, path: str) -> tuple[nn.Module, str]:
+    *parents, leaf = path.split(".")
+    owner = layer
+    for part in parents:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            break
+    return owner, leaf
+
+
+def _check_encoder_shardable(model: nn.Module, world_size: int) -> None:
+    """Every layer needs BERT's projections (``ENCODER_COLUMN_PARALLEL``, ``..._ROW_PARALLEL``)
+    as ``nn.Linear``s whose widths ``world_size`` divides."""
+    name = type(model).__name__
+    for i, layer in enumerate(transformer_layers(model)):
+        for path in ENCODER_COLUMN_PARALLEL + ENCODER_ROW_PARALLEL:
+            owner, leaf = _owner(layer, path)
+            if not isinstance(getattr(owner, leaf, None), nn.Linear):
+                raise ValueError(
+                    f"tensor parallelism shards BERT and RoBERTa-style encoder layers; {name} "
+                    f"layer {i} has no {path} Linear (serve it with --tensor-parallel-size 1)"
+                )
+
+
+def _shard_encoder(model: nn.Module, rank: int, world_size: int, group: object | None) -> None:
+    """Megatron's split of each encoder layer (module docstring); the embeddings, the norms,
+    the pooler and the classifier stay replicated."""
+    for layer in transformer_layers(model):
+        for path in ENCODER_COLUMN_PARALLEL:
+            owner, leaf = _owner(layer, path)
+            setattr(owner, leaf, _rows(getattr(owner, leaf), rank, world_size))
+        for path in ENCODER_ROW_PARALLEL:
+            owner, leaf = _owner(layer, path)
+            setattr(owner, leaf, _columns(getattr(owner, leaf), rank, world_size, group))

@@ -24,6 +24,7 @@ from paged_serve.engine.kv.state_cache import StateCache, linear_state_shape
 from paged_serve.engine.model.architecture import runs_fast_body
 from paged_serve.engine.model.body import ModelBody
 from paged_serve.engine.model.logits_head import LogitsHead
+from paged_serve.engine.model.model_task import position_offset
 from paged_serve.engine.platform.host_tensors import to_device
 from paged_serve.engine.platform.platform import Platform
 from paged_serve.engine.pooling.pooler import pool_chunks, pooled_chunks
@@ -110,7 +111,7 @@ class ModelRunner:
         # what the model's forward takes besides ids and positions (an encoder has no cache)
         forward_args = inspect.signature(model.base_model.forward).parameters
         self._use_cache = {"use_cache": False} if "use_cache" in forward_args else {}
-        self._position_offset = 0 if pooling is None else pooling.position_offset
+        self._position_offset = position_offset(model)  # every rank: RoBERTa's positions
         self.eos_token_ids = eos_token_ids  # blocked while a row is short of its min_tokens
         self.platform = platform
         self.device = device = platform.device

@@ -4,12 +4,14 @@ A step's ``StepInputs`` and its copy-on-write block copies are everything a work
 the same forward as the driver (it never samples, so no sampling parameters travel). They are
 packed into one int64 array, header first::
 
-    [kind, T, S, C, R, B, L, F | input_ids T | positions T | slots T | cu_seqlens S+1 |
+    [kind, T, S, C, R, B, L, F, Y | input_ids T | positions T | slots T | cu_seqlens S+1 |
      seq_lens S | table lengths S | block tables B (concatenated) | logit_rows R |
-     block copies 2C (src, dst) | state_slots L | has_state L | state copies 2F (src, dst)]
+     block copies 2C (src, dst) | state_slots L | has_state L | state copies 2F (src, dst) |
+     token_type_ids Y]
 
 ``T`` tokens, ``S`` sequences, ``C`` block copies, ``R`` sampled rows, ``B`` block-table entries;
-a hybrid model's ``L = S`` linear-attention state slots and ``F`` fork copies (``0`` otherwise).
+a hybrid model's ``L = S`` linear-attention state slots and ``F`` fork copies (``0`` otherwise);
+``Y = T`` segment ids when a BERT cross-encoder's pairs carry them (``0`` otherwise).
 ``kind`` is ``STEP`` or ``SHUTDOWN`` (an empty message that stops the workers).
 """
 
@@ -24,7 +26,7 @@ from paged_serve.engine.runner.step_inputs import StepInputs
 
 STEP = 1
 SHUTDOWN = 2
-HEADER_LEN = 8
+HEADER_LEN = 9
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,7 @@ def pack_step(message: StepMessage) -> torch.Tensor:
         len(flat_tables),
         len(inputs.state_slots),
         len(message.state_copies),
+        len(inputs.token_type_ids),
     ]
     return torch.tensor(
         header
@@ -76,7 +79,8 @@ def pack_step(message: StepMessage) -> torch.Tensor:
         + copies
         + inputs.state_slots
         + inputs.has_state
-        + state_copies,
+        + state_copies
+        + inputs.token_type_ids,
         dtype=torch.int64,
     )
 
@@ -86,22 +90,22 @@ def unpack_step(packed: torch.Tensor) -> StepMessage:
     values = packed.tolist()
     if len(values) < HEADER_LEN:
         raise ValueError(f"a step message has a {HEADER_LEN}-entry header, got {len(values)}")
-    kind, t, s, c, r, b, n_state, f = values[:HEADER_LEN]
+    kind, t, s, c, r, b, n_state, f, y = values[:HEADER_LEN]
     if kind == SHUTDOWN:
         return StepMessage.shutdown()
-    sizes = [t, t, t, s + 1, s, s, b, r, 2 * c, n_state, n_state, 2 * f]
+    sizes = [t, t, t, s + 1, s, s, b, r, 2 * c, n_state, n_state, 2 * f, y]
     expected = HEADER_LEN + sum(sizes)
     if kind != STEP or len(values) != expected:
         raise ValueError(
             f"malformed step message: kind {kind}, {len(values)} entries, expected {expected}"
         )
     ends = list(accumulate(sizes, initial=HEADER_LEN))
-    ids, pos, slots, cu, lens, table_lens, flat, rows, copies, held, has, fork_copies = (
+    ids, pos, slots, cu, lens, table_lens, flat, rows, copies, held, has, fork_copies, types = (
         values[a:z] for a, z in zip(ends, ends[1:])
     )
     offsets = list(accumulate(table_lens, initial=0))
     tables = [flat[a:z] for a, z in zip(offsets, offsets[1:])]
-    inputs = StepInputs(ids, pos, slots, cu, lens, tables, rows, held, has)
+    inputs = StepInputs(ids, pos, slots, cu, lens, tables, rows, held, has, types)
     return StepMessage(
         STEP,
         list(zip(copies[::2], copies[1::2])),

@@ -8,13 +8,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import BertConfig, Qwen3Config
+from transformers import AutoTokenizer, BertConfig, Qwen3Config
 
 from paged_serve.engine.llm import LLM
 from paged_serve.engine.model.model_task import ModelTask, resolve_task
 from paged_serve.engine.pooling.sentence_transformers import read_sentence_transformers
-from tests.engine.pooling.test_pooling_models import ENGINE, TEXTS, close
-from tests.pooling_models import bert_embedder, qwen3_embedder
+from paged_serve.engine.pooling_params import PoolingParams
+from tests.engine.pooling.test_pooling_models import ENGINE, PAIRS, TEXTS, close
+from tests.pooling_models import (
+    bert_cross_encoder,
+    bert_embedder,
+    modernbert_embedder,
+    qwen3_embedder,
+    xlm_roberta_embedder,
+)
 
 
 def _config(config_class: type, architecture: str, **extra: object) -> object:
@@ -105,7 +112,28 @@ def test_tensor_parallel_embeddings_equal_one_rank(tmp_path: Path) -> None:
         close(torch.tensor(two.embed(TEXTS)), one)
 
 
-def test_an_encoder_under_tensor_parallelism_is_refused(tmp_path: Path) -> None:
-    folder = bert_embedder(tmp_path / "bert")
+@pytest.mark.parametrize("build", [bert_embedder, xlm_roberta_embedder])
+def test_tensor_parallel_encoder_embeddings_equal_one_rank(build, tmp_path: Path) -> None:
+    """Megatron's split of BERT's layers; XLM-RoBERTa's position offset on every rank."""
+    folder = build(tmp_path / "encoder")
+    one = torch.tensor(LLM(str(folder), **ENGINE).embed(TEXTS))
+    with LLM(str(folder), **ENGINE, tensor_parallel_size=2) as two:
+        close(torch.tensor(two.embed(TEXTS)), one)
+        two.engine.block_manager.check_integrity()
+
+
+def test_tensor_parallel_cross_encoder_carries_segment_ids(tmp_path: Path) -> None:
+    folder = bert_cross_encoder(tmp_path / "ce")
+    tok = AutoTokenizer.from_pretrained(folder)
+    encoded = [tok(a, b) for a, b in PAIRS]
+    prompts = [e["input_ids"] for e in encoded]
+    params = [PoolingParams("classify", token_type_ids=tuple(e["token_type_ids"])) for e in encoded]
+    one = torch.tensor(LLM(str(folder), **ENGINE).classify(prompts, params))
+    with LLM(str(folder), **ENGINE, tensor_parallel_size=2) as two:
+        close(torch.tensor(two.classify(prompts, params)), one)
+
+
+def test_an_encoder_tensor_parallelism_cannot_split_is_refused(tmp_path: Path) -> None:
+    folder = modernbert_embedder(tmp_path / "modernbert")
     with pytest.raises(ValueError, match="--tensor-parallel-size 1"):
         LLM(str(folder), **ENGINE, tensor_parallel_size=2)
