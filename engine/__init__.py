@@ -14,6 +14,7 @@ _EXPORTS = {
     "LLM": "paged_serve.engine.llm",
     "CompletionResult": "paged_serve.engine.outputs",
     "EngineConfig": "paged_serve.engine.config",
+    "PoolingParams": "paged_serve.engine.pooling_params",
     "RequestOutput": "paged_serve.engine.outputs",
     "SamplingParams": "paged_serve.engine.sampling_params",
 }

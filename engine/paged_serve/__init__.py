@@ -16,7 +16,14 @@ import importlib
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["CompletionResult", "EngineConfig", "LLM", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "CompletionResult",
+    "EngineConfig",
+    "LLM",
+    "PoolingParams",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 try:
     __version__ = metadata.version("paged-serve")
