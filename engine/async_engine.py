@@ -229,13 +229,19 @@ class AsyncEngine:
         prompt: str | Sequence[int],
         params: PoolingParams,
         request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> RequestOutput:
         """Run one pooling request to its end: its output's ``pooled`` is the embedding or
         the label scores (``finish_reason`` ``error`` when it failed, ``abort`` when the
-        engine dropped it). Raises as ``add_request`` does, before anything runs; cancelling
+        engine dropped it). ``cache_salt``: the prefix-cache partition, as for
+        ``add_request``. Raises as ``add_request`` does, before anything runs; cancelling
         the call aborts the request."""
         carrier = SamplingParams(max_tokens=1, temperature=0.0)  # nothing is sampled
-        async for out in self.add_request(prompt, carrier, request_id, pooling=params):
+        stream = self.add_request(
+            prompt, carrier, request_id, cache_salt=cache_salt, pooling=params
+        )
+        async for out in stream:
             if out.finished:
                 return out
         raise EngineDeadError("the engine ended the request without an output")
