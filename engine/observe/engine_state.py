@@ -59,11 +59,12 @@ class RequestState:
     computed_tokens: int  # tokens whose K/V are in the cache (prompt first, then outputs)
     cached_tokens: int  # prompt tokens served from the prefix cache at admission
     output_tokens: int
-    max_tokens: int
+    max_tokens: int  # 0 for a pooling request (it generates nothing)
     preemptions: int
     age_s: float  # since arrival
     blocks: list[int]  # its block table (empty while waiting)
     state_slot: int | None = None  # a hybrid model's linear-attention state slot, if it holds one
+    pooling: str | None = None  # a pooling request's task (embed | classify); None when generating
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +103,7 @@ def _request_state(engine: LLMEngine, request: Request, now: float) -> RequestSt
     bm = engine.block_manager
     rid = request.request_id
     slots = bm.state_slots
+    pooling = request.pooling.task if request.pooling is not None else None
     return RequestState(
         id=rid,
         status=request.status.value,
@@ -109,11 +111,12 @@ def _request_state(engine: LLMEngine, request: Request, now: float) -> RequestSt
         computed_tokens=request.num_computed_tokens,
         cached_tokens=request.num_cached_tokens,
         output_tokens=len(request.output_token_ids),
-        max_tokens=request.params.max_tokens,
+        max_tokens=0 if pooling else request.params.max_tokens,
         preemptions=request.num_preemptions,
         age_s=round(now - request.arrival_time, 3),
         blocks=list(bm.block_table(rid)) if bm.has(rid) else [],
         state_slot=slots.slot(rid) if slots is not None and slots.holds(rid) else None,
+        pooling=pooling,
     )
 
 

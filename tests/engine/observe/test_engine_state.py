@@ -10,6 +10,7 @@ import pytest
 
 from paged_serve.engine.observe import engine_state
 from paged_serve.engine.observe.engine_state import StateWatch, pool_integrity, take_state
+from paged_serve.engine.pooling_params import PoolingParams
 from paged_serve.engine.sampling_params import SamplingParams
 from paged_serve.engine.sched.block_manager import RECENT_COPIES, BlockManager
 from paged_serve.engine.sched.request import Request, RequestStatus
@@ -99,6 +100,20 @@ def test_take_state_lists_requests_with_their_tables():
     assert kv.usage.used_blocks == len({b for r in state.running for b in r.blocks})
     assert kv.num_blocks == 8 and kv.block_size == 4 and kv.shared_blocks == 0
     assert engine.scheduler.running[0].status is RequestStatus.RUNNING
+
+
+def test_a_pooling_request_is_listed_with_its_task_and_no_output_budget():
+    """It generates nothing: max_tokens 0 (not its carrier's 1) and ``pooling`` names the task;
+    a generation request's ``pooling`` is None."""
+    engine = _engine(BlockManager(8, 4))
+    pooled = _request("p", 6)
+    pooled.pooling = PoolingParams(task="embed")
+    engine.scheduler.add(pooled)
+    engine.scheduler.add(_request("g", 3))
+    engine.scheduler.schedule()
+    by_id = {r.id: r for r in take_state(engine, gauges="g").running}
+    assert (by_id["p"].pooling, by_id["p"].max_tokens, by_id["p"].output_tokens) == ("embed", 0, 0)
+    assert (by_id["g"].pooling, by_id["g"].max_tokens) == (None, 5)
 
 
 def test_the_watch_takes_nothing_unless_wanted():
