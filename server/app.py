@@ -6,6 +6,8 @@ Routes::
     POST /v1/completions              POST /v1/chat/completions
     POST /v1/responses                GET|DELETE /v1/responses/{response_id}
     POST /v1/responses/{response_id}/cancel
+    POST /v1/embeddings               POST /pooling             POST /classify
+    POST /score                       POST /rerank, /v1/rerank, /v2/rerank   (server.pooling)
     POST /tokenize                    POST /detokenize          GET /tokenizer_info
     GET  /health                      GET  /metrics
     GET  /health_generate, /server_info, /model_info, /get_load
@@ -18,11 +20,11 @@ body over ``client_max_size`` 413) and anything unexpected (500 with a generic m
 traceback goes to the log, never to the client). Then the browser guard refuses what a web page
 could make a visitor's browser send - a rebound Host, a cross-site Origin, a body that is not JSON
 (``paged_serve.server.http.browser_guard``). With API keys set, every ``/v1`` route needs
-``Authorization: Bearer <key>``, and so do the tokenizer routes, the two cache resets and
-``/health_generate`` (it runs the model); ``/health``, ``/metrics`` and the routers' read-only
-worker routes stay open. Then the body middleware reads the whole body within
-``ServerLimits.body_timeout_s`` (408 and the connection closed otherwise) and marks the
-connection busy for the connection guard while the handler runs
+``Authorization: Bearer <key>``, and so do the tokenizer routes, vLLM's pooling routes outside
+``/v1`` (``POOLING_PATHS``), the two cache resets and ``/health_generate`` (it runs the model);
+``/health``, ``/metrics`` and the routers' read-only worker routes stay open. Then the body
+middleware reads the whole body within ``ServerLimits.body_timeout_s`` (408 and the connection
+closed otherwise) and marks the connection busy for the connection guard while the handler runs
 (``paged_serve.server.http.connections``).
 
 The runner cancels a handler whose client disconnects (``handler_cancellation``), which aborts
@@ -57,6 +59,11 @@ from paged_serve.server.openai.models import list_models, retrieve_model
 from paged_serve.server.openai.tokenize import TOKENIZER_PATHS, add_tokenizer_routes
 from paged_serve.server.ops.dashboard import add_dashboard
 from paged_serve.server.ops.worker_api import KEYED_PATHS, add_worker_routes
+from paged_serve.server.pooling.classify import create_classification
+from paged_serve.server.pooling.embeddings import create_embeddings
+from paged_serve.server.pooling.pooling import create_pooling
+from paged_serve.server.pooling.rerank import rerank, rerank_v2
+from paged_serve.server.pooling.score import create_score
 from paged_serve.server.protocol.errors import APIError, internal_error
 from paged_serve.server.protocol.ops import HealthStatus
 from paged_serve.server.responses.background import BACKGROUND, BackgroundRuns
@@ -72,6 +79,8 @@ from paged_serve.server.state import OWNER, STATE, ServerState, key_hash
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# vLLM's pooling routes at the server root; with API keys they need one like every /v1 route
+POOLING_PATHS = frozenset({"/pooling", "/classify", "/score", "/rerank", "/v2/rerank"})
 
 
 @web.middleware
@@ -93,7 +102,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     hashes = request.app[STATE].api_key_hashes
     path = request.path
-    if hashes and (path.startswith("/v1") or path in TOKENIZER_PATHS or path in KEYED_PATHS):
+    keyed = path in TOKENIZER_PATHS or path in POOLING_PATHS or path in KEYED_PATHS
+    if hashes and (path.startswith("/v1") or keyed):
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
         given = key_hash(key.strip()) if scheme.lower() == "bearer" else ""
         # compare against every key so the time taken does not say which one matched
@@ -202,6 +212,14 @@ def create_app(
     app.router.add_get("/v1/responses/{response_id}", retrieve_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
+    # one server per model kind: on a generating model these answer 400 (--runner pooling)
+    app.router.add_post("/v1/embeddings", create_embeddings)
+    app.router.add_post("/pooling", create_pooling)
+    app.router.add_post("/classify", create_classification)
+    app.router.add_post("/score", create_score)
+    for path in ("/rerank", "/v1/rerank"):
+        app.router.add_post(path, rerank)
+    app.router.add_post("/v2/rerank", rerank_v2)
     add_tokenizer_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -1,6 +1,8 @@
 """What every handler shares: the engine, the served model name, the limits, the response store,
 the connection guard, and the ids of the engine requests in flight (so shutdown can abort
-them)."""
+them); and the check each endpoint starts with that the model is of its kind (one server per
+model kind, as vLLM: a generating model answers the generation endpoints, a pooling model the
+pooling ones)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import msgspec
 from aiohttp import web
 
 from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.engine.pooling.pooling_model import PoolingModel
 from paged_serve.server.generation.defaults import NO_DEFAULTS, SamplingDefaults
 from paged_serve.server.http.connections import ConnectionGuard
 from paged_serve.server.http.limits import ServerLimits
@@ -57,6 +60,37 @@ class ServerState:
             raise APIError(
                 503, "the engine loop is not running", type=SERVER_ERROR, code="engine_dead"
             )
+
+    def check_generates(self, endpoint: str) -> None:
+        """400 when the model is served for pooling: ``endpoint`` generates text."""
+        pooling = self.engine.pooling
+        if pooling is not None:
+            raise APIError(
+                400,
+                f"{endpoint} generates text, and this server runs {self.served_model_name!r} as "
+                f"a pooling model ({pooling.task}); serve a text-generation model with "
+                "--runner generate",
+            )
+
+    def pooling_model(self, endpoint: str, task: str | None = None) -> PoolingModel:
+        """The served pooling model; 400 when the model generates, or when ``endpoint`` needs
+        ``task`` (``embed`` or ``classify``) and the model answers the other."""
+        pooling = self.engine.pooling
+        name = self.served_model_name
+        if pooling is None:
+            raise APIError(
+                400,
+                f"{endpoint} needs an embedding or classification model, and this server runs "
+                f"{name!r} for text generation; serve a pooling model with --runner pooling",
+            )
+        if task is not None and pooling.task != task:
+            what = "an embedding" if task == "embed" else "a classification"
+            raise APIError(
+                400,
+                f"{endpoint} needs {what} model, and this server runs {name!r} for "
+                f"{pooling.task}; serve one with --convert {task}",
+            )
+        return pooling
 
     @property
     def model_names(self) -> tuple[str, ...]:

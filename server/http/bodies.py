@@ -1,7 +1,8 @@
-"""Reading a completions, chat or Responses request body: decoded once into its Struct
-(``paged_serve.server.protocol``), checked, naming a served model, within the server's limits,
-setting none of the documented fields this server refuses (``protocol.unsupported``), with the
-server's sampling defaults where it leaves a field out (``generation.defaults``)."""
+"""Reading a completions, chat or Responses request body (on a server that generates): decoded
+once into its Struct (``paged_serve.server.protocol``), checked, naming a served model, within
+the server's limits, setting none of the documented fields this server refuses
+(``protocol.unsupported``), with the server's sampling defaults where it leaves a field out
+(``generation.defaults``)."""
 
 from __future__ import annotations
 
@@ -39,12 +40,15 @@ async def read_request(request: web.Request, type: type[RequestT]) -> RequestT:
     server's sampling defaults where it leaves a field out (``generation.defaults``). One decode
     gives the request and the refused fields it sets.
 
-    Raises APIError: 400 naming the bad field (a refused one included), 404 for another model.
+    Raises APIError: 400 naming the bad field (a refused one included) or, before anything is
+    read, when the server runs a pooling model (``ServerState.check_generates``); 404 for
+    another model.
     """
+    state = request.app[STATE]
+    state.check_generates(request.path)
     table = REFUSED[type]
     body = decode(await request.read(), refusing(type, table))
     body.check()
-    state = request.app[STATE]
     state.check_model(body.model)
     _check_logprob_counts(body, state.limits.max_logprobs)
     refuse_unsupported(body, table)

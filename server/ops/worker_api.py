@@ -3,7 +3,8 @@
 The routers users put in front of several servers (SGLang's model gateway, ``sglang-router``;
 ``vllm-router``) register a worker by URL, then read and drive it over plain HTTP::
 
-    GET  /health_generate     200 once a one-token generation came back (503 otherwise)
+    GET  /health_generate     200 once a one-token generation (on a pooling model: a one-token
+                              pooling request) came back (503 otherwise)
     GET  /server_info         the serving limits: model, served name, KV tokens, batch sizes
     GET  /model_info          the model: path, type, architectures, is_generation
     GET  /get_load            [{dp_rank, num_reqs, num_waiting_reqs, num_tokens}] now
@@ -31,6 +32,7 @@ import importlib.metadata
 from aiohttp import web
 
 from paged_serve.engine.async_engine import EngineDeadError
+from paged_serve.engine.pooling_params import PoolingParams
 from paged_serve.engine.sampling_params import SamplingParams
 from paged_serve.server.generation.run import Job, engine_dead, start_generation
 from paged_serve.server.http.wire import json_response
@@ -88,6 +90,7 @@ async def model_info(request: web.Request) -> web.Response:
             model_path=path,
             tokenizer_path=path,
             served_model_name=state.served_model_name,
+            is_generation=state.engine.pooling is None,
             model_type=getattr(hf_config, "model_type", None),
             architectures=list(architectures) if architectures else None,
         )
@@ -129,24 +132,66 @@ class SharedProbe:
 
 
 async def _probe(state: ServerState) -> None:
+    if state.engine.pooling is not None:
+        await _pooling_probe(state)
+        return
     job = Job(0, [0], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     request_id = state.engine.new_request_id("health")
     with start_generation(state, request_id, [job], "prompt", cache_salt=None, probe=True) as gen:
         try:
             await asyncio.wait_for(gen.collect(), HEALTH_GENERATE_TIMEOUT_S)
         except asyncio.TimeoutError:
-            raise APIError(
-                503,
-                f"a one-token generation took over {HEALTH_GENERATE_TIMEOUT_S:g} s",
-                type=SERVER_ERROR,
-                code="engine_unresponsive",
-            ) from None
+            raise _unresponsive("a one-token generation") from None
+
+
+async def _pooling_probe(state: ServerState) -> None:
+    """A pooling model's probe: the one-token prompt pooled (a model that only pools cannot
+    generate), outside ``--max-waiting`` like the generation probe."""
+    engine = state.engine
+    request_id = engine.new_request_id("health")
+    carrier = SamplingParams(max_tokens=1, temperature=0.0)  # nothing is sampled
+    params = PoolingParams(task=engine.pooling.task)
+    try:
+        outputs = engine.add_request([0], carrier, request_id, probe=True, pooling=params)
+    except EngineDeadError as exc:
+        raise engine_dead(exc) from None
+    state.in_flight.add(request_id)
+
+    async def finish() -> None:
+        async for out in outputs:
+            if out.finished and out.finish_reason != "stop":
+                raise APIError(
+                    503,
+                    f"the health probe did not finish ({out.finish_reason})",
+                    type=SERVER_ERROR,
+                    code="engine_unresponsive",
+                )
+
+    try:
+        await asyncio.wait_for(finish(), HEALTH_GENERATE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise _unresponsive("a one-token pooling request") from None
+    except EngineDeadError as exc:
+        raise engine_dead(exc) from None
+    finally:
+        engine.abort(request_id)  # a no-op once it finished
+        state.in_flight.discard(request_id)
+
+
+def _unresponsive(what: str) -> APIError:
+    return APIError(
+        503,
+        f"{what} took over {HEALTH_GENERATE_TIMEOUT_S:g} s",
+        type=SERVER_ERROR,
+        code="engine_unresponsive",
+    )
 
 
 async def health_generate(request: web.Request) -> web.Response:
-    """200 once a one-token greedy generation of a one-token prompt came back: the engine
-    steps, not only its thread lives. It is an ordinary request (counted in the metrics),
-    except that callers share it while it runs and ``--max-waiting`` does not apply to it."""
+    """200 once a one-token greedy generation of a one-token prompt (a pooling model: its
+    pooling) came back: the engine steps, not only its thread lives. It is an ordinary request
+    (counted in the metrics), except that callers share it while it runs and ``--max-waiting``
+    does not apply to it."""
     state = request.app[STATE]
     state.check_engine_alive()
     await request.app[HEALTH_PROBE].wait(state)

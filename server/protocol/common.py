@@ -1,5 +1,6 @@
 """What several endpoints' objects share: the envelope of completions and chat replies with
-its ``usage``, and a message's content parts (chat messages, Responses input items).
+its ``usage``, a message's content parts (chat messages, Responses input items), and the prompt
+list completions and the pooling endpoints take (``prompt_list``).
 
 Completions and chat replies are a list of choices in one envelope::
 
@@ -17,6 +18,8 @@ from typing import Generic, TypeVar
 
 import msgspec
 from msgspec import UNSET, UnsetType
+
+from paged_serve.server.protocol.errors import bad_request
 
 ChoiceT = TypeVar("ChoiceT")
 
@@ -52,3 +55,25 @@ class ChoiceList(msgspec.Struct, Generic[ChoiceT], kw_only=True):
     choices: list[ChoiceT]
     system_fingerprint: None = None
     usage: Usage | None | UnsetType = UNSET
+
+
+def prompt_list(value: str | list[str | int | list[int]], param: str) -> list[str | list[int]]:
+    """``value`` (completions' ``prompt``, a pooling request's ``input``) as a list of texts or
+    token-id lists; 400 naming ``param`` for an empty or mixed list."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise bad_request(f"{param} must not be empty", param)
+    if all(isinstance(p, str) for p in value):
+        return list(value)
+    if all(isinstance(p, int) for p in value):
+        return [list(value)]
+    if all(isinstance(p, list) for p in value):
+        if any(not p for p in value):
+            raise bad_request("a token-id prompt must not be empty", param)
+        return list(value)
+    raise bad_request(
+        f"{param} must be a string, a list of strings, a list of token ids "
+        "or a list of token-id lists",
+        param,
+    )

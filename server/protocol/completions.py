@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from paged_serve.server.protocol.common import ChoiceList
+from paged_serve.server.protocol.common import ChoiceList, prompt_list
 from paged_serve.server.protocol.errors import bad_request
 from paged_serve.server.protocol.field_types import CompletionLogprobCount, NonNegativeInt
 from paged_serve.server.protocol.logprobs import CompletionLogprobs, PromptLogprobs
@@ -33,24 +33,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list; raises APIError (400) for an empty or mixed list."""
-        if isinstance(self.prompt, str):
-            return [self.prompt]
-        items = self.prompt
-        if not items:
-            raise bad_request("prompt must not be empty", "prompt")
-        if all(isinstance(p, str) for p in items):
-            return list(items)
-        if all(isinstance(p, int) for p in items):
-            return [list(items)]
-        if all(isinstance(p, list) for p in items):
-            if any(not p for p in items):
-                raise bad_request("a token-id prompt must not be empty", "prompt")
-            return list(items)
-        raise bad_request(
-            "prompt must be a string, a list of strings, a list of token ids "
-            "or a list of token-id lists",
-            "prompt",
-        )
+        return prompt_list(self.prompt, "prompt")
 
     def check(self) -> None:
         self.check_sampling()

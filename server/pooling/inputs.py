@@ -1,0 +1,170 @@
+"""A pooling request's body and inputs: decoded and checked, then texts (and text pairs) to the
+token ids each engine request runs, off the event loop.
+
+Texts are tokenized with the model's tokenizer, special tokens added unless
+``add_special_tokens`` is false; token-id inputs are checked against the vocabulary. A pair
+(``/score``, rerank on a cross-encoder or reranker) is ONE input, the tokenizer's pair encoding
+``tokenizer(text_1, text_2)``: a BERT cross-encoder's ``[CLS] a [SEP] b [SEP]`` with its segment
+ids, a decoder's two texts one after the other (the first, a rerank's query, shared by every
+pair: its KV blocks are cached once).
+
+An input longer than the context (the model's, or the KV cache if smaller) is a 400 naming
+it, unless ``truncate_prompt_tokens`` asks for a cut: a single input keeps its last N tokens
+(vLLM's way); a pair is cut by the tokenizer's own pair truncation (the longer text first, from
+its end, as sentence-transformers' CrossEncoder cuts), so the query and the special tokens stay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from aiohttp import web
+
+from paged_serve.server.generation.prompts import check_text_length, off_loop
+from paged_serve.server.protocol.decode import decode
+from paged_serve.server.protocol.errors import bad_request
+from paged_serve.server.state import STATE, ServerState
+
+BodyT = TypeVar("BodyT")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPrompt:
+    """One engine request's prompt: its token ids and, for a model that reads them, its
+    segment ids (one per token)."""
+
+    token_ids: list[int]
+    token_type_ids: tuple[int, ...] | None = None
+
+
+async def read_body(request: web.Request, type: type[BodyT]) -> BodyT:
+    """The body as ``type``, decoded once, checked (``check()``), naming a served model."""
+    body = decode(await request.read(), type)
+    body.check()  # type: ignore[attr-defined]
+    request.app[STATE].check_model(body.model)  # type: ignore[attr-defined]
+    return body
+
+
+def _kept(state: ServerState, truncate: int | None) -> int | None:
+    """Tokens an input may keep: None without truncation; 400 for a cut beyond the context."""
+    context = state.context_limit
+    if truncate is None:
+        return None
+    if truncate == -1:
+        return context
+    if truncate > context:
+        raise bad_request(
+            f"truncate_prompt_tokens is {truncate}, more than this model's context of "
+            f"{context} tokens",
+            "truncate_prompt_tokens",
+        )
+    return truncate
+
+
+def _fitted(ids: list[int], context: int, param: str) -> list[int]:
+    """``ids`` when they fit the context; 400 naming ``param`` when empty or too long."""
+    if not ids:
+        raise bad_request(f"{param} has no tokens", param)
+    if len(ids) > context:
+        raise bad_request(
+            f"{param} has {len(ids)} tokens; this model's context is {context} tokens (send "
+            "truncate_prompt_tokens to cut inputs to fit)",
+            param,
+            "context_length_exceeded",
+        )
+    return ids
+
+
+def _tokenizer(state: ServerState) -> object:
+    tokenizer = state.engine.tokenizer
+    if tokenizer is None:
+        raise bad_request("this model has no tokenizer: send token ids", "input")
+    return tokenizer
+
+
+async def tokenize_inputs(
+    state: ServerState,
+    inputs: Sequence[str | list[int]],
+    *,
+    truncate: int | None,
+    add_special_tokens: bool = True,
+    names: Sequence[str] | None = None,
+) -> list[PoolPrompt]:
+    """Each input's token ids (texts tokenized in one batch, off the event loop), cut to the
+    last ``truncate`` tokens where asked; 400 naming the input (``names[i]``; by default
+    ``input``, or ``input[i]`` in a list)."""
+    engine = state.engine
+    keep = _kept(state, truncate)
+
+    def param(i: int) -> str:
+        if names is not None:
+            return names[i]
+        return "input" if len(inputs) == 1 else f"input[{i}]"
+
+    texts = {i: t for i, t in enumerate(inputs) if isinstance(t, str)}
+    encoded: dict[int, list[int]] = {}
+    if texts:
+        tokenizer = _tokenizer(state)
+        if keep is None:  # a cut input may be as long as the body allows
+            for i, text in texts.items():
+                check_text_length(engine, len(text), param(i))
+
+        def tokenize() -> list[list[int]]:
+            batch = tokenizer(list(texts.values()), add_special_tokens=add_special_tokens)
+            return [list(ids) for ids in batch.input_ids]
+
+        encoded = dict(zip(texts, await off_loop(tokenize)))
+    vocab_size, context = engine.vocab_size, state.context_limit
+    prompts = []
+    for i, item in enumerate(inputs):
+        ids = encoded[i] if i in encoded else list(item)
+        if i not in encoded:
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise bad_request(
+                    f"{param(i)}: token {bad[0]} is outside the vocabulary [0, {vocab_size})",
+                    param(i),
+                )
+        if keep is not None:
+            ids = ids[-keep:]
+        prompts.append(PoolPrompt(_fitted(ids, context, param(i))))
+    return prompts
+
+
+async def tokenize_pairs(
+    state: ServerState,
+    pairs: Sequence[tuple[str, str]],
+    *,
+    truncate: int | None,
+    token_types: bool,
+    param: str,
+) -> list[PoolPrompt]:
+    """Each pair's encoding (module docstring), with its segment ids when ``token_types``;
+    400 naming ``param`` (``text_2`` or ``documents``, with the pair's index)."""
+    tokenizer = _tokenizer(state)
+    keep = _kept(state, truncate)
+    engine = state.engine
+    if keep is None:
+        for i, (a, b) in enumerate(pairs):
+            check_text_length(engine, len(a) + len(b), f"{param}[{i}]")
+    cut = {} if keep is None else {"truncation": True, "max_length": keep}
+
+    def tokenize() -> tuple[list[list[int]], list[list[int]] | None]:
+        batch = tokenizer(
+            [a for a, _ in pairs],
+            [b for _, b in pairs],
+            return_token_type_ids=token_types,
+            **cut,
+        )
+        types = [list(t) for t in batch.token_type_ids] if token_types else None
+        return [list(ids) for ids in batch.input_ids], types
+
+    ids_list, types_list = await off_loop(tokenize)
+    context = state.context_limit
+    prompts = []
+    for i, ids in enumerate(ids_list):
+        types = tuple(types_list[i]) if types_list is not None else None
+        prompts.append(PoolPrompt(_fitted(ids, context, f"{param}[{i}]"), types))
+    return prompts
