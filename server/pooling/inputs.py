@@ -10,8 +10,10 @@ pair: its KV blocks are cached once).
 
 An input longer than the context (the model's, or the KV cache if smaller) is a 400 naming
 it, unless ``truncate_prompt_tokens`` asks for a cut: a single input keeps its last N tokens
-(vLLM's way); a pair is cut by the tokenizer's own pair truncation (the longer text first, from
-its end, as sentence-transformers' CrossEncoder cuts), so the query and the special tokens stay.
+(vLLM's way; a text keeps the special tokens around it, ``[CLS]`` and ``[SEP]``, a BOS or an
+EOS, as a tokenizer truncating from the left does); a pair is cut by the tokenizer's own pair
+truncation (the longer text first, from its end, as sentence-transformers' CrossEncoder cuts),
+so the query and the special tokens stay.
 """
 
 from __future__ import annotations
@@ -112,25 +114,52 @@ async def tokenize_inputs(
                 check_text_length(engine, len(text), param(i))
 
         def tokenize() -> list[list[int]]:
-            batch = tokenizer(list(texts.values()), add_special_tokens=add_special_tokens)
-            return [list(ids) for ids in batch.input_ids]
+            batch = tokenizer(
+                list(texts.values()),
+                add_special_tokens=add_special_tokens,
+                return_special_tokens_mask=keep is not None,
+            )
+            if keep is None:
+                return [list(ids) for ids in batch.input_ids]
+            return [
+                _cut(ids, m, keep) for ids, m in zip(batch.input_ids, batch.special_tokens_mask)
+            ]
 
         encoded = dict(zip(texts, await off_loop(tokenize)))
     vocab_size, context = engine.vocab_size, state.context_limit
     prompts = []
     for i, item in enumerate(inputs):
-        ids = encoded[i] if i in encoded else list(item)
-        if i not in encoded:
+        ids = encoded.get(i)
+        if ids is None:  # token ids: checked, cut as they are
+            ids = list(item)
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise bad_request(
                     f"{param(i)}: token {bad[0]} is outside the vocabulary [0, {vocab_size})",
                     param(i),
                 )
-        if keep is not None:
-            ids = ids[-keep:]
+            if keep is not None:
+                ids = ids[-keep:]
         prompts.append(PoolPrompt(_fitted(ids, context, param(i))))
     return prompts
+
+
+def _cut(ids: Sequence[int], special: Sequence[int], keep: int) -> list[int]:
+    """A text's ``ids`` cut to ``keep`` tokens, the text's last ones between the special tokens
+    the tokenizer put around it (``special``: its special-tokens mask), as a tokenizer
+    truncating from the left keeps them: BERT's ``[CLS]``, a decoder's BOS or EOS stay."""
+    if len(ids) <= keep:
+        return list(ids)
+    head = next((i for i, s in enumerate(special) if not s), len(ids))
+    tail = next((i for i, s in enumerate(reversed(special)) if not s), 0)
+    room = keep - head - tail
+    if room < 1:
+        raise bad_request(
+            f"truncate_prompt_tokens is {keep}, which leaves no room for text beside the "
+            f"{head + tail} special tokens the tokenizer adds",
+            "truncate_prompt_tokens",
+        )
+    return [*ids[:head], *ids[len(ids) - tail - room : len(ids) - tail], *ids[len(ids) - tail :]]
 
 
 async def tokenize_pairs(
