@@ -2,8 +2,10 @@
 server (the session's ``ServerThread``, the CLI's ``make_runner``) over its own engine, built on
 first use: a Qwen3 embedder (sentence-transformers folder, last-token pooling), the same folder
 made Matryoshka through ``hf_overrides``, a three-label Qwen3 sequence classifier, a one-label
-one (a cross-encoder's shape), a Qwen3-Reranker-style LM scored from its yes/no logits, and the
-reranker's folder served for generation (the wrong-kind refusals).
+one (a cross-encoder's shape), a Qwen3-Reranker-style LM scored from its yes/no logits, the
+reranker's folder served for generation (the wrong-kind refusals), and bidirectional encoders:
+a BERT embedder (mean pooling), a BERT cross-encoder (segment ids) and an XLM-RoBERTa one
+(bge-reranker-v2-m3's shape).
 
 After every test, ``pools_clean`` waits (bounded) until each engine the test used is idle,
 then checks its block pool's integrity and that no block is still used.
@@ -16,15 +18,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForSequenceClassification
 
 from paged_serve.engine.async_engine import AsyncEngine
 from paged_serve.engine.config import EngineConfig
 from paged_serve.server.app import create_app
 from tests.pooling_models import (
     RERANKER_OVERRIDES,
+    bert_cross_encoder,
+    bert_embedder,
     qwen3_classifier,
     qwen3_embedder,
     qwen3_reranker,
+    xlm_roberta_cross_encoder,
 )
 from tests.server.conftest import ServerThread, wait_idle
 
@@ -104,7 +111,48 @@ def generator(reranker: Served, server_thread: ServerThread) -> Iterator[Served]
     yield from _serve(server_thread, reranker.folder, "tiny-generator")
 
 
-SERVED = ("embedder", "matryoshka", "classifier", "cross_encoder", "reranker", "generator")
+@pytest.fixture(scope="session")
+def bert(model_root: Path, server_thread: ServerThread) -> Iterator[Served]:
+    folder = bert_embedder(model_root / "bert", seed=3)
+    yield from _serve(server_thread, folder, "tiny-bert")
+
+
+def _peaked(folder: Path) -> Path:
+    """The classifier at ``folder`` with its matrices scaled 10x: a random encoder at the
+    default initialisation gives every pair nearly the same score (0.4979 +- 1e-4), too close
+    for an order to mean anything; scaled, the scores spread over 0.3-0.9."""
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        for weight in model.parameters():
+            if weight.dim() == 2:
+                weight.mul_(10.0)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def bert_reranker(model_root: Path, server_thread: ServerThread) -> Iterator[Served]:
+    folder = _peaked(bert_cross_encoder(model_root / "bert-cross-encoder", seed=4))
+    yield from _serve(server_thread, folder, "tiny-bert-cross-encoder")
+
+
+@pytest.fixture(scope="session")
+def roberta_reranker(model_root: Path, server_thread: ServerThread) -> Iterator[Served]:
+    folder = _peaked(xlm_roberta_cross_encoder(model_root / "xlm-roberta-cross-encoder", seed=5))
+    yield from _serve(server_thread, folder, "tiny-xlm-roberta-cross-encoder")
+
+
+SERVED = (
+    "embedder",
+    "matryoshka",
+    "classifier",
+    "cross_encoder",
+    "reranker",
+    "generator",
+    "bert",
+    "bert_reranker",
+    "roberta_reranker",
+)
 
 
 def check_pool(engine: AsyncEngine) -> None:
