@@ -82,9 +82,10 @@ async def score_pairs(
             first_alone=_shares_cached_prefix(state, pooling, prompts),
         )
         return Scores([out.pooled[0] for out in outputs], usage_of(outputs))
+    one_first = len({first for first, _ in pairs}) == 1  # a rerank's query, one text_1
     where: dict[str, str] = {}  # each distinct text, with the field it first came from
     for i, (first, second) in enumerate(pairs):
-        where.setdefault(first, names[0])
+        where.setdefault(first, names[0] if one_first else f"{names[0]}[{i}]")
         where.setdefault(second, f"{names[1]}[{i}]")
     texts = list(where)
     prompts = await tokenize_inputs(state, texts, truncate=truncate, names=list(where.values()))

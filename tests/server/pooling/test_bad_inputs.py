@@ -81,6 +81,20 @@ SCENARIOS = {
         "text_2[1]",
         "context_length_exceeded",
     ),
+    "score, over-long text_1 of several": (
+        "/score",
+        {"text_1": ["w1", LONG], "text_2": ["w2", "w3"]},
+        400,
+        "text_1[1]",
+        "context_length_exceeded",
+    ),
+    "score, mismatched lists": (
+        "/score",
+        {"text_1": ["w1", "w2"], "text_2": ["w2", "w3", "w4"]},
+        400,
+        "text_2",
+        None,
+    ),
     "rerank, no documents": ("/rerank", {"query": "w1", "documents": []}, 400, "documents", None),
     "rerank, negative top_n": (
         "/rerank",
