@@ -13,6 +13,8 @@ from transformers import (
     BertConfig,
     BertForSequenceClassification,
     BertModel,
+    Gemma3TextConfig,
+    Gemma3TextModel,
     ModernBertConfig,
     ModernBertForSequenceClassification,
     ModernBertModel,
@@ -205,6 +207,30 @@ def nomic_bert_embedder(folder: Path, pooling: str = "mean_tokens", seed: int = 
     config = _bert_config(NomicBertConfig, max_position_embeddings=256, type_vocab_size=2)
     _save(NomicBertModel(config), folder, encoder=True)
     sentence_transformers_folder(folder, 64, pooling)
+    return folder
+
+
+def embeddinggemma_embedder(folder: Path, seed: int = 0) -> Path:
+    """A Gemma 3 text model with bidirectional attention (sliding and full layers), mean pooling
+    and a Dense layer (EmbeddingGemma's shape)."""
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=len(WORDS),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=512,
+        use_bidirectional_attention=True,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=PAD,
+        architectures=["Gemma3TextModel"],
+    )
+    _save(Gemma3TextModel(config), folder, encoder=False)
+    sentence_transformers_folder(folder, 64, "mean_tokens", dense=48)
     return folder
 
 

@@ -21,6 +21,7 @@ from tests.pooling_models import (
     WORDS,
     bert_cross_encoder,
     bert_embedder,
+    embeddinggemma_embedder,
     modernbert_cross_encoder,
     modernbert_embedder,
     nomic_bert_embedder,
@@ -66,6 +67,7 @@ EMBEDDERS = {
     "xlm-roberta-cls": xlm_roberta_embedder,
     "modernbert-mean": modernbert_embedder,  # local attention: a bidirectional 8-token window
     "nomic-bert-mean": nomic_bert_embedder,  # rotary positions
+    "embeddinggemma": embeddinggemma_embedder,  # bidirectional Gemma 3: a window, a Dense layer
 }
 
 
