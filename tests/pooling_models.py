@@ -1,14 +1,13 @@
 """Tiny random-weight pooling checkpoints written to folders, as users ship them: a word-level
 tokenizer (no download), the model's safetensors and, for embedders, a sentence-transformers
-folder. Engine and server tests load them by path."""
+folder (the writers are perf/engine/pooling_models.py's, which builds the benchmark's real-sized
+ones). Engine and server tests load them by path."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import (
     BertConfig,
     BertForSequenceClassification,
@@ -21,7 +20,6 @@ from transformers import (
     NomicBertConfig,
     NomicBertModel,
     PreTrainedModel,
-    PreTrainedTokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3ForSequenceClassification,
@@ -30,107 +28,17 @@ from transformers import (
     XLMRobertaModel,
 )
 
+from perf.engine.pooling_models import sentence_transformers_folder, word_tokenizer
+
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "<eos>", "[MASK]"]
 WORDS = SPECIALS + ["yes", "no", "query:", "document:"] + [f"w{i}" for i in range(118)]
 PAD, CLS, SEP, EOS = 0, 2, 3, 4
 
 
-def word_tokenizer(encoder: bool) -> PreTrainedTokenizerFast:
-    """A whitespace word-level tokenizer over ``WORDS``: ``w0 .. w117``, ``yes``, ``no``.
-    An encoder's wraps inputs as BERT does (``[CLS] a [SEP]``, pairs ``[CLS] a [SEP] b [SEP]``
-    with segment ids 0 then 1); a decoder's adds nothing."""
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    if encoder:
-        tok.post_processor = processors.TemplateProcessing(
-            single="[CLS] $A [SEP]",
-            pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-            special_tokens=[("[CLS]", CLS), ("[SEP]", SEP)],
-        )
-        return PreTrainedTokenizerFast(
-            tokenizer_object=tok,
-            unk_token="[UNK]",
-            pad_token="[PAD]",
-            cls_token="[CLS]",
-            sep_token="[SEP]",
-            mask_token="[MASK]",
-            model_max_length=512,
-            model_input_names=["input_ids", "token_type_ids", "attention_mask"],
-        )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="<eos>"
-    )
-
-
-def sentence_transformers_folder(
-    folder: Path,
-    width: int,
-    pooling: str,
-    *,
-    normalize: bool = True,
-    dense: int | None = None,
-    prompts: dict[str, str] | None = None,
-    max_seq_length: int | None = None,
-) -> None:
-    """Write a sentence-transformers pipeline beside a transformer's files in ``folder``:
-    ``pooling`` in sentence-transformers' old flag style (``mean_tokens``, ``cls_token``,
-    ``lasttoken``, ``max_tokens``), an optional Dense layer to ``dense`` lanes (tanh), then
-    Normalize."""
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}
-    ]
-    (folder / "1_Pooling").mkdir(exist_ok=True)
-    config = {"word_embedding_dimension": width, f"pooling_mode_{pooling}": True}
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps(config))
-    modules.append(
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}
-    )
-    if dense is not None:
-        from safetensors.torch import save_file
-
-        path = folder / "2_Dense"
-        path.mkdir(exist_ok=True)
-        linear = torch.nn.Linear(width, dense)
-        save_file(
-            {"linear.weight": linear.weight.detach(), "linear.bias": linear.bias.detach()},
-            str(path / "model.safetensors"),
-        )
-        dense_config = {
-            "in_features": width,
-            "out_features": dense,
-            "bias": True,
-            "activation_function": "torch.nn.modules.activation.Tanh",
-        }
-        (path / "config.json").write_text(json.dumps(dense_config))
-        modules.append(
-            {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
-        )
-    if normalize:
-        (folder / "3_Normalize").mkdir(exist_ok=True)
-        modules.append(
-            {
-                "idx": 3,
-                "name": "3",
-                "path": "3_Normalize",
-                "type": "sentence_transformers.models.Normalize",
-            }
-        )
-    (folder / "modules.json").write_text(json.dumps(modules))
-    st_config = {
-        "prompts": prompts or {},
-        "default_prompt_name": None,
-        "similarity_fn_name": "cosine",
-    }
-    (folder / "config_sentence_transformers.json").write_text(json.dumps(st_config))
-    if max_seq_length is not None:
-        bert_config = {"max_seq_length": max_seq_length, "do_lower_case": False}
-        (folder / "sentence_bert_config.json").write_text(json.dumps(bert_config))
-
-
 def _save(model: PreTrainedModel, folder: Path, encoder: bool) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
-    word_tokenizer(encoder).save_pretrained(folder)
+    word_tokenizer(WORDS, encoder).save_pretrained(folder)
     return folder
 
 

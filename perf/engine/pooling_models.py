@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import (
     BertConfig,
@@ -32,15 +33,24 @@ WORDS = SPECIALS + ["no", "yes"] + [f"w{i}" for i in range(VOCAB - len(SPECIALS)
 RERANKER_OVERRIDES = {"classifier_from_token": ["no", "yes"]}
 
 
-def word_tokenizer(encoder: bool) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+def word_tokenizer(
+    words: list[str], encoder: bool, max_length: int = 512
+) -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer over ``words`` (token ``i`` is ``words[i]``; they hold
+    ``[PAD] [UNK] [CLS] [SEP] <eos>``). An encoder's wraps inputs as BERT does (``[CLS] a
+    [SEP]``, pairs ``[CLS] a [SEP] b [SEP]`` with segment ids 0 then 1, which it returns); a
+    decoder's adds nothing."""
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    names = ["input_ids", "attention_mask"]
     if encoder:
         tok.post_processor = processors.TemplateProcessing(
             single="[CLS] $A [SEP]",
             pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-            special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
+            special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
         )
+        names = ["input_ids", "token_type_ids", "attention_mask"]
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="[UNK]",
@@ -48,36 +58,55 @@ def word_tokenizer(encoder: bool) -> PreTrainedTokenizerFast:
         cls_token="[CLS]",
         sep_token="[SEP]",
         eos_token="<eos>",
-        model_max_length=512 if encoder else 4096,
-        model_input_names=["input_ids", "token_type_ids", "attention_mask"]
-        if encoder
-        else ["input_ids", "attention_mask"],
+        mask_token="[MASK]" if "[MASK]" in vocab else None,
+        model_max_length=max_length,
+        model_input_names=names,
     )
 
 
-def _st_folder(folder: Path, width: int, pooling: str, max_seq_length: int) -> None:
+def sentence_transformers_folder(
+    folder: Path,
+    width: int,
+    pooling: str,
+    *,
+    normalize: bool = True,
+    dense: int | None = None,
+    prompts: dict[str, str] | None = None,
+    max_seq_length: int | None = None,
+) -> None:
+    """Write a sentence-transformers pipeline beside a transformer's files in ``folder``:
+    ``pooling`` in sentence-transformers' old flag style (``mean_tokens``, ``cls_token``,
+    ``lasttoken``, ``max_tokens``), an optional Dense layer to ``dense`` lanes (tanh), then
+    Normalize, the ``prompts`` and a ``max_seq_length``."""
+    kind = "sentence_transformers.models."
+    modules = [{"idx": 0, "name": "0", "path": "", "type": kind + "Transformer"}]
     (folder / "1_Pooling").mkdir(exist_ok=True)
-    pool = {"word_embedding_dimension": width, f"pooling_mode_{pooling}": True}
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pool))
-    (folder / "2_Normalize").mkdir(exist_ok=True)
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_Pooling",
-            "type": "sentence_transformers.models.Pooling",
-        },
-        {
-            "idx": 2,
-            "name": "2",
-            "path": "2_Normalize",
-            "type": "sentence_transformers.models.Normalize",
-        },
-    ]
+    config = {"word_embedding_dimension": width, f"pooling_mode_{pooling}": True}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(config))
+    modules.append({"idx": 1, "name": "1", "path": "1_Pooling", "type": kind + "Pooling"})
+    if dense is not None:
+        path = folder / "2_Dense"
+        path.mkdir(exist_ok=True)
+        linear = torch.nn.Linear(width, dense)
+        weights = {"linear.weight": linear.weight.detach(), "linear.bias": linear.bias.detach()}
+        save_file(weights, str(path / "model.safetensors"))
+        dense_config = {
+            "in_features": width,
+            "out_features": dense,
+            "bias": True,
+            "activation_function": "torch.nn.modules.activation.Tanh",
+        }
+        (path / "config.json").write_text(json.dumps(dense_config))
+        modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": kind + "Dense"})
+    if normalize:
+        (folder / "3_Normalize").mkdir(exist_ok=True)
+        modules.append({"idx": 3, "name": "3", "path": "3_Normalize", "type": kind + "Normalize"})
     (folder / "modules.json").write_text(json.dumps(modules))
-    bert = {"max_seq_length": max_seq_length, "do_lower_case": False}
-    (folder / "sentence_bert_config.json").write_text(json.dumps(bert))
+    st_config = {"prompts": prompts or {}, "default_prompt_name": None}
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(st_config))
+    if max_seq_length is not None:
+        bert_config = {"max_seq_length": max_seq_length, "do_lower_case": False}
+        (folder / "sentence_bert_config.json").write_text(json.dumps(bert_config))
 
 
 def _minilm_config(**extra: object) -> BertConfig:
@@ -115,15 +144,15 @@ def build(kind: str, folder: Path) -> Path:
     encoder = kind in ("minilm", "cross")
     if kind == "minilm":
         BertModel(_minilm_config(), add_pooling_layer=False).save_pretrained(folder)
-        _st_folder(folder, 384, "mean_tokens", 512)
+        sentence_transformers_folder(folder, 384, "mean_tokens", max_seq_length=512)
     elif kind == "qwen3":
         Qwen3ForCausalLM(_qwen3_config()).save_pretrained(folder)
-        _st_folder(folder, 512, "lasttoken", 4096)
+        sentence_transformers_folder(folder, 512, "lasttoken", max_seq_length=4096)
     elif kind == "reranker":
         Qwen3ForCausalLM(_qwen3_config()).save_pretrained(folder)
     elif kind == "cross":
         BertForSequenceClassification(_minilm_config(num_labels=1)).save_pretrained(folder)
     else:
         raise ValueError(f"unknown model kind {kind!r}")
-    word_tokenizer(encoder).save_pretrained(folder)
+    word_tokenizer(WORDS, encoder, 512 if encoder else 4096).save_pretrained(folder)
     return folder
