@@ -4,7 +4,10 @@ Each embedding is the engine's answer (``engine/pooling/pooling_model.py``): the
 through the sentence-transformers Dense layers, its first ``dimensions`` lanes (a Matryoshka
 model only: 400 otherwise), L2-normalized unless ``normalize`` is false. ``encoding_format``
 ``base64`` sends each as base64 of its little-endian float32 bytes, as OpenAI and vLLM do (the
-openai SDK asks for base64 by default and decodes it itself).
+openai SDK asks for base64 by default and decodes it itself). ``prompt_name``
+(sentence-transformers' parameter) puts the folder's prompt of that name (Qwen3-Embedding's
+"query" instruction) before each text, as ``SentenceTransformer.encode`` does; without it the
+folder's ``default_prompt_name``, if any.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from aiohttp import web
 from paged_serve.engine.pooling.pooling_model import PoolingModel
 from paged_serve.engine.pooling_params import PoolingParams
 from paged_serve.server.http.wire import json_response
-from paged_serve.server.pooling.inputs import read_body
+from paged_serve.server.pooling.inputs import prompt_text, read_body
 from paged_serve.server.pooling.run import data_list, pool_inputs, usage_of
 from paged_serve.server.protocol.errors import bad_request
 from paged_serve.server.protocol.pooling import EmbeddingData, EmbeddingRequest
@@ -57,7 +60,8 @@ async def create_embeddings(request: web.Request) -> web.Response:
     body = await read_body(request, EmbeddingRequest)
     params = embed_params(pooling, body)
     reply_id = f"embd-{uuid.uuid4().hex}"
-    outputs = await pool_inputs(state, body, params, reply_id, request.get(OWNER))
+    prompt = prompt_text(pooling, body.prompt_name)
+    outputs = await pool_inputs(state, body, params, reply_id, request.get(OWNER), prompt)
     data = [
         EmbeddingData(index=i, embedding=encoded(out.pooled, body.encoding_format))
         for i, out in enumerate(outputs)

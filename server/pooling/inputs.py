@@ -24,12 +24,40 @@ from typing import TypeVar
 
 from aiohttp import web
 
+from paged_serve.engine.pooling.pooling_model import PoolingModel
 from paged_serve.server.generation.prompts import check_text_length, off_loop
 from paged_serve.server.protocol.decode import decode
 from paged_serve.server.protocol.errors import bad_request
 from paged_serve.server.state import STATE, ServerState
 
 BodyT = TypeVar("BodyT")
+
+
+# sentence-transformers' names of a document's prompt, in the order encode_document tries them
+DOCUMENT_PROMPTS = ("document", "passage", "corpus")
+
+
+def prompt_text(pooling: PoolingModel, name: str | None, param: str = "prompt_name") -> str:
+    """The sentence-transformers prompt ``name`` of the model's folder (Qwen3-Embedding's
+    "query" instruction), put before each text input as ``SentenceTransformer.encode`` puts
+    it; None takes the folder's ``default_prompt_name`` (none: no prompt). 400 naming
+    ``param`` for a name the folder does not have."""
+    name = name if name is not None else pooling.default_prompt_name
+    if name is None:
+        return ""
+    if name not in pooling.prompts:
+        known = ", ".join(sorted(pooling.prompts)) or "none"
+        raise bad_request(f"{param}: this model has no prompt {name!r} (it has: {known})", param)
+    return pooling.prompts[name]
+
+
+def side_prompts(pooling: PoolingModel) -> tuple[str, str]:
+    """The prompts of a query and of a document, as sentence-transformers' ``encode_query``
+    and ``encode_document`` pick them ("query"; "document", "passage" or "corpus"; else the
+    default prompt)."""
+    query = "query" if "query" in pooling.prompts else None
+    document = next((n for n in DOCUMENT_PROMPTS if n in pooling.prompts), None)
+    return prompt_text(pooling, query), prompt_text(pooling, document)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +121,11 @@ async def tokenize_inputs(
     truncate: int | None,
     add_special_tokens: bool = True,
     names: Sequence[str] | None = None,
+    prompt: str = "",
 ) -> list[PoolPrompt]:
-    """Each input's token ids (texts tokenized in one batch, off the event loop), cut to the
-    last ``truncate`` tokens where asked; 400 naming the input (``names[i]``; by default
-    ``input``, or ``input[i]`` in a list)."""
+    """Each input's token ids (texts tokenized in one batch, off the event loop, each after
+    ``prompt``: ``prompt_text``), cut to the last ``truncate`` tokens where asked; 400 naming
+    the input (``names[i]``; by default ``input``, or ``input[i]`` in a list)."""
     engine = state.engine
     keep = _kept(state, truncate)
 
@@ -105,7 +134,7 @@ async def tokenize_inputs(
             return names[i]
         return "input" if len(inputs) == 1 else f"input[{i}]"
 
-    texts = {i: t for i, t in enumerate(inputs) if isinstance(t, str)}
+    texts = {i: prompt + t for i, t in enumerate(inputs) if isinstance(t, str)}
     encoded: dict[int, list[int]] = {}
     if texts:
         tokenizer = _tokenizer(state)

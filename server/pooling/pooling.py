@@ -15,7 +15,7 @@ from aiohttp import web
 
 from paged_serve.server.http.wire import json_response
 from paged_serve.server.pooling.embeddings import embed_params, encoded
-from paged_serve.server.pooling.inputs import read_body
+from paged_serve.server.pooling.inputs import prompt_text, read_body
 from paged_serve.server.pooling.run import data_list, pool_inputs, usage_of
 from paged_serve.server.protocol.pooling import EmbeddingRequest, PoolingData
 from paged_serve.server.state import OWNER, STATE
@@ -27,7 +27,8 @@ async def create_pooling(request: web.Request) -> web.Response:
     body = await read_body(request, EmbeddingRequest)
     params = embed_params(pooling, body)
     reply_id = f"pool-{uuid.uuid4().hex}"
-    outputs = await pool_inputs(state, body, params, reply_id, request.get(OWNER))
+    prompt = prompt_text(pooling, body.prompt_name) if pooling.task == "embed" else ""
+    outputs = await pool_inputs(state, body, params, reply_id, request.get(OWNER), prompt)
     data = [
         PoolingData(index=i, data=encoded(out.pooled, body.encoding_format))
         for i, out in enumerate(outputs)

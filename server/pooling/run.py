@@ -117,14 +117,17 @@ async def pool_inputs(
     params: PoolingParams,
     reply_id: str,
     owner: str | None,
+    prompt: str = "",
 ) -> list[RequestOutput]:
-    """``body.input`` tokenized (``tokenize_inputs``) and run with ``params``, in the prefix
-    cache of ``owner`` (the API key's digest) and the body's ``cache_salt``."""
+    """``body.input`` tokenized (``tokenize_inputs``, text inputs after ``prompt``) and run
+    with ``params``, in the prefix cache of ``owner`` (the API key's digest) and the body's
+    ``cache_salt``."""
     prompts = await tokenize_inputs(
         state,
         body.inputs(),
         truncate=body.truncate_prompt_tokens,
         add_special_tokens=body.add_special_tokens,
+        prompt=prompt,
     )
     salt = tenant_cache_salt(owner, body.cache_salt)
     return await pool_all(state, reply_id, prompts, params, cache_salt=salt)

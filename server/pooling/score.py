@@ -29,6 +29,7 @@ from paged_serve.server.http.wire import json_response
 from paged_serve.server.pooling.inputs import (
     PoolPrompt,
     read_body,
+    side_prompts,
     tokenize_inputs,
     tokenize_pairs,
 )
@@ -82,6 +83,8 @@ async def score_pairs(
             first_alone=_shares_cached_prefix(state, pooling, prompts),
         )
         return Scores([out.pooled[0] for out in outputs], usage_of(outputs))
+    query_prompt, document_prompt = side_prompts(pooling)  # encode_query / encode_document's
+    pairs = [(query_prompt + a, document_prompt + b) for a, b in pairs]
     one_first = len({first for first, _ in pairs}) == 1  # a rerank's query, one text_1
     where: dict[str, str] = {}  # each distinct text, with the field it first came from
     for i, (first, second) in enumerate(pairs):

@@ -85,6 +85,7 @@ class EmbeddingRequest(PoolingRequestFields, kw_only=True):
     dimensions: PositiveInt | None = None
     normalize: bool | None = None
     use_activation: bool | None = None
+    prompt_name: str | None = None  # sentence-transformers' prompt of that name before texts
 
     @property
     def normalized(self) -> bool | None:

@@ -177,3 +177,15 @@ def test_pooling_endpoint_returns_the_pooled_output(embedder: Served, classifier
     raw_reply = embed(classifier, {"input": TEXTS, "use_activation": False}, "/pooling")
     logits = vectors(raw_reply, "data")
     assert np.abs(torch.softmax(torch.tensor(logits), -1).numpy() - probs).max() <= ATOL
+
+
+def test_prompt_name_puts_the_folders_prompt_before_each_text(embedder: Served):
+    """sentence-transformers' ``prompt_name``: Qwen3-Embedding's query instruction."""
+    got = vectors(embed(embedder, {"input": TEXTS, "prompt_name": "query"}))
+    model = SentenceTransformer(str(embedder.folder), device="cpu")
+    reference = model.encode(TEXTS, prompt_name="query", convert_to_numpy=True)
+    assert np.abs(got - reference).max() <= ATOL
+    assert np.abs(got - vectors(embed(embedder, {"input": TEXTS}))).max() > 1e-3
+    reply = http("POST", f"{embedder.url}/v1/embeddings", json={"input": "w1", "prompt_name": "x"})
+    error = assert_error(reply, 400, param="prompt_name")
+    assert "has no prompt 'x'" in error["message"] and "query" in error["message"]

@@ -16,7 +16,7 @@ from sentence_transformers import SentenceTransformer
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from tests.server.conftest import assert_error, http, metric_values
-from tests.server.pooling.conftest import Served
+from tests.server.pooling.conftest import PROMPTS, Served
 
 QUERY = "w1 w2 w3"
 DOCUMENTS = ["w4 w5", "w1 w2", "yes w7 w8 w9", "no", "w10 w3 w1", "w11 w12 w13 w14 w15"]
@@ -135,13 +135,16 @@ def test_cohere_v2_client_reranks(reranker: Served):
 
 
 def test_an_embedding_model_scores_by_cosine_similarity(embedder: Served):
+    """The query after the folder's "query" prompt, as sentence-transformers'
+    ``encode_query`` puts it, the documents as ``encode_document`` does (no prompt here)."""
     st = SentenceTransformer(str(embedder.folder), device="cpu")
-    texts = [QUERY, *DOCUMENTS]
-    vectors = st.encode(texts, convert_to_tensor=True)
-    reference = torch.nn.functional.cosine_similarity(vectors[:1], vectors[1:]).tolist()
+    query = st.encode_query([QUERY], convert_to_tensor=True)
+    documents = st.encode_document(DOCUMENTS, convert_to_tensor=True)
+    reference = torch.nn.functional.cosine_similarity(query, documents).tolist()
     scores = post(embedder, "/score", {"text_1": QUERY, "text_2": DOCUMENTS})
     assert [d["score"] for d in scores["data"]] == pytest.approx(reference, abs=ATOL)
     tokenizer = embedder.engine.tokenizer
+    texts = [PROMPTS["query"] + QUERY, *DOCUMENTS]
     tokens = sum(len(tokenizer(t).input_ids) for t in texts)  # the query embedded once
     assert scores["usage"]["prompt_tokens"] == tokens
     reranked = post(embedder, "/rerank", {"query": QUERY, "documents": DOCUMENTS})
