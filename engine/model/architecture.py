@@ -12,7 +12,9 @@ families whose decoder ``engine/model/body/`` reproduces without HF's per-layer 
 it (``FAST_BODY_ARCHITECTURES``); every other one runs HF's own decoder forward over the flat
 batch. What cannot be right is refused at load, before any KV memory is allocated, with what is
 missing: other linear-attention or state-space layers, DeepSeek's sparse attention, ALiBi biases,
-bidirectional attention, attention that does not go through the interface, encoder-decoders.
+bidirectional attention in a model served to generate, attention that does not go through the
+interface, encoder-decoders. A pooling model (embeddings, classifiers: ``engine/pooling/``) needs
+no LM head and may be a bidirectional encoder (``is_bidirectional``).
 """
 
 from __future__ import annotations
@@ -65,6 +67,12 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
     ]
 
 
+def is_bidirectional(model: nn.Module) -> bool:
+    """Some attention layer of ``model`` attends both ways (``is_causal`` False): an encoder,
+    whose every token sees its whole prompt."""
+    return any(getattr(m, "is_causal", True) is False for m in attention_layers(model))
+
+
 def number_attention_layers(model: PreTrainedModel) -> None:
     """Give the attention module of each transformer layer that lacks one its ``layer_idx``
     (Nomic BERT's modules are not numbered; the paged cache is indexed by it), in place."""
@@ -92,8 +100,7 @@ def check_servable(model: PreTrainedModel, pooling: bool = False) -> None:
         raise ValueError(f"{name} is an encoder-decoder model: paged-serve serves decoder-only LMs")
     if not pooling and (model.get_output_embeddings() is None or model.base_model is model):
         raise ValueError(f"{name} is not a causal LM: an LM head over a decoder (base_model)")
-    modules = attention_layers(model)
-    encoder = pooling and any(getattr(m, "is_causal", True) is False for m in modules)
+    encoder = pooling and is_bidirectional(model)
     decoder_layers = getattr(getattr(model, "model", None), "layers", None)
     if not encoder and not isinstance(decoder_layers, nn.ModuleList):
         raise ValueError(
@@ -124,7 +131,7 @@ def check_servable(model: PreTrainedModel, pooling: bool = False) -> None:
             "paged attention cannot be swapped in"
         )
     modules = attention_layers(model)
-    if not pooling and any(getattr(m, "is_causal", True) is False for m in modules):
+    if not pooling and is_bidirectional(model):
         raise ValueError(
             f"{name} has bidirectional attention layers: paged-serve serves causal LMs"
         )

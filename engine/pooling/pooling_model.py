@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from paged_serve.engine.model.architecture import is_bidirectional
 from paged_serve.engine.model.model_task import position_offset
 from paged_serve.engine.pooling.heads import (
     Classifier,
@@ -122,18 +123,12 @@ def _activated(logits: torch.Tensor, activation: bool) -> torch.Tensor:
     return torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, dim=-1)
 
 
-def is_causal(model: PreTrainedModel) -> bool:
-    """Whether ``model``'s attention layers are causal (a decoder), from their ``is_causal``."""
-    flags = [getattr(m, "is_causal", None) for m in model.modules()]
-    return not any(flag is False for flag in flags)
-
-
 def pooling_model(
     model: PreTrainedModel, tokenizer: object | None, folder: str, task: str
 ) -> PoolingModel:
     """The pipeline of ``model`` loaded from ``folder`` for ``task`` (module docstring)."""
     config = model.config
-    causal = is_causal(model)
+    causal = not is_bidirectional(model)
     st = read_sentence_transformers(folder)
     common = {
         "causal": causal,
