@@ -34,7 +34,7 @@ from paged_serve.engine.observe.metrics import EngineStats, SnapshotCollector
 from paged_serve.engine.observe.weight_memory import WeightMemory
 from paged_serve.engine.outputs import RequestOutput
 from paged_serve.engine.pooling.pooling_model import PoolingModel
-from paged_serve.engine.pooling_params import PoolingParams
+from paged_serve.engine.pooling_params import POOLING_SAMPLING, PoolingParams
 from paged_serve.engine.request_streams import RequestStreams, Stream
 from paged_serve.engine.sampling_params import SamplingParams
 from paged_serve.engine.sched.admission import check_cache_salt
@@ -237,9 +237,8 @@ class AsyncEngine:
         engine dropped it). ``cache_salt``: the prefix-cache partition, as for
         ``add_request``. Raises as ``add_request`` does, before anything runs; cancelling
         the call aborts the request."""
-        carrier = SamplingParams(max_tokens=1, temperature=0.0)  # nothing is sampled
         stream = self.add_request(
-            prompt, carrier, request_id, cache_salt=cache_salt, pooling=params
+            prompt, POOLING_SAMPLING, request_id, cache_salt=cache_salt, pooling=params
         )
         async for out in stream:
             if out.finished:

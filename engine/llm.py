@@ -9,7 +9,7 @@ from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.llm_engine import LLMEngine
 from paged_serve.engine.model.loader import LoadedModel
 from paged_serve.engine.outputs import CompletionResult
-from paged_serve.engine.pooling_params import PoolingParams
+from paged_serve.engine.pooling_params import POOLING_SAMPLING, PoolingParams
 from paged_serve.engine.sampling_params import SamplingParams
 from paged_serve.engine.sched.forks import sample_ids
 
@@ -104,12 +104,11 @@ class LLM:
         param_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(param_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(param_list)} PoolingParams")
-        carrier = SamplingParams(max_tokens=1, temperature=0.0)  # nothing is sampled
         order: list[str] = []
         results: dict[str, list[float]] = {}
         try:
             for prompt, p in zip(prompts, param_list):
-                order.append(self.engine.add_request(prompt, carrier, pooling=p))
+                order.append(self.engine.add_request(prompt, POOLING_SAMPLING, pooling=p))
             while self.engine.has_unfinished:
                 for out in self.engine.step():
                     if out.finish_reason != "stop":

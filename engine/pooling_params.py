@@ -14,7 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from paged_serve.engine.sampling_params import SamplingParams
+
 POOLING_TASKS = ("embed", "classify")
+# The sampling parameters a pooling request is queued with: one sample, nothing drawn.
+POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,7 @@ import importlib.metadata
 from aiohttp import web
 
 from paged_serve.engine.async_engine import EngineDeadError
-from paged_serve.engine.pooling_params import PoolingParams
+from paged_serve.engine.pooling_params import POOLING_SAMPLING, PoolingParams
 from paged_serve.engine.sampling_params import SamplingParams
 from paged_serve.server.generation.run import Job, engine_dead, start_generation
 from paged_serve.server.http.wire import json_response
@@ -149,10 +149,9 @@ async def _pooling_probe(state: ServerState) -> None:
     generate), outside ``--max-waiting`` like the generation probe."""
     engine = state.engine
     request_id = engine.new_request_id("health")
-    carrier = SamplingParams(max_tokens=1, temperature=0.0)  # nothing is sampled
     params = PoolingParams(task=engine.pooling.task)
     try:
-        outputs = engine.add_request([0], carrier, request_id, probe=True, pooling=params)
+        outputs = engine.add_request([0], POOLING_SAMPLING, request_id, probe=True, pooling=params)
     except EngineDeadError as exc:
         raise engine_dead(exc) from None
     state.in_flight.add(request_id)
