@@ -100,6 +100,8 @@ async def pool_all(
     finally:
         for task in tasks:
             task.cancel()
+        # the cancelled inputs end before the reply goes out (their aborts are below)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for request_id in ids:
             engine.abort(request_id)  # a no-op for a request that finished
             state.in_flight.discard(request_id)
