@@ -8,12 +8,13 @@ from collections.abc import Sequence
 from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.llm_engine import LLMEngine
 from paged_serve.engine.model.loader import LoadedModel
+from paged_serve.engine.multimodal_inputs import MultimodalPrompt
 from paged_serve.engine.outputs import CompletionResult
 from paged_serve.engine.pooling_params import POOLING_SAMPLING, PoolingParams
 from paged_serve.engine.sampling_params import SamplingParams
 from paged_serve.engine.sched.forks import sample_ids
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | MultimodalPrompt  # engine.multimodal_prompt(text, images)
 
 
 class LLM:
@@ -50,7 +51,9 @@ class LLM:
 
         A prompt with ``n > 1`` contributes its ``n`` samples, consecutively.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, MultimodalPrompt)) or (
+            prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         if params is None:
             params = SamplingParams()
@@ -62,7 +65,7 @@ class LLM:
         try:
             for prompt, p in zip(prompts, param_list):
                 ids = self.engine.tokenize(prompt)
-                rid = self.engine.add_request(ids, p)
+                rid = self.engine.add_request(ids if isinstance(prompt, str) else prompt, p)
                 for sample_id in sample_ids(rid, p.n):
                     results[sample_id] = CompletionResult(sample_id, ids)
                     order.append(sample_id)

@@ -25,8 +25,10 @@ from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.errors import InvalidRequestError
 from paged_serve.engine.executor.workers import TensorParallelWorkers
 from paged_serve.engine.grammar.structured_output import GrammarCompiler, StructuredOutput
-from paged_serve.engine.model.architecture import check_servable
+from paged_serve.engine.model.architecture import check_servable, text_config
+from paged_serve.engine.model.image_prompts import multimodal_prompt
 from paged_serve.engine.model.loader import LoadedModel
+from paged_serve.engine.multimodal_inputs import MultimodalPrompt, attach_images
 from paged_serve.engine.observe.metrics import EngineStats
 from paged_serve.engine.observe.weight_memory import weight_memory
 from paged_serve.engine.outputs import RequestOutput
@@ -50,6 +52,8 @@ from paged_serve.engine.spec.build import build_speculator
 from paged_serve.engine.step_outputs import StepOutputs
 
 logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int] | MultimodalPrompt
 
 
 class LLMEngine:
@@ -89,7 +93,7 @@ class LLMEngine:
             raise
 
     def _build(self, config: EngineConfig, loaded: LoadedModel) -> None:
-        self.vocab_size = int(loaded.model.config.vocab_size)
+        self.vocab_size = int(text_config(loaded.model).vocab_size)
         self.grammars = (
             GrammarCompiler(
                 self.tokenizer,
@@ -183,9 +187,21 @@ class LLMEngine:
             self.tp.close()
 
     # ------------------------------------------------------------------ requests
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a text prompt (with the tokenizer's special tokens) or a checked id list."""
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of a text prompt (with the tokenizer's special tokens), a checked id list,
+        or a prompt with images (``multimodal_prompt``; ValueError for a model without images)."""
+        if isinstance(prompt, MultimodalPrompt):
+            if prompt.images and self.runner.encoder is None:
+                raise InvalidRequestError(f"{self.model_name} takes no images", "images")
+            prompt = prompt.token_ids
         return prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
+
+    def multimodal_prompt(self, text: str, images: Sequence[object]) -> MultimodalPrompt:
+        """``text`` (one image marker per image, as the model's processor expects) and its
+        PIL ``images`` through the model's processor (engine/model/image_prompts.py)."""
+        if self.loaded.processor is None or self.runner.encoder is None:
+            raise InvalidRequestError(f"{self.model_name} takes no images", "images")
+        return multimodal_prompt(self.loaded.processor, self.loaded.model.config, text, images)
 
     def validate(
         self,
@@ -233,7 +249,7 @@ class LLMEngine:
 
     def add_request(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         params: SamplingParams,
         request_id: str | None = None,
         *,
@@ -275,6 +291,8 @@ class LLMEngine:
         if pooling is not None:
             samples[0].pooling = pooling
             samples[0].whole_prompt = self.pooling.reads_every_token
+        if isinstance(prompt, MultimodalPrompt):
+            attach_images(samples, prompt)
         for sample in samples:
             self.outputs.live[sample.request_id] = LiveRequest.start(sample, self.tokenizer)
         self.scheduler.add(samples[0])

@@ -106,7 +106,7 @@ class TensorParallelWorkers:
         world = config.tensor_parallel_size
         if sharded and share_model:
             raise ValueError("a model loaded as rank 0's shard cannot be sent to the other ranks")
-        shard_shape(model.config, world)  # refuse before any process starts
+        shard_shape(model.config.get_text_config(), world)  # refuse before any process starts
         if not sharded:  # a loaded shard was checked before it was read
             plain_projections(model)  # a model prepared for one device: its original projections
             check_shardable(model, world)

@@ -20,7 +20,7 @@ no LM head and may be a bidirectional encoder (``is_bidirectional``).
 from __future__ import annotations
 
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from paged_serve.engine.model.latent_attention import unservable_latent_reason
 from paged_serve.engine.model.linear_attention import linear_attention_layers
@@ -67,6 +67,20 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
     ]
 
 
+def text_config(model: PreTrainedModel) -> PretrainedConfig:
+    """The config of the model's text decoder: its own config, or a vision-language model's
+    ``text_config`` (sizes, vocabulary, context and logit transforms live there)."""
+    return model.config.get_text_config()
+
+
+def is_multimodal(model: PreTrainedModel) -> bool:
+    """The model runs a vision encoder beside its language model (a LLaVA-style checkpoint
+    loaded whole: ``get_image_features`` and a ``vision_config``); a vision-language checkpoint
+    loaded as its text model alone is not."""
+    vision = getattr(model.config, "vision_config", None) is not None
+    return vision and callable(getattr(model, "get_image_features", None))
+
+
 def is_bidirectional(model: nn.Module) -> bool:
     """Some attention layer of ``model`` attends both ways (``is_causal`` False): an encoder,
     whose every token sees its whole prompt."""
@@ -93,7 +107,7 @@ def check_servable(model: PreTrainedModel, pooling: bool = False) -> None:
     A pooling model (``pooling``: embeddings, classifiers) needs no LM head and may be a
     bidirectional encoder (BERT's ``encoder.layer`` holds its layers; attention modules without
     a ``layer_idx`` are numbered, ``number_attention_layers``)."""
-    name, config = type(model).__name__, model.config
+    name, config = type(model).__name__, text_config(model)
     if pooling:
         number_attention_layers(model)
     if getattr(config, "is_encoder_decoder", False):
@@ -101,10 +115,12 @@ def check_servable(model: PreTrainedModel, pooling: bool = False) -> None:
     if not pooling and (model.get_output_embeddings() is None or model.base_model is model):
         raise ValueError(f"{name} is not a causal LM: an LM head over a decoder (base_model)")
     encoder = pooling and is_bidirectional(model)
-    decoder_layers = getattr(getattr(model, "model", None), "layers", None)
-    if not encoder and not isinstance(decoder_layers, nn.ModuleList):
+    decoder = getattr(model, "model", None)
+    decoder = getattr(decoder, "language_model", decoder)  # a vision-language model's
+    if not encoder and not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
         raise ValueError(
-            f"{name} keeps its decoder layers elsewhere than model.model.layers, the list the "
+            f"{name} keeps its decoder layers elsewhere than model.model.layers (or "
+            "model.model.language_model.layers), the list the "
             "engine's module swaps (fused and quantized projections, sharding) walk"
         )
     if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", "") == "alibi":

@@ -16,7 +16,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 
 from paged_serve.engine.kv.attention_context import current_attention_context
-from paged_serve.engine.model.architecture import check_servable
+from paged_serve.engine.model.architecture import check_servable, is_multimodal
 from paged_serve.engine.model.latent_attention import (
     install_latent_attention,
     latent_attention_flat,
@@ -111,4 +111,8 @@ def install_paged_attention(model: PreTrainedModel, pooling: bool = False) -> No
     check_servable(model, pooling)
     install_latent_attention(model)  # MLA: absorbed weights over the latent cache
     install_linear_attention(model)  # gated DeltaNet mixers over state slots
-    model.set_attn_implementation(ATTN_NAME)
+    if is_multimodal(model):  # the vision encoder keeps its own attention: no paged KV
+        others = {key: "sdpa" for key in model.config.sub_configs if key != "text_config"}
+        model.set_attn_implementation({"text_config": ATTN_NAME, **others})
+    else:
+        model.set_attn_implementation(ATTN_NAME)

@@ -23,11 +23,15 @@ def _swap_children(module: nn.Module, make: LinearFactory) -> int:
 
 
 def transformer_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's list of transformer layers: a decoder's ``model.model.layers``, a BERT or
+    """The model's list of transformer layers: a decoder's ``model.model.layers``, a
+    vision-language model's language model's (``model.model.language_model.layers``), a BERT or
     RoBERTa encoder's ``encoder.layer``, ModernBERT's ``layers``."""
     decoder = getattr(model, "model", None)
     if isinstance(getattr(decoder, "layers", None), nn.ModuleList):
         return decoder.layers
+    language = getattr(decoder, "language_model", None)
+    if isinstance(getattr(language, "layers", None), nn.ModuleList):
+        return language.layers
     base = getattr(model, "base_model", model)
     for owner, name in ((getattr(base, "encoder", None), "layer"), (base, "layers")):
         if isinstance(getattr(owner, name, None), nn.ModuleList):

@@ -29,6 +29,7 @@ from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoProcessor,
     AutoTokenizer,
     GenerationConfig,
     Mxfp4Config,
@@ -36,6 +37,7 @@ from transformers import (
 )
 
 from paged_serve.engine.config import cache_root
+from paged_serve.engine.model.architecture import is_multimodal
 from paged_serve.engine.model.checkpoint_check import (
     check_checkpoint,
     check_loading_info,
@@ -78,6 +80,7 @@ class LoadedModel:
     quantization: str | None = None  # how the checkpoint stores its weights, one line
     task: ModelTask = GENERATE  # what it is served for (engine/model/model_task.py)
     path: str | None = None  # the folder (or id) it was read from
+    processor: object | None = None  # a vision-language model's processor (text and images)
 
 
 def default_gguf_path() -> Path:
@@ -171,7 +174,8 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: object | None) -> tuple[int
     """Every EOS id of the generation config (and the tokenizer's, if it has one)."""
     ids: list[int] = []
     gen = getattr(model, "generation_config", None) or GenerationConfig()
-    eos = gen.eos_token_id if gen.eos_token_id is not None else model.config.eos_token_id
+    config = model.config.get_text_config()
+    eos = gen.eos_token_id if gen.eos_token_id is not None else config.eos_token_id
     if isinstance(eos, int):
         ids.append(eos)
     elif eos:
@@ -336,8 +340,15 @@ def _loaded(
     except (OSError, ValueError, TypeError):
         tokenizer = None
         logger.warning("no tokenizer found at %s: only token-id prompts will work", path)
+    processor = None
+    if is_multimodal(hf_model):
+        try:
+            processor = AutoProcessor.from_pretrained(path)
+        except (OSError, ValueError, TypeError):
+            logger.warning("no processor found at %s: only text prompts will work", path)
     # RoBERTa-style embeddings spend the first positions on padding (model_task.py)
-    max_len = int(getattr(hf_model.config, "max_position_embeddings", 0) or 4096)
+    text = hf_model.config.get_text_config()
+    max_len = int(getattr(text, "max_position_embeddings", 0) or 4096)
     max_len -= position_offset(hf_model)
     return LoadedModel(
         model=hf_model,
@@ -350,4 +361,5 @@ def _loaded(
         quantization=quantization,
         task=task,
         path=path,
+        processor=processor,
     )

@@ -30,7 +30,7 @@ class LogitsHead:
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> LogitsHead:
-        config = model.config
+        config = model.config.get_text_config()  # a vision-language model's decoder's
 
         def factor(name: str) -> float | None:
             value = getattr(config, name, None)

@@ -13,7 +13,9 @@
     a bare model (BertModel,             pooling    embed       AutoModel
       XLMRobertaModel, ModernBertModel)
 
-A sentence-transformers folder declares an embedding model, which is how Qwen3-Embedding and
+A vision-language checkpoint of ``VISION_LANGUAGE_ARCHITECTURES`` (LLaVA) generates through
+``AutoModelForImageTextToText``, its vision encoder beside the language model. A sentence-
+transformers folder declares an embedding model, which is how Qwen3-Embedding and
 gte-Qwen2 ship (``Qwen3ForCausalLM`` weights beside ``modules.json``). A choice the
 checkpoint cannot serve (``--runner generate`` over a bare encoder, ``--convert classify``
 without a classifier) is a ValueError naming why.
@@ -27,6 +29,7 @@ from pathlib import Path
 from transformers import (
     AutoModel,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     PretrainedConfig,
     PreTrainedModel,
@@ -35,6 +38,8 @@ from transformers import (
 from paged_serve.engine.config import CONVERTS, RUNNERS
 
 GENERATIVE_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration")
+# vision-language checkpoints served with their vision encoder (engine/runner/image_embeddings.py)
+VISION_LANGUAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 SENTENCE_TRANSFORMERS_MODULES = "modules.json"
 
 
@@ -54,6 +59,10 @@ class ModelTask:
         """The transformers auto class that loads the checkpoint for this task."""
         architecture = _architecture(config)
         if not self.pooling or not architecture or architecture.endswith(GENERATIVE_SUFFIXES):
+            if architecture in VISION_LANGUAGE_ARCHITECTURES and not _maps(
+                AutoModelForCausalLM, config
+            ):
+                return AutoModelForImageTextToText  # with its vision encoder: images in
             return AutoModelForCausalLM
         if architecture.endswith("ForSequenceClassification"):
             return AutoModelForSequenceClassification
@@ -61,6 +70,11 @@ class ModelTask:
 
 
 GENERATE = ModelTask("generate")
+
+
+def _maps(auto_class: type, config: PretrainedConfig) -> bool:
+    """``auto_class`` builds a model for ``config``'s class."""
+    return auto_class._model_mapping.get(type(config), None) is not None
 
 
 def _architecture(config: PretrainedConfig) -> str:

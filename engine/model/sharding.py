@@ -118,6 +118,11 @@ def check_shardable(model: nn.Module, world_size: int) -> None:
     divides, and per-head q/k norms only (a norm over all heads, as OLMo 2's, would need every
     rank's heads). ``model`` has its plain projections (``plain_projections``)."""
     name = type(model).__name__
+    if getattr(model.config, "vision_config", None) is not None:
+        raise ValueError(
+            f"tensor parallelism does not shard {name}, a vision-language model, yet: serve it "
+            "with --tensor-parallel-size 1"
+        )
     if is_encoder(model):
         _check_encoder_shardable(model, world_size)
         return

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_serve.engine.pooling.pooling_model import PoolingModel
 from paged_serve.engine.pooling_params import PoolingParams
 from paged_serve.engine.sched.batch import ScheduledBatch
 
@@ -96,6 +97,22 @@ def pool_chunks(
         else:
             states[c.request_id] = value
     return pooled, states
+
+
+def pool_step(
+    hidden: torch.Tensor, batch: ScheduledBatch, pooling: PoolingModel
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A pooling model's step on its hidden states ``[T, H]``: ``(answers, states)``, the answer
+    of each request whose prompt the step completes (``PoolingModel.finish``) and the running
+    state of each that goes on."""
+    chunks = pooled_chunks(batch)
+    pooled, states = pool_chunks(hidden, chunks, pooling.pooling)
+    if not pooled:
+        return {}, states
+    params = {c.request_id: c.params for c in chunks}
+    ids = list(pooled)
+    rows = torch.stack([pooled[i] for i in ids])
+    return dict(zip(ids, pooling.finish(rows, [params[i] for i in ids]))), states
 
 
 def _rows(indices: list[int], device: torch.device) -> torch.Tensor:

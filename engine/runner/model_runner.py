@@ -21,15 +21,16 @@ from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.kv.attention_context import AttentionContext, attention_context
 from paged_serve.engine.kv.kv_cache import KVCache
 from paged_serve.engine.kv.state_cache import StateCache, linear_state_shape
-from paged_serve.engine.model.architecture import runs_fast_body
+from paged_serve.engine.model.architecture import is_multimodal, runs_fast_body, text_config
 from paged_serve.engine.model.body import ModelBody
 from paged_serve.engine.model.logits_head import LogitsHead
 from paged_serve.engine.model.model_task import position_offset
 from paged_serve.engine.platform.host_tensors import to_device
 from paged_serve.engine.platform.platform import Platform
-from paged_serve.engine.pooling.pooler import pool_chunks, pooled_chunks
+from paged_serve.engine.pooling.pooler import pool_step
 from paged_serve.engine.pooling.pooling_model import PoolingModel
 from paged_serve.engine.runner.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
+from paged_serve.engine.runner.image_embeddings import EncoderCache, StepImages
 from paged_serve.engine.runner.prompt_logprobs import (
     PromptScores,
     PromptScoring,
@@ -131,7 +132,8 @@ class ModelRunner:
             budget = tp.min_over_ranks(budget)
         # A hybrid model's linear-attention state: one slot per seat, taken from the budget first.
         self.state_cache: StateCache | None = None
-        shape = linear_state_shape(model.config, 1 if tp is None else tp.world_size)
+        hf_config = text_config(model)
+        shape = linear_state_shape(hf_config, 1 if tp is None else tp.world_size)
         if shape is not None:
             self.state_cache = StateCache(
                 shape, num_slots=config.max_num_seqs, dtype=dtype, device=device
@@ -150,7 +152,7 @@ class ModelRunner:
                 self.state_cache.num_bytes / 2**20,
             )
         self.kv_cache = KVCache.for_model(
-            model.config,
+            hf_config,
             budget_bytes=budget,
             block_size=config.block_size,
             dtype=dtype,
@@ -158,7 +160,7 @@ class ModelRunner:
             tensor_parallel_size=1 if tp is None else tp.world_size,
         )
         self.block_size = config.block_size
-        self.vocab_size = int(model.config.vocab_size)
+        self.vocab_size = int(hf_config.vocab_size)
         # The decoder body without HF's per-layer Python (engine/model/body/) for the families
         # it reproduces bit for bit; None runs HF's own decoder forward (every other family).
         self.body: ModelBody | None = (
@@ -167,6 +169,8 @@ class ModelRunner:
             else None
         )
         self.lm_head = LogitsHead.of(model)
+        # a vision-language model's encoder outputs, by image (runner/image_embeddings.py)
+        self.encoder: EncoderCache | None = EncoderCache(model) if is_multimodal(model) else None
         self.graphs: DecodeGraphs | None = None
         self.platform.prepare_host()
         pools = config.runner == "pooling"
@@ -245,13 +249,21 @@ class ModelRunner:
             "has_state": self._tensor(inputs.has_state, torch.int32),
         }
 
-    def hidden_states(self, inputs: StepInputs) -> torch.Tensor:
-        """The eager forward of the model body: final-norm hidden states ``[T, hidden]``."""
+    def hidden_states(self, inputs: StepInputs, images: StepImages | None = None) -> torch.Tensor:
+        """The eager forward of the model body: final-norm hidden states ``[T, hidden]``.
+        ``images``: the step's image placeholders, embedded from their images' encoder outputs."""
         input_ids, position_ids, ctx = self.build_context(inputs)
         with attention_context(ctx):
             if self.body is not None:
                 return self.body(input_ids, position_ids)
             extra = dict(self._use_cache)
+            if images is not None:
+                rows, batch = images
+                embeds = self.encoder.embeddings(input_ids, rows, batch)
+                out = self.model.base_model(
+                    inputs_embeds=embeds[None], position_ids=position_ids[None], **extra
+                )
+                return out.last_hidden_state[0]
             if inputs.token_type_ids:
                 extra["token_type_ids"] = self._tensor(inputs.token_type_ids, torch.long)[None]
             if self._position_offset:
@@ -262,32 +274,38 @@ class ModelRunner:
             return out.last_hidden_state[0]
 
     def forward(
-        self, inputs: StepInputs, scoring: PromptScoring | None = None
+        self,
+        inputs: StepInputs,
+        scoring: PromptScoring | None = None,
+        images: StepImages | None = None,
     ) -> tuple[torch.Tensor | None, PromptScores | None]:
         """Logits ``[len(logit_rows), V]`` of the step (None when no request samples) and the
-        prompt scores ``scoring`` asks for.
+        prompt scores ``scoring`` asks for; ``images`` as ``hidden_states`` takes them.
 
-        Decode-shaped steps replay a captured graph when one holds them; others run eagerly.
+        Decode-shaped steps replay a captured graph when one holds them (never a step with
+        image placeholders); others run eagerly.
         """
         if scoring is not None:
-            return self._forward_scoring(inputs, scoring)
-        return self._forward_logits(inputs), None
+            return self._forward_scoring(inputs, scoring, images)
+        return self._forward_logits(inputs, images), None
 
     def _forward_scoring(
-        self, inputs: StepInputs, scoring: PromptScoring
+        self, inputs: StepInputs, scoring: PromptScoring, images: StepImages | None
     ) -> tuple[torch.Tensor | None, PromptScores]:
         """The eager forward to hidden states, then the LM head on the sampled rows and, chunk
         by chunk, on the prompt rows being scored."""
-        hidden = self.hidden_states(inputs)  # [T, H]
+        hidden = self.hidden_states(inputs, images)  # [T, H]
         return self._sampled_logits(hidden, inputs), score_prompt(hidden, self.lm_head, scoring)
 
-    def _forward_logits(self, inputs: StepInputs) -> torch.Tensor | None:
-        if self.graphs is not None and self.graphs.holds(inputs):
+    def _forward_logits(
+        self, inputs: StepInputs, images: StepImages | None = None
+    ) -> torch.Tensor | None:
+        if images is None and self.graphs is not None and self.graphs.holds(inputs):
             logits = self.graphs.run(inputs)
             if not inputs.logit_rows:
                 return None
             return logits.index_select(0, self._tensor(inputs.logit_rows, torch.long))
-        return self._sampled_logits(self.hidden_states(inputs), inputs)
+        return self._sampled_logits(self.hidden_states(inputs, images), inputs)
 
     def _sampled_logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
         """The LM head on the step's sampling rows of ``hidden [T, H]`` only; None when no
@@ -310,7 +328,8 @@ class ModelRunner:
             return self._pool(batch, inputs)
         rows = sampling_rows(batch)
         draw = self.sampler.begin(rows, self.vocab_size)  # grammar masks fill during the forward
-        logits, prompt_scores = self.forward(inputs, plan_prompt_scoring(batch))
+        images = None if self.encoder is None else self.encoder.step(batch)
+        logits, prompt_scores = self.forward(inputs, plan_prompt_scoring(batch), images)
         sampled = draw.finish(logits)
         if sampled is None:
             return LaunchedStep([], None, None, None, prompt_scores)
@@ -323,15 +342,8 @@ class ModelRunner:
 
     def _pool(self, batch: ScheduledBatch, inputs: StepInputs) -> LaunchedStep:
         """A pooling model's step: the forward to hidden states, each prompt chunk pooled, and
-        the answers of the prompts the step completes (``engine/pooling/``)."""
-        chunks = pooled_chunks(batch)
-        pooled, states = pool_chunks(self.hidden_states(inputs), chunks, self.pooling.pooling)
-        answers: dict[str, torch.Tensor] = {}
-        if pooled:
-            params = {c.request_id: c.params for c in chunks}
-            ids = list(pooled)
-            rows = torch.stack([pooled[i] for i in ids])
-            answers = dict(zip(ids, self.pooling.finish(rows, [params[i] for i in ids])))
+        the answers of the prompts the step completes (``engine/pooling/pooler.py``)."""
+        answers, states = pool_step(self.hidden_states(inputs), batch, self.pooling)
         return LaunchedStep([], None, None, None, pooled=answers, pool_states=states)
 
     def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from paged_serve.engine.multimodal_inputs import ImageInput
 from paged_serve.engine.outputs import TokenLogprob
 from paged_serve.engine.pooling_params import PoolingParams
 from paged_serve.engine.sampling_params import SamplingParams
@@ -68,6 +69,10 @@ class Request:
     pooling: PoolingParams | None = None
     pool_state: object | None = None
     whole_prompt: bool = False
+    # A prompt with images (engine/multimodal_inputs.py): each image's placeholder span and
+    # tensors, and the prompt's prefix-cache keys (placeholders keyed by their image).
+    images: tuple[ImageInput, ...] = ()
+    prompt_key_ids: list[int] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -90,6 +95,14 @@ class Request:
         """Every prompt token must be computed: prompt logprobs still to score, or a pooling
         that reads each token's hidden state."""
         return self.whole_prompt or self.needs_prompt_scoring
+
+    @property
+    def cache_token_ids(self) -> list[int]:
+        """The tokens the prefix cache keys this request's blocks by: ``all_token_ids``, an
+        image's placeholders replaced by its key (``cache_key_ids``)."""
+        if self.prompt_key_ids is None:
+            return self.all_token_ids
+        return self.prompt_key_ids + self.output_token_ids
 
     @property
     def all_token_ids(self) -> list[int]:

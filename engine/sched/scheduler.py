@@ -140,7 +140,7 @@ class Scheduler:
             request = self.waiting[0]
             if seats + group_size(request) > self.max_num_seqs:
                 break
-            tokens = request.all_token_ids
+            tokens = request.cache_token_ids
             salt = request.cache_salt
             cached = [] if request.skips_prefix_cache else bm.cached_prefix(tokens, salt)
             start = len(cached) * bm.block_size
@@ -196,7 +196,7 @@ class Scheduler:
                 accepted[request_id] = min(accepted[request_id], row)
         for sched in batch.requests:
             req = sched.request
-            tokens = req.all_token_ids
+            tokens = req.cache_token_ids
             if sched.draft:  # the accepted drafts' KV stays, the rejected ones' is dropped
                 held = accepted[req.request_id]
                 req.num_computed_tokens = sched.end - len(sched.draft) + held

@@ -156,7 +156,7 @@ class DraftModelDrafter:
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
     """Raise ValueError unless the draft model speaks the target's token ids."""
-    sizes = int(target.model.config.vocab_size), int(draft.model.config.vocab_size)
+    sizes = tuple(int(m.model.config.get_text_config().vocab_size) for m in (target, draft))
     if sizes[0] != sizes[1]:
         raise ValueError(
             f"the draft model's vocabulary ({sizes[1]} tokens) is not the target's ({sizes[0]})"

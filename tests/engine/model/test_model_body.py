@@ -34,18 +34,18 @@ def _run_both(llm: LLM, prompts: list[list[int]], max_tokens: int = 6) -> int:
     assert body is not None
     compared = []
 
-    def both(inputs):
+    def both(inputs, images=None):
         # A hybrid's gated DeltaNet layers advance their state slots: both runs start from the
         # same state (the KV slots are rewritten with the same values).
         states = runner.state_cache
         saved = None if states is None else (states.conv.clone(), states.recurrent.clone())
         runner.body = None
-        theirs = hidden_states(inputs)
+        theirs = hidden_states(inputs, images)
         if saved is not None:
             states.conv.copy_(saved[0])
             states.recurrent.copy_(saved[1])
         runner.body = body
-        ours = hidden_states(inputs)
+        ours = hidden_states(inputs, images)
         assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
         assert torch.equal(ours, theirs), f"step {len(compared)}"
         compared.append(len(inputs.input_ids))
