@@ -28,6 +28,7 @@ from paged_serve.engine.grammar.probe import ProbeBudget
 from paged_serve.engine.grammar.structured_output import StructuredOutput
 from paged_serve.engine.llm_engine import LLMEngine
 from paged_serve.engine.model.loader import LoadedModel
+from paged_serve.engine.multimodal_inputs import MultimodalPrompt
 from paged_serve.engine.observe.engine_snapshot import EngineSnapshot
 from paged_serve.engine.observe.engine_state import EngineState, StateWatch
 from paged_serve.engine.observe.metrics import EngineStats, SnapshotCollector
@@ -153,12 +154,25 @@ class AsyncEngine:
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         return self.engine.tokenize(prompt)
 
+    def multimodal_prompt(self, text: str, images: Sequence[object]) -> MultimodalPrompt:
+        """``LLMEngine.multimodal_prompt``: CPU work, to be called off the event loop."""
+        return self.engine.multimodal_prompt(text, images)
+
+    @property
+    def image_marker(self) -> str | None:
+        """The text that stands for one image in a prompt (the processor's ``image_token``,
+        LLaVA's ``<image>``); None for a model that takes no images."""
+        loaded = self.engine.loaded
+        if loaded.processor is None or self.engine.runner.encoder is None:
+            return None
+        return getattr(loaded.processor, "image_token", None)
+
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
 
     def add_request(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | MultimodalPrompt,
         params: SamplingParams,
         request_id: str | None = None,
         *,
@@ -174,6 +188,7 @@ class AsyncEngine:
         health probe, never refused for a full waiting queue and never counted among the
         waiting requests ``max_waiting`` bounds (its caller keeps probes few: one at a time).
         Raises ValueError (bad request), QueueFullError or EngineDeadError before streaming.
+        A ``MultimodalPrompt`` (``multimodal_prompt``) carries its images to the engine.
         Leaving the iteration early (or cancelling it) aborts every sample. ``pooling``: a
         pooling request (``pool`` below is the call to use).
         """
@@ -201,7 +216,8 @@ class AsyncEngine:
                         f"{waiting} requests are already waiting (limit {self.max_waiting})"
                     )
             self._streams.open(group, stream, probe=probe)
-            loop.post(PendingAdd(request_id, ids, params, cache_salt, probe, pooling))
+            images = prompt if isinstance(prompt, MultimodalPrompt) else None
+            loop.post(PendingAdd(request_id, ids, params, cache_salt, probe, pooling, images))
         return self._iterate(group, stream)
 
     async def _iterate(self, group: list[str], stream: Stream) -> AsyncIterator[RequestOutput]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 from paged_serve.engine.errors import EngineDeadError
 from paged_serve.engine.llm_engine import LLMEngine
+from paged_serve.engine.multimodal_inputs import MultimodalPrompt
 from paged_serve.engine.observe.engine_snapshot import EngineSnapshot, take_snapshot
 from paged_serve.engine.observe.engine_state import EngineState, StateWatch
 from paged_serve.engine.outputs import RequestOutput
@@ -52,6 +53,7 @@ class PendingAdd:
     cache_salt: str | None
     probe: bool
     pooling: PoolingParams | None = None
+    images: MultimodalPrompt | None = None  # a prompt with images (its ids are prompt_ids)
 
 
 class EngineLoop:
@@ -211,7 +213,7 @@ class EngineLoop:
         for add in adds:
             try:
                 self.engine.add_request(
-                    add.prompt_ids,
+                    add.images or add.prompt_ids,
                     add.params,
                     add.request_id,
                     cache_salt=add.cache_salt,
