@@ -52,6 +52,7 @@ from paged_serve.server.http.connections import ConnectionGuard, GuardedRunner
 from paged_serve.server.http.errors import error_response, from_http_exception
 from paged_serve.server.http.limits import ServerLimits
 from paged_serve.server.http.wire import json_response
+from paged_serve.server.media.config import MediaConfig
 from paged_serve.server.openai.chat import create_chat_completion
 from paged_serve.server.openai.completions import create_completion
 from paged_serve.server.openai.metrics import metrics
@@ -169,13 +170,15 @@ def create_app(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     sampling_defaults: SamplingDefaults = NO_DEFAULTS,
+    media: MediaConfig | None = None,
 ) -> web.Application:
     """The app serving ``engine`` within ``limits`` (default: ``ServerLimits()``), with the
     dashboard page and its state endpoint unless ``dashboard`` is False. ``served_model_name``
     may be several names (replies carry the first); ``sampling_defaults`` fill the sampling
-    fields a request leaves out (``paged_serve.server.generation.defaults``). The caller owns the
-    engine (and shuts it down). Serve it with ``make_runner``, which applies the connection
-    limits."""
+    fields a request leaves out (``paged_serve.server.generation.defaults``); ``media`` says
+    where image inputs may come from and how many (default: ``data:`` URLs only, 8 per
+    prompt). The caller owns the engine (and shuts it down). Serve it with ``make_runner``,
+    which applies the connection limits."""
     if any(not key for key in api_keys):
         raise ValueError("API keys must be non-empty strings")
     limits = limits or ServerLimits()
@@ -198,6 +201,7 @@ def create_app(
         api_key_hashes=tuple(key_hash(k) for k in api_keys),
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
+        media=media or MediaConfig(),
     )
     app[BACKGROUND] = BackgroundRuns(
         max_runs=limits.max_background_responses,

@@ -33,6 +33,7 @@ from paged_serve.server.generation.defaults import (
     load_sampling_defaults,
 )
 from paged_serve.server.http.limits import ServerLimits
+from paged_serve.server.media.config import DEFAULT_MAX_IMAGES, MediaConfig, image_limit
 from paged_serve.server.state import STATE
 from paged_serve.server.tools.parsers import PARSERS
 from paged_serve.server.tools.reasoning import REASONING_PARSERS
@@ -151,8 +152,51 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: seeds from the OS)",
     )
     _add_limit_args(parser)
+    _add_media_args(parser)
     add_refused_args(parser)
     return parser
+
+
+def _add_media_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's image-input flags (``MediaConfig``; docs/api.md, "Image inputs")."""
+    group = parser.add_argument_group("image inputs")
+    group.add_argument(
+        "--allowed-local-media-path",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the folder file:// image URLs may read under (default: no file URLs)",
+    )
+    group.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=[],
+        metavar="HOST",
+        help="the hosts http(s):// image URLs may be fetched from (default: none)",
+    )
+    group.add_argument(
+        "--limit-mm-per-prompt",
+        type=_image_limit,
+        default=DEFAULT_MAX_IMAGES,
+        metavar="JSON",
+        help="images per prompt, as vLLM's JSON: '{\"image\": 4}' (default %(default)s)",
+    )
+
+
+def _image_limit(value: str) -> int:
+    try:
+        return image_limit(value)
+    except ValueError as exc:  # argparse prints an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def media_from_args(args: argparse.Namespace) -> MediaConfig:
+    """The image-input flags as ``MediaConfig``."""
+    return MediaConfig(
+        local_path=args.allowed_local_media_path,
+        domains=tuple(args.allowed_media_domains),
+        max_images=args.limit_mm_per_prompt,
+    )
 
 
 def _add_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -356,6 +400,7 @@ async def serve(
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         sampling_defaults=sampling_defaults,
+        media=media_from_args(args),
     )
     _check_fd_limit(limits.max_connections)
     runner = make_runner(app)

@@ -18,6 +18,7 @@ from paged_serve.engine.pooling.pooling_model import PoolingModel
 from paged_serve.server.generation.defaults import NO_DEFAULTS, SamplingDefaults
 from paged_serve.server.http.connections import ConnectionGuard
 from paged_serve.server.http.limits import ServerLimits
+from paged_serve.server.media.config import MediaConfig
 from paged_serve.server.protocol.errors import SERVER_ERROR, APIError
 from paged_serve.server.responses.store import ResponseStore
 
@@ -38,6 +39,7 @@ class ServerState:
     sampling_defaults: SamplingDefaults = NO_DEFAULTS
     tool_call_parser: str | None = None  # None: chosen from the chat template
     reasoning_parser: str | None = None  # None: reasoning stays in content
+    media: MediaConfig = field(default_factory=MediaConfig)  # where images may come from
     created: int = field(default_factory=lambda: int(time.time()))
     in_flight: set[str] = field(default_factory=set)
     shutting_down: bool = False

@@ -7,7 +7,9 @@ text longer than ``max_chars`` characters is refused before any of that: no toke
 than the vocabulary's longest token string, so such a text cannot fit the context anyway.
 
 Message content is a string or a list of text parts; the parts' texts are joined with newlines
-(as vLLM does). The ``developer`` role is the newer name of ``system``.
+(as vLLM does). Image parts become the model's image marker text before the template runs
+(server/media/images.py); ``chat_prompt`` then hands the rendered text and the decoded images
+to the model's processor. The ``developer`` role is the newer name of ``system``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import jinja2
 import jinja2.defaults
 
 from paged_serve.engine.async_engine import AsyncEngine
+from paged_serve.engine.errors import InvalidRequestError
+from paged_serve.engine.multimodal_inputs import MultimodalPrompt
 from paged_serve.server.protocol.common import ContentPart
 from paged_serve.server.protocol.errors import bad_request
 
@@ -165,6 +169,35 @@ async def chat_prompt_ids(
     if given, and the request's ``chat_template_kwargs`` as template variables (e.g. Qwen3's
     ``enable_thinking``), and without adding special tokens again (the template already has
     them). ``continue_final_message`` leaves the last message open for the model to continue."""
+    prompt = await chat_prompt(
+        engine,
+        messages,
+        param,
+        tools=tools,
+        template_kwargs=template_kwargs,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        add_special_tokens=add_special_tokens,
+    )
+    assert isinstance(prompt, list)  # no images: token ids
+    return prompt
+
+
+async def chat_prompt(
+    engine: AsyncEngine,
+    messages: list[dict],
+    param: str,
+    *,
+    images: Sequence[object] = (),
+    tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
+) -> list[int] | MultimodalPrompt:
+    """``chat_prompt_ids``, or with ``images`` (decoded PIL images, one image marker per image
+    in the messages' text) the rendered text and the images through the model's processor
+    (``AsyncEngine.multimodal_prompt``), in the same worker thread."""
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or ()))
     if reserved:
         raise bad_request(
@@ -178,7 +211,7 @@ async def chat_prompt_ids(
     if tools is not None:
         extra["tools"] = tools
 
-    def render_and_tokenize() -> list[int]:
+    def render_and_tokenize() -> list[int] | MultimodalPrompt:
         try:
             text = tokenizer.apply_chat_template(
                 messages,
@@ -194,6 +227,8 @@ async def chat_prompt_ids(
             # (raise_exception's TemplateError, a TypeError from a kwarg of the wrong type, a
             # ValueError from transformers' checks) is the request's fault, never a 500.
             raise _TemplateFailed(exc) from None
+        if images:
+            return engine.multimodal_prompt(text, images)
         return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     try:
@@ -202,5 +237,7 @@ async def chat_prompt_ids(
         exc = failed.cause
         what = str(exc) if isinstance(exc, (ValueError, jinja2.TemplateError)) else repr(exc)
         raise bad_request(f"the chat template rejected the messages: {what}", param) from None
-    except ValueError as exc:  # tokenizing the rendered text
+    except InvalidRequestError as exc:  # the engine's: e.g. a model that takes no images
+        raise bad_request(str(exc), param) from None
+    except ValueError as exc:  # tokenizing the rendered text, or its images' markers
         raise bad_request(f"the rendered conversation did not tokenize: {exc}", param) from None

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from paged_serve.engine.async_engine import EngineDeadError, QueueFullError
+from paged_serve.engine.multimodal_inputs import MultimodalPrompt
 from paged_serve.engine.outputs import RequestOutput, TokenLogprob
 from paged_serve.engine.sampling_params import SamplingParams
 from paged_serve.engine.sched.forks import sample_ids
@@ -39,6 +40,7 @@ class Job:
     first_index: int
     prompt_ids: list[int]
     params: SamplingParams
+    images: MultimodalPrompt | None = None  # a prompt with images: its ids are prompt_ids
 
 
 @dataclass(slots=True)
@@ -104,7 +106,11 @@ class Generation:
     def start(self, job: Job, request_id: str) -> None:
         """Queue ``job`` in the engine (raises what ``AsyncEngine.add_request`` raises)."""
         stream = self._state.engine.add_request(
-            job.prompt_ids, job.params, request_id, cache_salt=self._cache_salt, probe=self._probe
+            job.images or job.prompt_ids,
+            job.params,
+            request_id,
+            cache_salt=self._cache_salt,
+            probe=self._probe,
         )
         ids = sample_ids(request_id, job.params.n)
         self._sample_ids += ids

@@ -1,5 +1,9 @@
 """``POST /v1/chat/completions``: the messages through the chat template, n samples.
 
+A user message's ``image_url`` parts (for a model that takes images) are loaded and decoded
+first (``paged_serve.server.media``), each replaced by the model's image marker in the text the
+template renders; that text and the images then go through the model's processor.
+
 A stream sends ``chat.completion.chunk`` objects: first a ``{"role": "assistant", "content":
 ""}`` delta per choice, then content deltas as tokens arrive, the choice's last chunk carrying
 its ``finish_reason``; with ``stream_options.include_usage`` every chunk has ``"usage": null``
@@ -31,19 +35,21 @@ from collections.abc import AsyncGenerator
 from aiohttp import web
 from msgspec import UNSET, UnsetType
 
+from paged_serve.engine.multimodal_inputs import MultimodalPrompt
 from paged_serve.engine.outputs import TokenLogprob
 from paged_serve.server.generation.logprobs import (
     chat_logprobs,
     check_prompt_logprobs_size,
     prompt_logprobs,
 )
-from paged_serve.server.generation.prompts import chat_prompt_ids, message_text, off_loop
+from paged_serve.server.generation.prompts import chat_prompt, message_text, off_loop
 from paged_serve.server.generation.run import Generation, Job, start_generation
 from paged_serve.server.generation.sampling import check_sequences, output_limit, sampling_params
 from paged_serve.server.generation.structured import compile_constraint
 from paged_serve.server.http.bodies import read_request
 from paged_serve.server.http.sse import respond
 from paged_serve.server.http.wire import encode, json_response
+from paged_serve.server.media.images import check_images, image_parts, load_images, with_markers
 from paged_serve.server.openai.reply import ChoiceReply
 from paged_serve.server.protocol.chat import (
     AssistantMessage,
@@ -73,16 +79,27 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     plan = plan_tools(
         body.tools, body.tool_choice, body.parallel_tool_calls, template, state.tool_call_parser
     )
-    messages = plan.conversation(body.messages)
-    prompt_ids = await chat_prompt_ids(
+    chat = body.messages
+    images = image_parts(chat, [f"messages[{i}]" for i in range(len(chat))])
+    decoded: list[object] = []
+    if images:  # every image decoded before the engine sees the request
+        marker = check_images(
+            images, state.engine.image_marker, state.served_model_name, state.media
+        )
+        decoded = await load_images(images, state.media)
+        chat = with_markers(chat, marker)
+    prompt = await chat_prompt(
         state.engine,
-        messages,
+        plan.conversation(chat),
         "messages",
+        images=decoded,
         tools=plan.template_tools,
         template_kwargs=body.chat_template_kwargs,
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
     )
+    multimodal = prompt if isinstance(prompt, MultimodalPrompt) else None
+    prompt_ids = multimodal.token_ids if multimodal is not None else prompt
     reasoning = None
     if state.reasoning_parser is not None:
         tail = state.engine.tokenizer.decode(prompt_ids[-8:])
@@ -110,7 +127,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         if after is not None:  # the grammar holds once the reasoning ends
             params = dataclasses.replace(params, structured_output_after=after)
     await compile_constraint(state.engine, params, plan.constraint_param(body.constraint_field))
-    jobs = [Job(0, prompt_ids, params)]
+    jobs = [Job(0, prompt_ids, params, images=multimodal)]
     reply = ChatReply(state, body, plan, reasoning, f"chatcmpl-{uuid.uuid4().hex}", prompt_ids)
     salt = tenant_cache_salt(request.get(OWNER), body.cache_salt)
     with start_generation(state, reply.id, jobs, "messages", cache_salt=salt) as generation:

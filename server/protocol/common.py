@@ -1,6 +1,6 @@
 """What several endpoints' objects share: the envelope of completions and chat replies with
-its ``usage``, a message's content parts (chat messages, Responses input items), and the prompt
-list completions and the pooling endpoints take (``prompt_list``).
+its ``usage``, a message's content parts (chat messages, Responses input items: text and
+images), and the prompt list completions and the pooling endpoints take (``prompt_list``).
 
 Completions and chat replies are a list of choices in one envelope::
 
@@ -24,11 +24,22 @@ from paged_serve.server.protocol.errors import bad_request
 ChoiceT = TypeVar("ChoiceT")
 
 
+class ImageURL(msgspec.Struct, kw_only=True):
+    """A chat ``image_url`` part's object; ``detail`` is accepted and ignored (as vLLM)."""
+
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(msgspec.Struct, kw_only=True):
-    """A message content part; only text parts are supported."""
+    """A message content part: text (``text``, ``input_text``, ``output_text``) or an image
+    (chat's ``image_url`` part holds an ``ImageURL``; Responses' ``input_image`` a URL
+    string). Other types decode too, to be refused by name (server/media/images.py)."""
 
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None
+    detail: str | None = None
 
 
 class PromptTokensDetails(msgspec.Struct, kw_only=True):

@@ -37,7 +37,8 @@ class Refused:
 
 
 _NO_BEAM = "beam search is not implemented"
-_NO_MEDIA = "this server serves text models only"
+_NO_MEDIA = "replies are text; inputs are text and images (image_url content parts)"
+_PROCESSOR_AS_SAVED = "images go through the model's processor with its saved settings"
 
 # vLLM's extras that both of its endpoints take (its SamplingParams and request extras).
 _SHARED: dict[str, Refused] = {
@@ -79,8 +80,8 @@ CHAT_REFUSED: dict[str, Refused] = {
     "chat_template": Refused(
         (), "the server's chat template is used (the model's, or --chat-template)"
     ),
-    "media_io_kwargs": Refused(({},), _NO_MEDIA),
-    "mm_processor_kwargs": Refused(({},), _NO_MEDIA),
+    "media_io_kwargs": Refused(({},), _PROCESSOR_AS_SAVED),
+    "mm_processor_kwargs": Refused(({},), _PROCESSOR_AS_SAVED),
     "include_reasoning": Refused((True,), "reasoning_content is always returned"),
     **_SHARED,
 }
