@@ -26,6 +26,7 @@ import jinja2.defaults
 from paged_serve.engine.async_engine import AsyncEngine
 from paged_serve.engine.errors import InvalidRequestError
 from paged_serve.engine.multimodal_inputs import MultimodalPrompt
+from paged_serve.server.media.images import as_template_parts, loops_over_content
 from paged_serve.server.protocol.common import ContentPart
 from paged_serve.server.protocol.errors import bad_request
 
@@ -189,15 +190,17 @@ async def chat_prompt(
     param: str,
     *,
     images: Sequence[object] = (),
+    image_marker: str = "",
     tools: list[dict] | None = None,
     template_kwargs: dict | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     add_special_tokens: bool = False,
 ) -> list[int] | MultimodalPrompt:
-    """``chat_prompt_ids``, or with ``images`` (decoded PIL images, one image marker per image
-    in the messages' text) the rendered text and the images through the model's processor
-    (``AsyncEngine.multimodal_prompt``), in the same worker thread."""
+    """``chat_prompt_ids``, or with ``images`` (decoded PIL images, one ``image_marker`` per
+    image in the messages' text) the rendered text and the images through the model's
+    processor (``AsyncEngine.multimodal_prompt``), in the same worker thread. A template that
+    reads content as a list of parts gets text and image parts (it writes the markers)."""
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or ()))
     if reserved:
         raise bad_request(
@@ -210,6 +213,9 @@ async def chat_prompt(
     extra = dict(template_kwargs or {})
     if tools is not None:
         extra["tools"] = tools
+    template = tokenizer.chat_template
+    if images and isinstance(template, str) and loops_over_content(template):
+        messages = as_template_parts(messages, image_marker)
 
     def render_and_tokenize() -> list[int] | MultimodalPrompt:
         try:

@@ -6,11 +6,19 @@ Chat's ``image_url`` parts (``{"url", "detail"}``) and Responses' ``input_image`
 string) are images; text parts stay; any other part (``input_audio``, ``video_url``,
 ``image_embeds``, ...) is a 400 naming its type. A model that takes no images answers an image
 with a 400 naming the model.
+
+Chat templates take a message's content in one of two shapes, as vLLM tells apart: a string
+(the marker inside the text), or, for a template that loops over ``message['content']`` (the
+llava-hf processors' templates: ``{% for c in message['content'] | selectattr('type',
+'equalto', 'image') %}<image>...``), a list of ``{"type": "text", "text"}`` and ``{"type":
+"image"}`` parts, where the template writes the marker itself. ``as_template_parts`` gives a
+conversation with images the second shape when its template loops over content.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -106,3 +114,33 @@ async def load_images(images: Sequence[ImagePart], config: MediaConfig) -> list[
         if isinstance(result, BaseException):
             raise result
     return list(results)
+
+
+# ``{% for x in message['content'] ...`` or ``{% for x in message.content ...``
+_LOOPS_OVER_CONTENT = re.compile(
+    r"for\s+\w+\s+in\s+\w+\s*(\[\s*['\"]content['\"]\s*\]|\.content\b)"
+)
+
+
+def loops_over_content(template: str) -> bool:
+    """Whether a chat template reads a message's content as a list of parts."""
+    return _LOOPS_OVER_CONTENT.search(template) is not None
+
+
+def as_template_parts(messages: list[dict], marker: str) -> list[dict]:
+    """Template messages with string content as OpenAI-style parts: each ``marker`` an
+    ``{"type": "image"}`` part, the text around it ``{"type": "text"}`` parts (newlines the
+    markers were joined with dropped)."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            parts: list[dict] = []
+            for i, text in enumerate(content.split(marker)):
+                if i:
+                    parts.append({"type": "image"})
+                if text.strip("\n"):
+                    parts.append({"type": "text", "text": text.strip("\n")})
+            message = {**message, "content": parts}
+        out.append(message)
+    return out

@@ -82,6 +82,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     chat = body.messages
     images = image_parts(chat, [f"messages[{i}]" for i in range(len(chat))])
     decoded: list[object] = []
+    marker = ""
     if images:  # every image decoded before the engine sees the request
         marker = check_images(
             images, state.engine.image_marker, state.served_model_name, state.media
@@ -93,6 +94,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         plan.conversation(chat),
         "messages",
         images=decoded,
+        image_marker=marker,
         tools=plan.template_tools,
         template_kwargs=body.chat_template_kwargs,
         add_generation_prompt=body.add_generation_prompt,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,14 @@ from tests.vision_models import llava, noise
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     "{% if add_generation_prompt %}w1{% endif %}"
+)
+# a llava-hf-style template: content read as parts, the template writing each image's marker
+PARTS_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% for c in m['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\\n' }}"
+    "{% endfor %}"
+    "{% for c in m['content'] | selectattr('type', 'equalto', 'text') %}{{ c['text'] + ' ' }}"
+    "{% endfor %}{% endfor %}{% if add_generation_prompt %}w2{% endif %}"
 )
 MAX_IMAGE_BYTES = 48 << 10
 MAX_PIXELS = 200 * 200
@@ -133,9 +142,29 @@ def vision(
     engine.shutdown()
 
 
+@pytest.fixture(scope="session")
+def parts_template(vision: Vision, server_thread: ServerThread) -> Iterator[Vision]:
+    """The same model with ``PARTS_TEMPLATE``, data: images only."""
+    folder = vision.folder.parent / "llava-parts"
+    shutil.copytree(vision.folder, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = PARTS_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    engine = AsyncEngine(
+        EngineConfig(model=str(folder), dtype="float32", kv_cache_memory=8 << 20, max_model_len=256)
+    )
+    url = server_thread.serve(lambda: create_app(engine, served_model_name="tiny-llava"))
+    yield Vision(folder, vision.model, engine, url, vision.media_dir, vision.image_host)
+    engine.shutdown()
+
+
 @pytest.fixture(autouse=True)
-def pool_clean(vision: Vision) -> Iterator[None]:
+def pool_clean(request: pytest.FixtureRequest, vision: Vision) -> Iterator[None]:
     yield
-    wait_idle(vision.engine)
-    vision.engine.check_integrity()
-    assert vision.engine.snapshot().kv_blocks_used == 0
+    engines = [vision.engine]
+    if "parts_template" in request.fixturenames:
+        engines.append(request.getfixturevalue("parts_template").engine)
+    for engine in engines:
+        wait_idle(engine)
+        engine.check_integrity()
+        assert engine.snapshot().kv_blocks_used == 0

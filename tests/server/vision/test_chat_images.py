@@ -67,6 +67,26 @@ def test_two_images_in_one_message_equal_hf(vision: Vision) -> None:
     assert chat_tokens(vision, content) == expected
 
 
+def test_a_template_over_content_parts_equals_the_processors_rendering(
+    parts_template: Vision,
+) -> None:
+    """A template that loops over content parts (llava-hf's shape) gets text and image parts
+    and writes the markers itself: the same text the processor's apply_chat_template renders."""
+    first, second = gradient(60, 40), noise(5, 50, 70)
+    content = [
+        {"type": "text", "text": "w3 w4"},
+        image_part(data_url(png(first))),
+        image_part(data_url(png(second))),
+    ]
+    processor = AutoProcessor.from_pretrained(parts_template.folder)
+    hf_content = [{"type": "text", "text": "w3 w4"}, {"type": "image"}, {"type": "image"}]
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": hf_content}], add_generation_prompt=True, tokenize=False
+    )
+    assert text == "<image>\n<image>\nw3 w4 w2"
+    assert chat_tokens(parts_template, content) == hf_tokens(parts_template, text, [first, second])
+
+
 def test_a_text_only_chat_on_the_vision_model(vision: Vision) -> None:
     assert chat_tokens(vision, "w6 w7") == hf_tokens(vision, "w6 w7 w1", [])
 
