@@ -1,6 +1,7 @@
-"""A conversation's image parts: found, counted, loaded and decoded before anything reaches the
-engine, and replaced in the messages by the model's image marker text (LLaVA's ``<image>``), so
-the chat template renders one marker per image where the image was.
+"""A conversation's image parts (chat completions' and Responses'): found, counted, loaded and
+decoded before anything reaches the engine, and replaced in the messages by the model's image
+marker text (LLaVA's ``<image>``), so the chat template renders one marker per image where the
+image was.
 
 Chat's ``image_url`` parts (``{"url", "detail"}``) and Responses' ``input_image`` parts (a URL
 string) are images; text parts stay; any other part (``input_audio``, ``video_url``,
@@ -95,6 +96,34 @@ def with_markers(messages: Sequence[msgspec.Struct], marker: str) -> list[msgspe
             message = msgspec.structs.replace(message, content=parts)
         out.append(message)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationImages:
+    """A conversation ready for the chat template: its messages (image parts as ``marker``
+    text parts) and its decoded images in order; no images and ``marker`` "" without any."""
+
+    messages: list[msgspec.Struct]
+    images: list[object]
+    marker: str
+
+
+async def conversation_images(
+    messages: Sequence[msgspec.Struct],
+    params: Sequence[str],
+    *,
+    marker: str | None,
+    model: str,
+    config: MediaConfig,
+) -> ConversationImages:
+    """``messages``' images checked (``image_parts``, ``check_images``), loaded and decoded,
+    and their parts replaced by ``marker`` (the model's, None when it takes no images)."""
+    found = image_parts(messages, params)
+    if not found:
+        return ConversationImages(list(messages), [], "")
+    marker = check_images(found, marker, model, config)
+    decoded = await load_images(found, config)
+    return ConversationImages(with_markers(messages, marker), decoded, marker)
 
 
 async def load_images(images: Sequence[ImagePart], config: MediaConfig) -> list[object]:

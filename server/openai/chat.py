@@ -49,7 +49,7 @@ from paged_serve.server.generation.structured import compile_constraint
 from paged_serve.server.http.bodies import read_request
 from paged_serve.server.http.sse import respond
 from paged_serve.server.http.wire import encode, json_response
-from paged_serve.server.media.images import check_images, image_parts, load_images, with_markers
+from paged_serve.server.media.images import conversation_images
 from paged_serve.server.openai.reply import ChoiceReply
 from paged_serve.server.protocol.chat import (
     AssistantMessage,
@@ -79,22 +79,19 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     plan = plan_tools(
         body.tools, body.tool_choice, body.parallel_tool_calls, template, state.tool_call_parser
     )
-    chat = body.messages
-    images = image_parts(chat, [f"messages[{i}]" for i in range(len(chat))])
-    decoded: list[object] = []
-    marker = ""
-    if images:  # every image decoded before the engine sees the request
-        marker = check_images(
-            images, state.engine.image_marker, state.served_model_name, state.media
-        )
-        decoded = await load_images(images, state.media)
-        chat = with_markers(chat, marker)
+    chat = await conversation_images(  # every image decoded before the engine sees any
+        body.messages,
+        [f"messages[{i}]" for i in range(len(body.messages))],
+        marker=state.engine.image_marker,
+        model=state.served_model_name,
+        config=state.media,
+    )
     prompt = await chat_prompt(
         state.engine,
-        plan.conversation(chat),
+        plan.conversation(chat.messages),
         "messages",
-        images=decoded,
-        image_marker=marker,
+        images=chat.images,
+        image_marker=chat.marker,
         tools=plan.template_tools,
         template_kwargs=body.chat_template_kwargs,
         add_generation_prompt=body.add_generation_prompt,

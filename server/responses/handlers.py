@@ -1,13 +1,14 @@
 """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``.
 
 The prompt is ``instructions`` (as a system message), then the stored conversation of
-``previous_response_id`` (its input and output messages, without its instructions), then
-``input``, through the chat template. The output is one assistant message with one
+``previous_response_id`` (its input and output messages, without its instructions), then ``input``,
+through the chat template; their ``input_image`` parts, for a model that takes images, are loaded
+and decoded first (``paged_serve.server.media``). The output is one assistant message with one
 ``output_text`` part; with function tools (``paged_serve.server.responses.tools``), text before the
 calls is that message and each call a ``function_call`` item. A response that hit
 ``max_output_tokens`` has status ``incomplete`` (``incomplete_details.reason``
-``max_output_tokens``); a call it cut off is no item (under ``auto`` its text is the message's,
-a forced reply's output is empty).
+``max_output_tokens``); a call it cut off is no item (under ``auto`` its text is the message's, a
+forced reply's output is empty).
 
 ``stream: true`` sends the response as typed, numbered events
 (``paged_serve.server.responses.stream``). The response is stored (``store``, default true) for
@@ -31,13 +32,15 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from paged_serve.server.generation.prompts import chat_prompt_ids
+from paged_serve.engine.multimodal_inputs import MultimodalPrompt
+from paged_serve.server.generation.prompts import chat_prompt
 from paged_serve.server.generation.run import Job, start_generation
 from paged_serve.server.generation.sampling import output_limit, responses_params
 from paged_serve.server.generation.structured import compile_constraint
 from paged_serve.server.http.bodies import read_request
 from paged_serve.server.http.sse import respond
 from paged_serve.server.http.wire import json_response
+from paged_serve.server.media.images import conversation_images
 from paged_serve.server.protocol.chat import ChatMessage
 from paged_serve.server.protocol.errors import APIError, bad_request
 from paged_serve.server.protocol.responses import ResponseDeleted, ResponsesRequest
@@ -89,8 +92,23 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             "include",
         )
     names = ["instructions"] * len(system) + ["previous_response_id"] * len(history) + new_params
-    messages = _template_messages(system + history + new, plan, names)
-    prompt_ids = await chat_prompt_ids(state.engine, messages, "input", tools=plan.template_tools)
+    chat = await conversation_images(  # every image decoded before the engine sees any
+        _chat_messages(system + history + new),
+        names,
+        marker=state.engine.image_marker,
+        model=state.served_model_name,
+        config=state.media,
+    )
+    prompt = await chat_prompt(
+        state.engine,
+        _template_messages(chat.messages, plan, names),
+        "input",
+        images=chat.images,
+        image_marker=chat.marker,
+        tools=plan.template_tools,
+    )
+    multimodal = prompt if isinstance(prompt, MultimodalPrompt) else None
+    prompt_ids = multimodal.token_ids if multimodal is not None else prompt
     max_tokens = output_limit(
         state.context_limit,
         len(prompt_ids),
@@ -105,7 +123,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     salt = tenant_cache_salt(owner, body.cache_salt)
     if body.background:  # other requests may have started runs while this one awaited
         runs.check_room(owner)
-    job = Job(0, prompt_ids, params)
+    job = Job(0, prompt_ids, params, images=multimodal)
     generation = start_generation(state, reply.id, [job], "input", cache_salt=salt)
     if body.background:
         run = runs.start(reply, generation, stream=body.stream)  # the run owns generation now
@@ -123,14 +141,19 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         return json_response(await reply.complete(generation))
 
 
-def _template_messages(messages: list[dict], plan: ToolPlan, names: list[str]) -> list[dict]:
-    """Chat messages (``ChatMessage`` builtins) as template dicts; errors name the Responses
-    field (``call_id`` where chat says ``tool_call_id``)."""
+def _chat_messages(messages: list[dict]) -> list[ChatMessage]:
+    """Chat messages (``ChatMessage`` builtins) as ``ChatMessage``s."""
     try:
-        chat = msgspec.convert(messages, list[ChatMessage])
-        return plan.conversation(chat, names)
+        return msgspec.convert(messages, list[ChatMessage])
     except msgspec.ValidationError as exc:
         raise bad_request(f"invalid input: {exc}", "input") from None
+
+
+def _template_messages(chat: list[ChatMessage], plan: ToolPlan, names: list[str]) -> list[dict]:
+    """Chat messages as template dicts; errors name the Responses field (``call_id`` where
+    chat says ``tool_call_id``)."""
+    try:
+        return plan.conversation(chat, names)
     except APIError as err:
         if err.param and err.param.startswith("input[") and err.param.endswith(".tool_call_id"):
             err.param = err.param.removesuffix(".tool_call_id") + ".call_id"

@@ -187,23 +187,38 @@ def test_other_parts_are_refused_by_type(vision: Vision, kind: str) -> None:
     assert repr(kind) in error["message"]
 
 
-def test_responses_input_image_is_refused(vision: Vision) -> None:
-    body = {
-        "input": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "input_text", "text": "w1"},
-                    {"type": "input_image", "image_url": data_url(GOOD)},
-                ],
-            }
-        ],
-        "max_output_tokens": 2,
-    }
-    error = assert_error(
-        http("POST", f"{vision.url}/v1/responses", json=body), 400, param="input[0].content[1]"
+def responses_text(vision: Vision, **fields: object) -> tuple[str, str]:
+    """A greedy 8-token Response's id and output text."""
+    reply = client(vision).responses.create(
+        model="tiny-llava", max_output_tokens=8, temperature=0, extra_body=EXTRA, **fields
     )
-    assert "input_image" in error["message"]
+    return reply.id, reply.output_text
+
+
+def hf_text(vision: Vision, text: str, images: list) -> str:
+    tokenizer = AutoProcessor.from_pretrained(vision.folder).tokenizer
+    return tokenizer.decode(hf_tokens(vision, text, images), skip_special_tokens=True)
+
+
+def test_responses_input_image_equals_hf(vision: Vision) -> None:
+    image = noise(9, 56, 56)
+    parts = [
+        {"type": "input_text", "text": "w8"},
+        {"type": "input_image", "image_url": data_url(png(image)), "detail": "auto"},
+    ]
+    response_id, got = responses_text(vision, input=[{"role": "user", "content": parts}])
+    assert got.split() == hf_text(vision, "w8\n<image> w1", [image]).split()
+    # a follow-up replays the stored conversation, its image included
+    _, again = responses_text(vision, input="w9", previous_response_id=response_id)
+    expected = hf_text(vision, f"w8\n<image> {got} w9 w1", [image])
+    assert again.split() == expected.split()
+
+
+def test_responses_bad_image_is_a_400(vision: Vision) -> None:
+    parts = [{"type": "input_image", "image_url": data_url(GOOD[:50])}]
+    body = {"input": [{"role": "user", "content": parts}], "max_output_tokens": 2}
+    reply = http("POST", f"{vision.url}/v1/responses", json=body)
+    assert "does not decode" in assert_error(reply, 400, param="input[0].content[0]")["message"]
 
 
 def test_the_server_answers_after_refusals(vision: Vision) -> None:
