@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import jinja2
 import jinja2.defaults
@@ -180,8 +180,7 @@ async def chat_prompt_ids(
         continue_final_message=continue_final_message,
         add_special_tokens=add_special_tokens,
     )
-    assert isinstance(prompt, list)  # no images: token ids
-    return prompt
+    return cast(list[int], prompt)  # no images: token ids
 
 
 async def chat_prompt(

@@ -133,3 +133,29 @@ def test_samples_of_a_prompt_with_an_image_share_its_blocks(checkpoint) -> None:
     assert [r.token_ids for r in got] == [want, want]
     assert llm.engine.runner.encoder.encoded == 1
     llm.engine.block_manager.check_integrity()
+
+
+def test_async_engine_carries_the_images_to_the_engine_thread(checkpoint) -> None:
+    """AsyncEngine.add_request with a MultimodalPrompt: the engine thread gets its images
+    (not only its token ids), so the reply equals HF's; image_marker is the processor's."""
+    import asyncio
+
+    from paged_serve.engine.async_engine import AsyncEngine
+    from paged_serve.engine.config import EngineConfig
+
+    folder, model = checkpoint
+    engine = AsyncEngine(EngineConfig(model=str(folder), **ENGINE))
+    text, images = CASES[1]
+
+    async def run() -> list[int]:
+        ids: list[int] = []
+        async for out in engine.add_request(engine.multimodal_prompt(text, images), GREEDY):
+            ids += out.new_token_ids
+        return ids
+
+    try:
+        assert engine.image_marker == "<image>"
+        assert asyncio.run(run()) == hf_tokens(model, folder, text, images)
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
