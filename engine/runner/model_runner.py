@@ -257,20 +257,16 @@ class ModelRunner:
             if self.body is not None:
                 return self.body(input_ids, position_ids)
             extra = dict(self._use_cache)
-            if images is not None:
+            if images is not None:  # placeholders take their images' encoder rows
                 rows, batch = images
-                embeds = self.encoder.embeddings(input_ids, rows, batch)
-                out = self.model.base_model(
-                    inputs_embeds=embeds[None], position_ids=position_ids[None], **extra
-                )
-                return out.last_hidden_state[0]
+                extra["inputs_embeds"] = self.encoder.embeddings(input_ids, rows, batch)[None]
+            else:
+                extra["input_ids"] = input_ids[None]
             if inputs.token_type_ids:
                 extra["token_type_ids"] = self._tensor(inputs.token_type_ids, torch.long)[None]
             if self._position_offset:
                 position_ids = position_ids + self._position_offset
-            out = self.model.base_model(
-                input_ids=input_ids[None], position_ids=position_ids[None], **extra
-            )
+            out = self.model.base_model(position_ids=position_ids[None], **extra)
             return out.last_hidden_state[0]
 
     def forward(
