@@ -27,6 +27,8 @@ from paged_serve.engine.grammar.compiles import GrammarCompiles
 from paged_serve.engine.grammar.probe import ProbeBudget
 from paged_serve.engine.grammar.structured_output import StructuredOutput
 from paged_serve.engine.llm_engine import LLMEngine
+from paged_serve.engine.lora.async_adapters import AsyncAdapters
+from paged_serve.engine.lora.registry import lora_adapter
 from paged_serve.engine.model.loader import LoadedModel
 from paged_serve.engine.multimodal_inputs import MultimodalPrompt
 from paged_serve.engine.observe.engine_snapshot import EngineSnapshot
@@ -179,6 +181,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         probe: bool = False,
         pooling: PoolingParams | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Validate and queue a request; iterate the result for its outputs.
 
@@ -190,11 +193,14 @@ class AsyncEngine:
         Raises ValueError (bad request), QueueFullError or EngineDeadError before streaming.
         A ``MultimodalPrompt`` (``multimodal_prompt``) carries its images to the engine.
         Leaving the iteration early (or cancelling it) aborts every sample. ``pooling``: a
-        pooling request (``pool`` below is the call to use).
+        pooling request (``pool`` below is the call to use). ``lora``: a served LoRA adapter's
+        name (InvalidRequestError naming ``model`` when none is served by that name).
         """
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
         check_cache_salt(cache_salt)
+        if lora is not None:
+            lora_adapter(self.engine.loras, lora)
         ids = self.engine.tokenize(prompt)
         self.engine.validate(ids, params, pooling)
         request_id = request_id or self.new_request_id()
@@ -217,7 +223,8 @@ class AsyncEngine:
                     )
             self._streams.open(group, stream, probe=probe)
             images = prompt if isinstance(prompt, MultimodalPrompt) else None
-            loop.post(PendingAdd(request_id, ids, params, cache_salt, probe, pooling, images))
+            add = PendingAdd(request_id, ids, params, cache_salt, probe, pooling, images, lora)
+            loop.post(add)
         return self._iterate(group, stream)
 
     async def _iterate(self, group: list[str], stream: Stream) -> AsyncIterator[RequestOutput]:
@@ -294,6 +301,14 @@ class AsyncEngine:
         """Check the block pool between steps (raises AssertionError on a leak or bad count)."""
         with self._loop.between_steps() as engine:
             engine.block_manager.check_integrity()
+            engine.scheduler.check_adapter_slots()
+
+    @property
+    def loras(self) -> AsyncAdapters | None:
+        """The served LoRA adapters, loaded and unloaded between steps (None without
+        ``--enable-lora``)."""
+        registry = self.engine.loras
+        return None if registry is None else AsyncAdapters(registry, self._loop.between_steps)
 
     async def reset_prefix_cache(self) -> int | None:
         """Evict every cached prefix block, if no request is live (queued, running or on its

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from paged_serve.engine.lora.config import LoRAConfig
 from paged_serve.engine.spec.config import SpeculativeConfig
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -102,6 +103,7 @@ class EngineConfig:
     runner: str = "auto"
     convert: str = "auto"
     hf_overrides: dict[str, object] | None = None
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("grammar_compile_timeout_s", "grammar_fill_timeout_s"):

@@ -54,6 +54,7 @@ class PendingAdd:
     probe: bool
     pooling: PoolingParams | None = None
     images: MultimodalPrompt | None = None  # a prompt with images (its ids are prompt_ids)
+    lora: str | None = None  # the LoRA adapter's name
 
 
 class EngineLoop:
@@ -218,6 +219,7 @@ class EngineLoop:
                     add.request_id,
                     cache_salt=add.cache_salt,
                     pooling=add.pooling,
+                    lora=add.lora,
                 )
             except ValueError as exc:
                 replies.append((add.request_id, exc))

@@ -25,6 +25,7 @@ from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.errors import InvalidRequestError
 from paged_serve.engine.executor.workers import TensorParallelWorkers
 from paged_serve.engine.grammar.structured_output import GrammarCompiler, StructuredOutput
+from paged_serve.engine.lora.registry import lora_adapter, lora_registry
 from paged_serve.engine.model.architecture import check_servable, text_config
 from paged_serve.engine.model.image_prompts import multimodal_prompt
 from paged_serve.engine.model.loader import LoadedModel
@@ -33,7 +34,7 @@ from paged_serve.engine.observe.metrics import EngineStats
 from paged_serve.engine.observe.weight_memory import weight_memory
 from paged_serve.engine.outputs import RequestOutput
 from paged_serve.engine.platform.platform import platform_for
-from paged_serve.engine.pooling.pooling_model import pooling_model
+from paged_serve.engine.pooling.pooling_model import check_task, pooling_model
 from paged_serve.engine.pooling_params import PoolingParams
 from paged_serve.engine.runner.build import build_runner, context_length, load_for
 from paged_serve.engine.sampling_params import SamplingParams
@@ -148,12 +149,14 @@ class LLMEngine:
                 config, loaded, self.platform, max_model_len=self.max_model_len, hybrid=state_cache
             )
         )
+        self.loras = lora_registry(config, self.runner.adapters, reserved={self.model_name})
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=budget,
             speculator=self.speculator,
             whole_prompts=whole_prompts,
+            adapter_slots=None if self.loras is None else self.loras.slots,
         )
         self.stats = EngineStats()
         # Seeds of unseeded requests: from the OS, so a restart does not replay the same
@@ -212,14 +215,7 @@ class LLMEngine:
         """Raise ValueError if the request can never run (engine/sched/admission.py), or its
         output constraint does not compile; a pooling request (``pooling``) to a generating
         model, or a generating one to a pooling model, can never run either."""
-        if (pooling is None) != (self.pooling is None):
-            raise InvalidRequestError(
-                "this model generates text: serve an embedding or classification model with "
-                "--runner pooling"
-                if self.pooling is None
-                else f"this model is served for {self.pooling.task} (--runner pooling): "
-                "serve a text-generation model with --runner generate"
-            )
+        check_task(pooling, self.pooling)
         if pooling is not None:
             self.pooling.check(pooling)
             check_pooling_request(
@@ -255,6 +251,7 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
         pooling: PoolingParams | None = None,
+        lora: str | None = None,
     ) -> str:
         """Queue a request and return its id. Raises ValueError for a request that cannot run.
 
@@ -268,8 +265,10 @@ class LLMEngine:
         with that seed.
         ``cache_salt`` (vLLM's): the prefix cache serves this request only blocks computed for
         requests with the same salt (None: the unsalted blocks); a non-empty string.
+        ``lora``: the name of a served LoRA adapter the request runs with (``engine/lora/``).
         """
         check_cache_salt(cache_salt)
+        adapter = None if lora is None else lora_adapter(self.loras, lora)
         ids = self.tokenize(prompt)
         self.validate(ids, params, pooling)
         if request_id is None:
@@ -294,6 +293,7 @@ class LLMEngine:
         if isinstance(prompt, MultimodalPrompt):
             attach_images(samples, prompt)
         for sample in samples:
+            sample.lora = adapter
             self.outputs.live[sample.request_id] = LiveRequest.start(sample, self.tokenizer)
         self.scheduler.add(samples[0])
         self.stats.prompt_tokens_total += len(ids)

@@ -255,3 +255,25 @@ class GatedDeltaRule(Protocol):
         max_seqlen_q: int,
         scale: float | None = None,
     ) -> torch.Tensor: ...
+
+
+class AddLora(Protocol):
+    """Each token's LoRA adapter added to a projection's output, in place:
+    ``y[t] += b[s]^T (a[s] x[t])`` for the slot ``s = token_slots[t]`` of every token whose slot
+    is not -1. x ``[T, in]``; y ``[T, out]``; the stacked slots a ``[slots, lanes, in]`` and b
+    ``[slots, lanes, out]`` (``scaling * B^T`` per lane); token_slots ``[T]`` int32. The slots
+    the tokens use lie in ``first_slot .. first_slot + num_slots - 1`` (host integers), and
+    ``mask [T, num_slots, 1]`` (the model's dtype) is 1 where a token's slot is that one, or
+    None when every token is in the one slot of the range."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        token_slots: torch.Tensor,
+        first_slot: int,
+        num_slots: int,
+        mask: torch.Tensor | None,
+    ) -> None: ...

@@ -18,6 +18,7 @@ import torch
 
 if TYPE_CHECKING:
     from paged_serve.engine.kv.kv_cache import KVCache
+    from paged_serve.engine.kv.lora_step import LoRAStep
     from paged_serve.engine.kv.state_cache import StateCache
     from paged_serve.engine.platform.kernel_backend import KernelBackend
 
@@ -32,6 +33,8 @@ class AttentionContext:
     max_seqlen_q / max_seqlen_k: host-side maxima, so kernels never sync to read them.
     A hybrid model's linear-attention layers also read ``state_cache``, each sequence's
     ``state_slots [S]`` int32 and ``has_state [S]`` int32 (0: start from a zero state).
+    ``lora``: each token's LoRA adapter slot (``engine/kv/lora_step.py``), None when no token of
+    the step has an adapter.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -45,6 +48,7 @@ class AttentionContext:
     state_cache: StateCache | None = None
     state_slots: torch.Tensor | None = None
     has_state: torch.Tensor | None = None
+    lora: LoRAStep | None = None
 
 
 _state = threading.local()
@@ -60,6 +64,12 @@ def attention_context(ctx: AttentionContext) -> Iterator[AttentionContext]:
         yield ctx
     finally:
         _state.ctx = None
+
+
+def active_attention_context() -> AttentionContext | None:
+    """The active step's metadata, or None outside ``attention_context`` (a module that also
+    runs outside a step, such as a projection timed at load)."""
+    return getattr(_state, "ctx", None)
 
 
 def current_attention_context() -> AttentionContext:

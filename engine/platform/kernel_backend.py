@@ -12,13 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from paged_serve.engine.config import cache_root
 from paged_serve.engine.platform.cpu.attention import PlannedTorchAttention
 from paged_serve.engine.platform.cpu.linear_attention import causal_conv1d_cpu, gated_delta_rule_cpu
+from paged_serve.engine.platform.cpu.lora import add_lora_grouped
 from paged_serve.engine.platform.cpu.moe import grouped_moe
 from paged_serve.kernels import reference
 from paged_serve.kernels.cpu import decode_attention as cpu_decode_attention
 from paged_serve.kernels.interface import (
+    AddLora,
     CausalConv,
     CopyBlocks,
     FusedMoe,
@@ -37,7 +41,8 @@ class KernelBackend:
     experts of a mixture-of-experts layer (``engine/model/experts_swap.py``); ``write_latent``
     and ``mla_attention`` serve multi-head latent attention layers
     (``engine/model/latent_attention.py``); ``causal_conv`` and ``gated_delta_rule`` serve
-    gated DeltaNet layers over their state slots (``engine/model/linear_attention.py``).
+    gated DeltaNet layers over their state slots (``engine/model/linear_attention.py``);
+    ``add_lora`` adds each token's LoRA adapter to a projection (``engine/lora/``).
     ``sample`` is the
     fused draw (``kernels/triton/sampling.py``), or None for the eager one; ``graph_safe``: the
     functions can be captured in a CUDA graph."""
@@ -51,6 +56,7 @@ class KernelBackend:
     mla_attention: MlaAttention
     causal_conv: CausalConv
     gated_delta_rule: GatedDeltaRule
+    add_lora: AddLora
     sample: FusedSample | None = None
     graph_safe: bool = False
 
@@ -64,6 +70,24 @@ def fused_sampler(name: str) -> FusedSample | None:
 
         return sample
     return None
+
+
+def add_lora_kernels(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    token_slots: torch.Tensor,
+    first_slot: int,
+    num_slots: int,
+    mask: torch.Tensor | None,
+) -> None:
+    """``AddLora`` on the Triton kernels: shrink every token by its slot's ``A``, expand by its
+    ``B`` into ``y`` (``kernels/triton/lora.py``; a token of slot -1 exits at once). Reads
+    ``token_slots`` only, so a CUDA graph replays it for any mix of slots."""
+    from paged_serve.kernels.triton.lora import lora_expand, lora_shrink
+
+    lora_expand(lora_shrink(x, a, token_slots), b, token_slots, y)
 
 
 def make_kernels(
@@ -87,6 +111,7 @@ def make_kernels(
             reference.mla_attention_ref,
             causal_conv1d_cpu,
             gated_delta_rule_cpu,
+            add_lora_grouped,
         )
     if name == "triton":
         # Imported here: triton must not load before TRITON_INTERPRET is decided.
@@ -109,6 +134,7 @@ def make_kernels(
             mla_attention,
             causal_conv1d,
             gated_delta_rule,
+            add_lora_kernels,
             sample,
             graph_safe=True,
         )

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from paged_serve.engine.errors import InvalidRequestError
 from paged_serve.engine.model.architecture import is_bidirectional
 from paged_serve.engine.model.model_task import position_offset
 from paged_serve.engine.pooling.heads import (
@@ -115,6 +116,20 @@ class PoolingModel:
                 row = nn.functional.normalize(row, dim=-1)
             out.append(row)
         return out
+
+
+def check_task(pooling: PoolingParams | None, model: PoolingModel | None) -> None:
+    """InvalidRequestError for a pooling request (``pooling``) to a model that generates
+    (``model`` None), or a generating one to a pooling model."""
+    if (pooling is None) == (model is None):
+        return
+    raise InvalidRequestError(
+        "this model generates text: serve an embedding or classification model with "
+        "--runner pooling"
+        if model is None
+        else f"this model is served for {model.task} (--runner pooling): "
+        "serve a text-generation model with --runner generate"
+    )
 
 
 def _activated(logits: torch.Tensor, activation: bool) -> torch.Tensor:

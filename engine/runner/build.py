@@ -8,7 +8,8 @@ layout::
                                              shard read alone, each tensor straight to the
                                              rank's device, or the whole model on the CPU)
     (shard_model of a whole model, under tensor parallelism)
-    build_runner(model, config, platform) -> prepare_model, onto the device, ModelRunner
+    build_runner(model, config, platform) -> prepare_model, LoRA adapter slots (--enable-lora),
+                                             onto the device, ModelRunner
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from paged_serve.engine.config import EngineConfig
+from paged_serve.engine.lora.model_adapters import ModelAdapters
 from paged_serve.engine.model.loader import LoadedModel, load_model, load_model_shard
 from paged_serve.engine.model.prep import prepare_model
 from paged_serve.engine.parallel.group import TensorParallelGroup
@@ -94,6 +96,12 @@ def build_runner(
     loaded and joins then); None without tensor parallelism. ``pooling`` builds a pooling
     model's pipeline once the model is on its device (the driver's runner pools)."""
     prepare_model(model, config, platform)
+    tp = group()
+    adapters = None
+    if config.lora is not None:  # last: the adapters wrap the projections as prepared
+        dtype = next(model.parameters()).dtype
+        where = {} if tp is None else {"rank": tp.rank, "world_size": tp.world_size}
+        adapters = ModelAdapters(model, config.lora, dtype, **where)
     model.to(platform.device)
     return ModelRunner(
         model,
@@ -101,6 +109,7 @@ def build_runner(
         platform,
         max_model_len=max_model_len,
         eos_token_ids=tuple(eos_token_ids),
-        tp=group(),
+        tp=tp,
         pooling=None if pooling is None else pooling(model),
+        adapters=adapters,
     )

@@ -10,7 +10,10 @@ Padding rows (``B`` up to the bucket size) are inert: token 0 at position 0, KV 
 (the KV write skips it), context length 1 read through whatever block id their table row holds
 (always a valid block). Each row of the model's computation is independent, so padding never
 changes a real row. Block-table columns past a request's length are stale and never read.
-A hybrid model's padding rows use the state cache's scratch slot, from a zero state.
+A hybrid model's padding rows use the state cache's scratch slot, from a zero state. With LoRA
+adapters every graph reads static per-row adapter slots (``lora_slots``, -1 for padding and
+rows without an adapter) and their one-hot mask over all ``--max-loras`` slots, so one capture
+serves any mix of adapters.
 
 The kernels fix their launch shapes from host integers, so the captured context declares
 ``max_seqlen_k`` = the table capacity (``max_blocks_per_seq * block_size``): the split-KV
@@ -28,18 +31,26 @@ on the same static buffers, so a machine without CUDA tests everything here exce
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from paged_serve.engine.kv.attention_context import AttentionContext, attention_context
 from paged_serve.engine.kv.kv_cache import KVCache
+from paged_serve.engine.kv.lora_step import LoRAStep
 from paged_serve.engine.kv.state_cache import StateCache
 from paged_serve.engine.platform.host_tensors import host_tensor
 from paged_serve.engine.platform.kernel_backend import KernelBackend
 from paged_serve.engine.runner.step_inputs import StepInputs
+
+if TYPE_CHECKING:
+    from paged_serve.engine.parallel.group import TensorParallelGroup
+
+logger = logging.getLogger(__name__)
 
 Forward = Callable[[], object]  # a forward that reads and writes only static buffers
 Replay = Callable[[], None]
@@ -116,6 +127,7 @@ class DecodeGraphs:
         max_model_len: int,
         with_logits: bool = True,
         state_cache: StateCache | None = None,
+        max_loras: int = 0,
     ):
         self.model = model
         self.state_cache = state_cache
@@ -138,6 +150,10 @@ class DecodeGraphs:
         scratch = state_cache.scratch_slot if state_cache is not None else 0
         self.state_slots = torch.full((n,), scratch, dtype=torch.int32, device=device)
         self.has_state = torch.zeros(n, dtype=torch.int32, device=device)
+        self.max_loras = max_loras  # adapter slots (0: no LoRA)
+        self.lora_slots = torch.full((n,), -1, dtype=torch.int32, device=device)
+        dtype = next(model.parameters()).dtype
+        self.lora_mask = torch.zeros(n, max(max_loras, 1), 1, dtype=dtype, device=device)
         # One fp32 logits buffer for every bucket (each graph's own output would hold sum(sizes)
         # rows); fp32 because the sampler upcasts anyway, so no model's logits lose precision.
         vocab_size = model.get_output_embeddings().weight.shape[0] if with_logits else 0
@@ -166,6 +182,7 @@ class DecodeGraphs:
             state_cache=self.state_cache,
             state_slots=self.state_slots[:size] if self.state_cache is not None else None,
             has_state=self.has_state[:size] if self.state_cache is not None else None,
+            lora=self._lora_step(size),
         )
         with attention_context(ctx):
             if not self.with_logits:
@@ -182,6 +199,12 @@ class DecodeGraphs:
                 logits_to_keep=0,
             )
         self.logits[:size].copy_(out.logits[0])
+
+    def _lora_step(self, size: int) -> LoRAStep | None:
+        """The static adapter slots of a bucket's rows (None without LoRA)."""
+        if not self.max_loras:
+            return None
+        return LoRAStep(self.lora_slots[:size], 0, self.max_loras, self.lora_mask[:size])
 
     def holds(self, inputs: StepInputs) -> bool:
         """Whether a captured graph can run this step (decode-shaped, a bucket large enough)."""
@@ -222,9 +245,41 @@ class DecodeGraphs:
             scratch = [self.state_cache.scratch_slot] * pad
             buffers.append((self.state_slots[:size], inputs.state_slots + scratch, torch.int32))
             buffers.append((self.has_state[:size], inputs.has_state + [0] * pad, torch.int32))
+        if self.max_loras:
+            rows = (inputs.lora_slots or [-1] * count) + [-1] * pad
+            buffers.append((self.lora_slots[:size], rows, torch.int32))
+            one_hot = [[[float(r == s)] for s in range(self.max_loras)] for r in rows]
+            buffers.append((self.lora_mask[:size], one_hot, self.lora_mask.dtype))
         for dst, data, dtype in buffers:
             dst.copy_(host_tensor(data, dtype, dst.device), non_blocking=True)
         self._replay[size]()
         self.replays[size] += 1
         self.padded_rows += pad
         return self.logits[:count]
+
+
+def capture_or_eager(
+    graphs: DecodeGraphs, device: torch.device, tp: TensorParallelGroup | None
+) -> DecodeGraphs | None:
+    """``graphs`` captured on ``device``'s CUDA graphs, or None (run eagerly: slower, never
+    wrong) when the capture fails here or, under tensor parallelism, on any rank (ranks
+    replay in lockstep, their collectives pairing up: all or none use graphs)."""
+    start = time.monotonic()
+    try:
+        graphs.capture(CudaGraphCapture(device))
+        captured = True
+    except Exception:
+        logger.exception("decode graph capture failed: running eagerly (--enforce-eager)")
+        captured = False
+    if tp is not None and not tp.all_ranks(captured):
+        logger.warning("decode graphs failed on another rank: running eagerly")
+        return None
+    if not captured:
+        return None
+    logger.info(
+        "captured %d decode graphs (batch sizes up to %d) in %.1f s",
+        len(graphs.sizes),
+        graphs.max_batch_size,
+        time.monotonic() - start,
+    )
+    return graphs

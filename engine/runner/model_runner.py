@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,7 +19,10 @@ import torch
 from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.kv.attention_context import AttentionContext, attention_context
 from paged_serve.engine.kv.kv_cache import KVCache
+from paged_serve.engine.kv.lora_step import LoRAStep, lora_step
 from paged_serve.engine.kv.state_cache import StateCache, linear_state_shape
+from paged_serve.engine.lora.adapter_files import LoRAAdapter
+from paged_serve.engine.lora.model_adapters import ModelAdapters
 from paged_serve.engine.model.architecture import is_multimodal, runs_fast_body, text_config
 from paged_serve.engine.model.body import ModelBody
 from paged_serve.engine.model.logits_head import LogitsHead
@@ -29,7 +31,7 @@ from paged_serve.engine.platform.host_tensors import to_device
 from paged_serve.engine.platform.platform import Platform
 from paged_serve.engine.pooling.pooler import pool_step
 from paged_serve.engine.pooling.pooling_model import PoolingModel
-from paged_serve.engine.runner.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
+from paged_serve.engine.runner.decode_graphs import DecodeGraphs, GraphCapture, capture_or_eager
 from paged_serve.engine.runner.image_embeddings import EncoderCache, StepImages
 from paged_serve.engine.runner.prompt_logprobs import (
     PromptScores,
@@ -90,6 +92,9 @@ class ModelRunner:
     every rank) pools each prompt (``engine/pooling/``) instead of sampling, and captures no
     decode graph.
 
+    With LoRA (``adapters``: the model's projections wrapped with adapter slots) each token
+    adds its request's adapter (``engine/lora/``); a step first fills the slots it names.
+
     With ``tp`` (tensor parallelism) the model is this rank's shard: the KV cache holds the
     local KV heads, its budget is the smallest of all ranks', the driver (rank 0) sends each
     step to the workers before running it, and a worker runs ``run_worker_step``.
@@ -105,10 +110,12 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...] = (),
         tp: TensorParallelGroup | None = None,
         pooling: PoolingModel | None = None,
+        adapters: ModelAdapters | None = None,
     ):
         self.model = model
         self.tp = tp
         self.pooling = pooling
+        self.adapters = adapters
         # what the model's forward takes besides ids and positions (an encoder has no cache)
         forward_args = inspect.signature(model.base_model.forward).parameters
         self._use_cache = {"use_cache": False} if "use_cache" in forward_args else {}
@@ -188,27 +195,9 @@ class ModelRunner:
             max_model_len=max_model_len,
             with_logits=self.tp is None or self.tp.is_driver,
             state_cache=self.state_cache,
+            max_loras=0 if self.adapters is None else self.adapters.config.max_loras,
         )
-        start = time.monotonic()
-        try:
-            graphs.capture(CudaGraphCapture(self.device))
-            captured = True
-        except Exception:
-            logger.exception("decode graph capture failed: running eagerly (--enforce-eager)")
-            captured = False
-        # Ranks replay graphs in lockstep (their collectives pair up): all or none use them.
-        if self.tp is not None and not self.tp.all_ranks(captured):
-            logger.warning("decode graphs failed on another rank: running eagerly")
-            return
-        if not captured:
-            return
-        self.graphs = graphs
-        logger.info(
-            "captured %d decode graphs (batch sizes up to %d) in %.1f s",
-            len(graphs.sizes),
-            graphs.max_batch_size,
-            time.monotonic() - start,
-        )
+        self.graphs = capture_or_eager(graphs, self.device, self.tp)
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return to_device(data, dtype, self.device)
@@ -231,6 +220,7 @@ class ModelRunner:
             max_seqlen_k=max(inputs.seq_lens),
             kv_cache=self.kv_cache,
             backend=self.backend,
+            lora=self._lora_step(inputs),
             **self._state_context(inputs),
         )
         return (
@@ -238,6 +228,16 @@ class ModelRunner:
             self._tensor(inputs.positions, torch.long),
             ctx,
         )
+
+    def _lora_step(self, inputs: StepInputs) -> LoRAStep | None:
+        """Each token's adapter slot, when a request of the step has an adapter."""
+        if self.adapters is None or not inputs.lora_slots:
+            return None
+        return lora_step(inputs.lora_slots, self.adapters.dtype, self.device)
+
+    def _fill_adapters(self, loads: list[tuple[int, LoRAAdapter]]) -> None:
+        for slot, adapter in loads:
+            self.adapters.fill(slot, adapter)
 
     def _state_context(self, inputs: StepInputs) -> dict:
         """The linear-attention fields of a hybrid model's context (none for other models)."""
@@ -316,8 +316,11 @@ class ModelRunner:
         """Queue the step's device work: copy-on-write, forward, sampling. Never syncs."""
         inputs = flatten_step(batch, block_tables, self.block_size)
         if self.tp is not None:  # the workers run the same copies and forward on their shards
-            message = StepMessage(STEP, batch.block_copies, inputs, batch.state_copies)
+            message = StepMessage(
+                STEP, batch.block_copies, inputs, batch.state_copies, batch.lora_loads
+            )
             self.tp.send_packed_step(pack_step(message))
+        self._fill_adapters(batch.lora_loads)
         self._copy_blocks(batch.block_copies)
         self._copy_states(batch.state_copies)
         if self.pooling is not None:
@@ -357,6 +360,7 @@ class ModelRunner:
         this rank's shard (same graph bucket or eager path, so the collectives pair up); no
         LM head, since only the driver samples."""
         inputs = message.inputs
+        self._fill_adapters(message.lora_loads)
         self._copy_blocks(message.block_copies)
         self._copy_states(message.state_copies)
         if self.graphs is not None and self.graphs.holds(inputs):

@@ -24,7 +24,8 @@ class StepInputs:
     A hybrid model's step also has ``S`` linear-attention ``state_slots`` and ``has_state`` flags
     (0: the sequence's first chunk, which starts from a zero state); empty lists otherwise.
     ``token_type_ids``: ``T`` segment ids when a pooling request of the step has them (a BERT
-    cross-encoder's pairs), else empty.
+    cross-encoder's pairs), else empty. ``lora_slots``: ``T`` LoRA adapter slots (-1: the base
+    model alone) when a request of the step has an adapter, else empty.
     """
 
     input_ids: list[int]
@@ -37,6 +38,7 @@ class StepInputs:
     state_slots: list[int] = field(default_factory=list)
     has_state: list[int] = field(default_factory=list)
     token_type_ids: list[int] = field(default_factory=list)
+    lora_slots: list[int] = field(default_factory=list)
 
     @property
     def max_seqlen_q(self) -> int:
@@ -90,6 +92,10 @@ def flatten_step(
         for s in batch.requests:
             types = s.request.pooling.token_type_ids if s.request.pooling else None
             token_types += list(types[s.start : s.end]) if types else [0] * s.num_new_tokens
+    lora_slots: list[int] = []
+    if any(s.request.lora is not None for s in batch.requests):
+        for s in batch.requests:
+            lora_slots += [s.request.lora_slot] * s.num_new_tokens
     return StepInputs(
         input_ids,
         positions,
@@ -101,4 +107,5 @@ def flatten_step(
         list(batch.state_slots),
         has_state,
         token_types,
+        lora_slots,
     )

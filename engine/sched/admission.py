@@ -98,8 +98,11 @@ def check_pooling_request(
 
 def check_cache_salt(cache_salt: str | None) -> None:
     """InvalidRequestError naming ``cache_salt`` unless it is None or a non-empty string (an
-    empty salt would look like a partition and be none; vLLM refuses it too)."""
+    empty salt would look like a partition and be none; vLLM refuses it too) without a NUL
+    character (the prefix cache marks its adapters' chains with one: ``Request.prefix_chain``)."""
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise InvalidRequestError(
             f"cache_salt must be a non-empty string, got {cache_salt!r}", "cache_salt"
         )
+    if cache_salt is not None and "\0" in cache_salt:
+        raise InvalidRequestError("cache_salt must not hold a NUL character", "cache_salt")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from paged_serve.engine.lora.adapter_files import LoRAAdapter
 from paged_serve.engine.outputs import TokenLogprob
 from paged_serve.engine.sched.request import Request
 
@@ -50,13 +51,15 @@ class ScheduledBatch:
     """What one engine step runs. ``block_copies`` are (src, dst) pairs to copy first.
 
     A hybrid model's step also names each request's linear-attention ``state_slots`` (in
-    scheduled order) and the ``state_copies`` (src, dst) of forked sequences, run first."""
+    scheduled order) and the ``state_copies`` (src, dst) of forked sequences, run first.
+    ``lora_loads``: the LoRA adapter slots to fill before the forward, ``(slot, adapter)``."""
 
     requests: list[ScheduledRequest]
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     state_slots: list[int] = field(default_factory=list)
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    lora_loads: list[tuple[int, LoRAAdapter]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from paged_serve.engine.lora.adapter_files import LoRAAdapter
 from paged_serve.engine.multimodal_inputs import ImageInput
 from paged_serve.engine.outputs import TokenLogprob
 from paged_serve.engine.pooling_params import PoolingParams
@@ -73,6 +74,10 @@ class Request:
     # tensors, and the prompt's prefix-cache keys (placeholders keyed by their image).
     images: tuple[ImageInput, ...] = ()
     prompt_key_ids: list[int] | None = None
+    # A request for a LoRA adapter (engine/lora/): the adapter, and the slot it runs in while
+    # admitted (-1 otherwise; engine/lora/adapter_slots.py).
+    lora: LoRAAdapter | None = None
+    lora_slot: int = -1
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -95,6 +100,16 @@ class Request:
         """Every prompt token must be computed: prompt logprobs still to score, or a pooling
         that reads each token's hidden state."""
         return self.whole_prompt or self.needs_prompt_scoring
+
+    @property
+    def prefix_chain(self) -> str | None:
+        """The prefix-cache chain this request's blocks are looked up and committed in: its
+        cache salt's, or with an adapter one of the adapter's own (a base-model block never
+        serves an adapter's request, nor one adapter's another's). Adapter chains start with a
+        NUL character, which a cache salt may not hold (``check_cache_salt``)."""
+        if self.lora is None:
+            return self.cache_salt
+        return f"\0lora{self.lora.id}\0{self.cache_salt or ''}"
 
     @property
     def cache_token_ids(self) -> list[int]:

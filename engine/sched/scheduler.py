@@ -14,6 +14,10 @@ as every request fits in the pool on its own (the engine refuses those that cann
 With ``whole_prompts`` (a bidirectional encoder, whose every token attends to every other) a
 prompt is admitted only in a step that can run all of it: prompts are never chunked, and a
 request is done in the step that admits it.
+
+With LoRA adapters (``adapter_slots``) a request for an adapter is admitted only when its
+adapter holds one of the ``--max-loras`` slots or can be given one (``AdapterSlots``); one that
+cannot waits, in its place in the queue, while the requests behind it are considered.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
+from paged_serve.engine.lora.adapter_slots import AdapterSlots
 from paged_serve.engine.sched.batch import ScheduledBatch, ScheduledRequest, StepResult
 from paged_serve.engine.sched.block_manager import BlockManager
 from paged_serve.engine.sched.forks import detach, group_size, join_forks
@@ -76,8 +81,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         speculator: DraftSource | None = None,
         whole_prompts: bool = False,
+        adapter_slots: AdapterSlots | None = None,
     ):
         self.block_manager = block_manager
+        self.adapter_slots = adapter_slots
         self.whole_prompts = whole_prompts
         self.speculator = speculator
         self.max_num_seqs = max_num_seqs
@@ -94,6 +101,7 @@ class Scheduler:
     def add_running(self, request: Request) -> None:
         """Join a request whose blocks are already allocated (a fork) to the running set."""
         request.status = RequestStatus.RUNNING
+        self._take_adapter(request)
         self.running.append(request)
 
     @property
@@ -136,12 +144,16 @@ class Scheduler:
 
         # Admit nothing new in a step that had to preempt: the pool is already short.
         seats = sum(group_size(r) for r in self.running)
+        passed: list[Request] = []  # waiting for an adapter slot: they keep their place
         while self.waiting and budget > 0 and not preempted:
             request = self.waiting[0]
             if seats + group_size(request) > self.max_num_seqs:
                 break
+            if request.lora is not None and not self.adapter_slots.can_take(request.lora):
+                passed.append(self.waiting.popleft())
+                continue
             tokens = request.cache_token_ids
-            salt = request.cache_salt
+            salt = request.prefix_chain
             cached = [] if request.skips_prefix_cache else bm.cached_prefix(tokens, salt)
             start = len(cached) * bm.block_size
             num_new = min(request.num_tokens - start, budget)
@@ -159,16 +171,36 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
+            self._take_adapter(request)
             self.running.append(request)
             seats += group_size(request)
             scheduled.append(ScheduledRequest(request, start, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(passed))
 
+        loads = [] if self.adapter_slots is None else self.adapter_slots.take_loads()
         slots = bm.state_slots
         if slots is None:
-            return ScheduledBatch(scheduled, copies, preempted)
+            return ScheduledBatch(scheduled, copies, preempted, lora_loads=loads)
         held = [slots.slot(s.request.request_id) for s in scheduled]
-        return ScheduledBatch(scheduled, copies, preempted, held, slots.take_copies())
+        return ScheduledBatch(scheduled, copies, preempted, held, slots.take_copies(), loads)
+
+    def _take_adapter(self, request: Request) -> None:
+        """A request joining the running set takes its adapter's slot (if it has one)."""
+        if request.lora is not None:
+            request.lora_slot = self.adapter_slots.take(request.request_id, request.lora)
+
+    def check_adapter_slots(self) -> None:
+        """Raise AssertionError unless exactly the running requests with adapters hold slots
+        (no-op without LoRA)."""
+        if self.adapter_slots is not None:
+            held = {r.request_id: r.lora.id for r in self.running if r.lora is not None}
+            self.adapter_slots.check_integrity(held)
+
+    def _release_adapter(self, request: Request) -> None:
+        if request.lora is not None:
+            self.adapter_slots.release(request.request_id)
+            request.lora_slot = -1
 
     def _drafts(self) -> dict[str, list[int]]:
         """This step's drafts by request id, for the running requests that decode."""
@@ -229,12 +261,14 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.block_manager.free(request.request_id)
+        self._release_adapter(request)
         if self.speculator is not None:
             self.speculator.release(request.request_id)
 
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks and queue it for recomputation, ahead of new arrivals."""
         self.block_manager.free(request.request_id)
+        self._release_adapter(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1

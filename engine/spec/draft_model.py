@@ -61,7 +61,7 @@ class DraftModelDrafter:
         """Load ``spec.model`` in the target's dtype on its device; ValueError when its
         vocabulary is not the target's."""
         draft_config = dataclasses.replace(
-            config, model=spec.model, speculative_config=None, tensor_parallel_size=1
+            config, model=spec.model, speculative_config=None, tensor_parallel_size=1, lora=None
         )
         loaded = load_for(draft_config, platform)
         check_same_vocabulary(target, loaded)
