@@ -15,7 +15,12 @@ C]`` for a latent cache); latent_cache ``[num_blocks, block_size, C]`` with ``C 
 rope_dim``. Linear-attention state (gated DeltaNet): conv_state ``[num_slots, K - 1, C]`` and
 state ``[num_slots, Hv, Dk, Dv]`` fp32, one slot per live sequence; state_slots ``[S]`` int32
 and has_state ``[S]`` int32 (0: the sequence starts from zeros). The semantics are the
-references' (``fused_moe_ref`` for ``FusedMoe``, ``causal_conv1d_ref``, ``gated_delta_rule_ref``).
+references' (``fused_moe_ref`` for ``FusedMoe``, ``causal_conv1d_ref``, ``gated_delta_rule_ref``,
+``lora_shrink_ref`` and ``lora_expand_ref``).
+
+Batched multi-LoRA: x ``[T, K]``; y ``[T, N]``; the adapters' matrices stacked by slot, a
+``[S, R, K]`` (x's dtype) and b ``[S, R, N]`` (y's dtype); s ``[T, R]`` fp32; token_slots ``[T]``
+int32, each token's adapter slot (-1: no adapter).
 
 Experts stored quantized reach the fused MoE as ``IntExperts`` or ``Fp8Experts`` (their layouts
 below; ``dequantize_experts_ref`` gives the weights they stand for).
@@ -257,14 +262,40 @@ class GatedDeltaRule(Protocol):
     ) -> torch.Tensor: ...
 
 
+class LoraShrink(Protocol):
+    """Each token's input through its adapter's A: ``s [T, R]`` fp32 with ``s[t, r] = sum_k
+    x[t, k] * a[slot_t, r, k]`` summed in fp32; a row of slot -1 is zeros (and reads no a).
+    ``out``: an fp32 ``[T, R]`` to write into (a CUDA graph's static buffer)."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        a: torch.Tensor,
+        token_slots: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
+class LoraExpand(Protocol):
+    """Each token's shrunk row through its adapter's B, added to ``y`` in place: ``y[t, n] +=
+    sum_r s[t, r] * b[slot_t, r, n]``, the sum and the addition in fp32, stored in y's dtype;
+    a row of slot -1 is left untouched, bit for bit."""
+
+    def __call__(
+        self, s: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, y: torch.Tensor
+    ) -> None: ...
+
+
 class AddLora(Protocol):
     """Each token's LoRA adapter added to a projection's output, in place:
     ``y[t] += b[s]^T (a[s] x[t])`` for the slot ``s = token_slots[t]`` of every token whose slot
-    is not -1. x ``[T, in]``; y ``[T, out]``; the stacked slots a ``[slots, lanes, in]`` and b
-    ``[slots, lanes, out]`` (``scaling * B^T`` per lane); token_slots ``[T]`` int32. The slots
-    the tokens use lie in ``first_slot .. first_slot + num_slots - 1`` (host integers), and
-    ``mask [T, num_slots, 1]`` (the model's dtype) is 1 where a token's slot is that one, or
-    None when every token is in the one slot of the range."""
+    is not -1 (the Triton backend: ``LoraShrink`` then ``LoraExpand``). x ``[T, in]``; y
+    ``[T, out]``; the stacked slots a ``[slots, lanes, in]`` and b ``[slots, lanes, out]``
+    (``scaling * B^T`` per lane); token_slots ``[T]`` int32. The slots the tokens use lie in
+    ``first_slot .. first_slot + num_slots - 1`` (host integers), and ``mask [T, num_slots, 1]``
+    (the model's dtype) is 1 where a token's slot is that one, or None when every token is in
+    the one slot of the range."""
 
     def __call__(
         self,

@@ -747,3 +747,49 @@ def dequantize_experts_ref(weights: ExpertWeights) -> torch.Tensor:
             for w, scale in zip(weights.weight, weights.scale)
         ]
     )
+
+
+# ---------------------------------------------------------------------------- batched multi-LoRA
+# Each token carries the slot of its adapter (-1: none); a slot holds one adapter's A [R, K] and
+# B [R, N] (its scaling folded into B). Shrink: s[t] = A[slot_t] @ x[t]; expand: y[t] +=
+# s[t] @ B[slot_t]. Both in fp32; a token without an adapter gets a zero s row and keeps its y.
+
+
+def _tokens_by_slot(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """``(slot, token indices)`` for every slot some token uses, slot -1 left out."""
+    used = torch.unique(token_slots[token_slots >= 0])
+    return [(int(slot), torch.nonzero(token_slots == slot).flatten()) for slot in used]
+
+
+def lora_shrink_ref(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    token_slots: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``s [T, R]`` fp32: ``s[t] = a[slot_t] @ x[t]`` in fp32, zeros where ``slot_t == -1``.
+
+    x: ``[T, K]``; a: ``[S, R, K]``; token_slots: ``[T]`` int32; out: ``[T, R]`` fp32 to write
+    into (else allocated). One matmul per slot over the tokens using it.
+    """
+    s = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+    for slot, rows in _tokens_by_slot(token_slots):
+        s[rows] = x[rows].float() @ a[slot].float().t()
+    if out is None:
+        return s
+    out.copy_(s)
+    return out
+
+
+def lora_expand_ref(
+    s: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, y: torch.Tensor
+) -> None:
+    """In place: ``y[t] += s[t] @ b[slot_t]``, the product and the sum in fp32, stored in y's
+    dtype; rows where ``slot_t == -1`` untouched.
+
+    s: ``[T, R]`` fp32; b: ``[S, R, N]``; token_slots: ``[T]`` int32; y: ``[T, N]``. One matmul
+    per slot over the tokens using it.
+    """
+    for slot, rows in _tokens_by_slot(token_slots):
+        y[rows] = (y[rows].float() + s[rows].float() @ b[slot].float()).to(y.dtype)

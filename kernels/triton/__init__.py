@@ -11,6 +11,8 @@
 * ``fused_moe.py``: mixture of experts as two grouped GEMMs over the routed pairs.
 * ``quantized_gemm.py``: the weight-only quantized GEMM (W4A16 / W8A16), the weight
   dequantized inside the tile.
+* ``lora.py``: batched multi-LoRA, each token through its own adapter slot (shrink through A,
+  expand through B into the output).
 * sampling: ``sampling.py`` (temperature, top-k, top-p, min-p, grammar masks and the draw, one
   program per row), ``sampling_split.py`` (the same draw with a large vocabulary's rows split
   over many programs) and ``sampling_passes.py`` (the ``@triton.jit`` passes both run).

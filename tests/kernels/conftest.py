@@ -43,6 +43,7 @@ for _name in (
     "paged_serve.kernels.triton.causal_conv",
     "paged_serve.kernels.triton.delta_rule",
     "paged_serve.kernels.triton.quantized_moe",
+    "paged_serve.kernels.triton.lora",
 ):
     _mod = sys.modules.get(_name)
     if _mod is not None and not HAS_CUDA and os.environ.get("TRITON_INTERPRET") == "1":

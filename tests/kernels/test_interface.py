@@ -19,6 +19,7 @@ from paged_serve.kernels.triton import (
     delta_rule,
     fused_moe,
     kv_write,
+    lora,
     mla_attention,
     paged_attention,
     sampling,
@@ -48,6 +49,10 @@ IMPLEMENTATIONS: list[tuple[type, Callable]] = [
     (interface.FusedMoe, fused_moe.fused_moe),
     (interface.FusedMoe, reference.fused_moe_ref),
     (interface.FusedMoe, grouped_moe),
+    (interface.LoraShrink, lora.lora_shrink),
+    (interface.LoraShrink, reference.lora_shrink_ref),
+    (interface.LoraExpand, lora.lora_expand),
+    (interface.LoraExpand, reference.lora_expand_ref),
 ]
 
 
