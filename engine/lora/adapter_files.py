@@ -98,6 +98,12 @@ def read_config(path: str | Path, max_rank: int) -> AdapterConfig:
         value = config.get(key)
         if value:
             raise AdapterError(f"{folder}: " + message.format(value=value))
+    targets = config.get("target_modules") or []
+    whole = sorted(set([targets] if isinstance(targets, str) else targets) & set(_WHOLE_MODULES))
+    if whole:
+        raise AdapterError(
+            f"{folder}: target_modules {whole}: LoRA on the embeddings or the LM head is not served"
+        )
     if config.get("bias", "none") != "none":
         raise AdapterError(f"{folder}: bias {config['bias']!r}; only bias 'none' is served")
     rank = config.get("r")
