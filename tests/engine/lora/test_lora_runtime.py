@@ -135,3 +135,24 @@ def test_the_step_message_carries_adapter_slots_and_loads():
     assert message.inputs == inputs
     assert message.lora_loads == loads
     assert message.block_copies == [(0, 1)]
+
+
+def test_triton_backend_adds_adapters_through_the_kernels(setup):
+    """The Triton shrink and expand (under the interpreter here) in the engine: a batch of the
+    base model and two adapters gives peft's merged tokens."""
+    base, folder, prompts, want = setup
+    config = EngineConfig(
+        kv_cache_memory=2 << 20,
+        attention_backend="triton",
+        lora=LoRAConfig(max_loras=2, max_lora_rank=8),
+    )
+    engine = LLMEngine(config, loaded=loaded(base))
+    assert engine.backend_name == "triton"
+    for name in "xy":
+        load(engine, name, folder)
+    few = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for name in ("x", "y", None):
+        engine.add_request(prompts[0], few, request_id=f"{name}", lora=name)
+    got = drain(engine)
+    assert got["x"] == want[("x", 0)][:4] and got["y"] == want[("y", 0)][:4]
+    assert got["None"] == hf_greedy(base, prompts[0], 4)
