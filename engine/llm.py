@@ -46,10 +46,13 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        lora: str | None = None,
     ) -> list[CompletionResult]:
         """Generate for every prompt (all batched together); results in prompt order.
 
-        A prompt with ``n > 1`` contributes its ``n`` samples, consecutively.
+        A prompt with ``n > 1`` contributes its ``n`` samples, consecutively. ``lora``: the
+        served LoRA adapter every prompt runs with (``--lora-modules``), None for the base.
         """
         if isinstance(prompts, (str, MultimodalPrompt)) or (
             prompts and isinstance(prompts[0], int)
@@ -65,7 +68,8 @@ class LLM:
         try:
             for prompt, p in zip(prompts, param_list):
                 ids = self.engine.tokenize(prompt)
-                rid = self.engine.add_request(ids if isinstance(prompt, str) else prompt, p)
+                prompt = ids if isinstance(prompt, str) else prompt
+                rid = self.engine.add_request(prompt, p, lora=lora)
                 for sample_id in sample_ids(rid, p.n):
                     results[sample_id] = CompletionResult(sample_id, ids)
                     order.append(sample_id)
