@@ -156,3 +156,15 @@ def test_triton_backend_adds_adapters_through_the_kernels(setup):
     got = drain(engine)
     assert got["x"] == want[("x", 0)][:4] and got["y"] == want[("y", 0)][:4]
     assert got["None"] == hf_greedy(base, prompts[0], 4)
+
+
+def test_rslora_scaling(setup, tmp_path):
+    """rsLoRA scales ``B A`` by ``alpha / sqrt(r)``, not ``alpha / r``: peft's merged tokens."""
+    base, _, prompts, _ = setup
+    merged = make_adapter(base, tmp_path / "rs", seed=9, rank=8, alpha=4, use_rslora=True)
+    want = hf_greedy(merged, prompts[1], 10)
+    assert want != hf_greedy(base, prompts[1], 10)
+    engine = engine_with(base)
+    engine.loras.add(engine.loras.read("rs", str(tmp_path / "rs")))
+    engine.add_request(prompts[1], GREEDY, request_id="rs", lora="rs")
+    assert drain(engine)["rs"] == want
