@@ -19,6 +19,7 @@ from paged_serve.engine.config import (
     RUNNERS,
     EngineConfig,
 )
+from paged_serve.engine.lora.lora_args import add_lora_args, lora_config
 from paged_serve.engine.spec.config import SpeculativeConfig
 
 
@@ -141,6 +142,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> dict[str, argparse._Argu
         const=None,
         help="never speculate (the same as --speculative-config off)",
     )
+    add_lora_args(parser)
     _add_grammar_args(parser)
     return groups
 
@@ -200,7 +202,8 @@ def _json_object(text: str) -> dict[str, object]:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """EngineConfig keyword arguments from the parsed shared flags."""
+    """EngineConfig keyword arguments from the parsed shared flags (ValueError naming a flag
+    that needs another: ``--lora-modules`` without ``--enable-lora``)."""
     return dict(
         dtype=args.dtype,
         device=args.device,
@@ -224,4 +227,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         runner=args.runner,
         convert=args.convert,
         hf_overrides=args.hf_overrides,
+        lora=lora_config(args),
     )

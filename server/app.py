@@ -12,6 +12,8 @@ Routes::
     GET  /health                      GET  /metrics
     GET  /health_generate, /server_info, /model_info, /get_load
     POST /flush_cache, /reset_prefix_cache                    (server.ops.worker_api: routers)
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter      (server.lora.runtime_updates:
+         routed only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 or true)
     GET  /, /dashboard                GET  /v1/engine/state    (server.ops.dashboard)
 
 Every failure leaves as the OpenAI error object (``paged_serve.server.http.errors``): the error
@@ -52,6 +54,10 @@ from paged_serve.server.http.connections import ConnectionGuard, GuardedRunner
 from paged_serve.server.http.errors import error_response, from_http_exception
 from paged_serve.server.http.limits import ServerLimits
 from paged_serve.server.http.wire import json_response
+from paged_serve.server.lora.runtime_updates import (
+    add_runtime_update_routes,
+    runtime_updates_allowed,
+)
 from paged_serve.server.media.config import MediaConfig
 from paged_serve.server.openai.chat import create_chat_completion
 from paged_serve.server.openai.completions import create_completion
@@ -171,14 +177,18 @@ def create_app(
     reasoning_parser: str | None = None,
     sampling_defaults: SamplingDefaults = NO_DEFAULTS,
     media: MediaConfig | None = None,
+    runtime_lora_updating: bool | None = None,
 ) -> web.Application:
     """The app serving ``engine`` within ``limits`` (default: ``ServerLimits()``), with the
     dashboard page and its state endpoint unless ``dashboard`` is False. ``served_model_name``
     may be several names (replies carry the first); ``sampling_defaults`` fill the sampling
     fields a request leaves out (``paged_serve.server.generation.defaults``); ``media`` says
     where image inputs may come from and how many (default: ``data:`` URLs only, 8 per
-    prompt). The caller owns the engine (and shuts it down). Serve it with ``make_runner``,
-    which applies the connection limits."""
+    prompt). ``runtime_lora_updating`` routes ``/v1/load_lora_adapter`` and
+    ``/v1/unload_lora_adapter`` (default: whether ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is 1 or
+    true, as vLLM). ValueError when a served LoRA adapter has one of the served model names.
+    The caller owns the engine (and shuts it down). Serve it with ``make_runner``, which
+    applies the connection limits."""
     if any(not key for key in api_keys):
         raise ValueError("API keys must be non-empty strings")
     limits = limits or ServerLimits()
@@ -186,6 +196,9 @@ def create_app(
     names = tuple(names or (engine.model_name,))
     if not all(names):
         raise ValueError("served model names must be non-empty strings")
+    taken = [a.name for a in (engine.loras.served() if engine.loras else []) if a.name in names]
+    if taken:
+        raise ValueError(f"the LoRA adapter name(s) {taken} are served model names too")
     app = web.Application(
         middlewares=[error_middleware, browser_guard_middleware, auth_middleware, body_middleware],
         client_max_size=limits.max_request_bytes,
@@ -228,6 +241,8 @@ def create_app(
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     add_worker_routes(app)
+    if runtime_updates_allowed() if runtime_lora_updating is None else runtime_lora_updating:
+        add_runtime_update_routes(app)
     if dashboard:
         add_dashboard(app)
     app.on_shutdown.append(_abort_in_flight)

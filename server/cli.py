@@ -481,9 +481,13 @@ def main(argv: list[str] | None = None) -> int:
         template = _chat_template(args.chat_template) if args.chat_template else None
     except ValueError as exc:
         parser.error(str(exc))
+    try:
+        kwargs = engine_kwargs(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     _configure_logging(args)
     try:
-        config = EngineConfig(model=args.model, seed=args.seed, **engine_kwargs(args))
+        config = EngineConfig(model=args.model, seed=args.seed, **kwargs)
         engine = AsyncEngine(config, max_waiting=args.max_waiting)
     except (ValueError, OSError, TensorParallelError) as exc:
         logger.error("cannot start the engine: %s", exc)

@@ -1,8 +1,9 @@
 """What every handler shares: the engine, the served model name, the limits, the response store,
 the connection guard, and the ids of the engine requests in flight (so shutdown can abort
-them); and the check each endpoint starts with that the model is of its kind (one server per
-model kind, as vLLM: a generating model answers the generation endpoints, a pooling model the
-pooling ones)."""
+them); the check that a request's ``model`` is served (the base model's names or a LoRA
+adapter's, which the request then runs on); and the check each endpoint starts with that the
+model is of its kind (one server per model kind, as vLLM: a generating model answers the
+generation endpoints, a pooling model the pooling ones)."""
 
 from __future__ import annotations
 
@@ -45,16 +46,29 @@ class ServerState:
     shutting_down: bool = False
 
     def check_model(self, model: str | None) -> None:
-        """404 unless ``model`` is absent or a served name."""
-        names = self.model_names
-        if model is not None and model not in names:
-            raise APIError(
-                404,
-                f"the model {model!r} does not exist; this server serves "
-                + " or ".join(repr(n) for n in names),
-                param="model",
-                code="model_not_found",
-            )
+        """404 unless ``model`` is absent, a served name of the base model or a served LoRA
+        adapter's name."""
+        if model is None or model in self.model_names or self.lora_for(model) is not None:
+            return
+        raise model_not_found(model, self.model_names + self.adapter_names())
+
+    def lora_for(self, model: str | None) -> str | None:
+        """The LoRA adapter a request runs on: ``model`` when it names a served adapter (and
+        not the base model), else None (the base model)."""
+        loras = self.engine.loras
+        if model is None or loras is None or model in self.model_names:
+            return None
+        return model if loras.get(model) is not None else None
+
+    def reply_model(self, model: str | None) -> str:
+        """The ``model`` a reply carries: the adapter's name for a request on an adapter (as
+        vLLM), else the base model's first served name."""
+        return self.lora_for(model) or self.served_model_name
+
+    def adapter_names(self) -> tuple[str, ...]:
+        """The served LoRA adapters' names, in load order (none without ``--enable-lora``)."""
+        loras = self.engine.loras
+        return () if loras is None else tuple(a.name for a in loras.served())
 
     def check_engine_alive(self) -> None:
         """503 ``engine_dead`` unless the engine loop (and every tensor-parallel rank) runs."""
@@ -106,6 +120,17 @@ class ServerState:
         engine = self.engine
         capacity = engine.snapshot().kv_blocks_total * engine.block_size
         return min(engine.max_model_len, capacity)
+
+
+def model_not_found(model: str, served: tuple[str, ...]) -> APIError:
+    """The 404 for a ``model`` no one serves; ``served``: every name that is."""
+    return APIError(
+        404,
+        f"the model {model!r} does not exist; this server serves "
+        + " or ".join(repr(n) for n in served),
+        param="model",
+        code="model_not_found",
+    )
 
 
 def key_hash(key: str) -> str:

@@ -41,8 +41,13 @@ REFUSALS = (
         "run one paged-serve per replica behind a router",
         accepted=("1",),
     ),
-    Refusal(("--enable-lora",), "LoRA adapters are not supported", takes_value=False),
-    Refusal(("--lora-modules",), "LoRA adapters are not supported"),
+    Refusal(
+        ("--fully-sharded-loras",),
+        "adapters are sharded as their projections are (A whole beside column-parallel ones)",
+        takes_value=False,
+    ),
+    Refusal(("--lora-dtype",), "adapters run in the model's dtype", accepted=("auto",)),
+    Refusal(("--enable-lora-bias",), "adapters with LoRA biases are refused", takes_value=False),
     Refusal(
         ("--no-enable-chunked-prefill",),
         "prefills are always chunked to --max-num-batched-tokens",

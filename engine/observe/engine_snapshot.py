@@ -3,17 +3,37 @@
 ``take_snapshot`` reads the scheduler's queues and counters, the block pool's counts and the
 speculator's drafting counts into one frozen ``EngineSnapshot``; the async engine keeps the
 latest one, and ``/metrics`` (engine/observe/metrics.py ``SnapshotCollector``) and the server's
-health and load endpoints read it without ever waiting for a step.
+health and load endpoints read it without ever waiting for a step. With LoRA it holds the
+adapters of the running and waiting requests (``LoRAFigures``, vLLM's ``lora_requests_info``),
+read by the engine thread so that no other thread walks the scheduler's queues.
 """
 
 from __future__ import annotations
 
+import time
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from paged_serve.engine.llm_engine import LLMEngine
+    from paged_serve.engine.sched.request import Request
     from paged_serve.engine.spec.speculator import Speculator
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAFigures:
+    """The LoRA adapters at the end of a step: ``running`` and ``waiting`` are (adapter name,
+    requests) pairs of the running batch and the waiting queue, by name; ``loaded`` the
+    adapters in the device slots; ``max_loras`` the slots (``--max-loras``); ``time`` when
+    taken (Unix seconds: vLLM's ``lora_requests_info`` value)."""
+
+    max_loras: int
+    running: tuple[tuple[str, int], ...]
+    waiting: tuple[tuple[str, int], ...]
+    loaded: tuple[str, ...]
+    time: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +55,7 @@ class EngineSnapshot:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    lora: LoRAFigures | None = None  # None without --enable-lora
 
 
 def spec_counts(speculator: Speculator | None) -> dict:
@@ -48,6 +69,26 @@ def spec_counts(speculator: Speculator | None) -> dict:
         "spec_accepted_tokens": stats.num_accepted_tokens,
         "spec_accepted_per_position": tuple(stats.accepted_per_position),
     }
+
+
+def _by_adapter(requests: Iterable[Request]) -> tuple[tuple[str, int], ...]:
+    counts = Counter(r.lora.name for r in requests if r.lora is not None)
+    return tuple(sorted(counts.items()))
+
+
+def lora_figures(engine: LLMEngine) -> LoRAFigures | None:
+    """The snapshot's LoRA figures (None without ``--enable-lora``); O(running + waiting)."""
+    registry = engine.loras
+    if registry is None:
+        return None
+    scheduler = engine.scheduler
+    return LoRAFigures(
+        max_loras=registry.config.max_loras,
+        running=_by_adapter(scheduler.running),
+        waiting=_by_adapter(scheduler.waiting),
+        loaded=tuple(a.name for a in registry.slots.loaded()),
+        time=time.time(),
+    )
 
 
 def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
@@ -65,4 +106,5 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
         num_steps=engine.num_steps,
         num_graph_steps=engine.num_graph_steps,
         **spec_counts(engine.speculator),
+        lora=lora_figures(engine),
     )

@@ -65,6 +65,7 @@ class RequestState:
     blocks: list[int]  # its block table (empty while waiting)
     state_slot: int | None = None  # a hybrid model's linear-attention state slot, if it holds one
     pooling: str | None = None  # a pooling request's task (embed | classify); None when generating
+    lora: str | None = None  # the LoRA adapter it runs on; None: the base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +118,7 @@ def _request_state(engine: LLMEngine, request: Request, now: float) -> RequestSt
         blocks=list(bm.block_table(rid)) if bm.has(rid) else [],
         state_slot=slots.slot(rid) if slots is not None and slots.holds(rid) else None,
         pooling=pooling,
+        lora=request.lora.name if request.lora is not None else None,
     )
 
 

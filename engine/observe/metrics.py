@@ -24,7 +24,8 @@ steps that gave a request tokens), ``e2e_request_latency_seconds``, ``request_qu
 ``request_generation_tokens`` (per finished request) and
 ``request_success_total{finished_reason}``, and speculative decoding's
 ``spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens`` and
-``_num_accepted_tokens_per_pos{position}`` counters. ``paged_serve.engine.observe.vllm_names``
+``_num_accepted_tokens_per_pos{position}`` counters, and with LoRA vLLM's
+``lora_requests_info`` gauge. ``paged_serve.engine.observe.vllm_names``
 repeats them under vLLM's own names for the server's ``/metrics``.
 """
 
@@ -37,6 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from paged_serve.engine.observe.engine_snapshot import LoRAFigures
 from paged_serve.engine.outputs import RequestMetrics
 
 PREFIX = "paged_serve_"
@@ -211,6 +213,7 @@ SNAPSHOT_METRICS = (
     ),
 )
 ACCEPTED_PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
+LORA_REQUESTS_INFO = "lora_requests_info"
 
 
 class SnapshotCollector(Collector):
@@ -234,3 +237,20 @@ class SnapshotCollector(Collector):
         for position, count in enumerate(snap.spec_accepted_per_position):
             per_position.add_metric([str(position)], count)
         yield per_position
+        if snap.lora is not None:
+            yield lora_requests_info(snap.lora)
+
+
+def lora_requests_info(figures: LoRAFigures) -> GaugeMetricFamily:
+    """vLLM's ``lora_requests_info``: one sample whose labels name the adapters of the running
+    and waiting requests (comma-separated, sorted; empty when none) and the device slots
+    (``max_lora``); its value is when the figures were taken (Unix seconds), as vLLM's."""
+    info = GaugeMetricFamily(
+        PREFIX + LORA_REQUESTS_INFO,
+        "LoRA adapters of the running and waiting requests; the value is the sample's time.",
+        labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+    )
+    running = ",".join(name for name, _ in figures.running)
+    waiting = ",".join(name for name, _ in figures.waiting)
+    info.add_metric([running, waiting, str(figures.max_loras)], figures.time)
+    return info

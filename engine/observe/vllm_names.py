@@ -44,6 +44,7 @@ VLLM_NAMES = {
     "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens",
     "spec_decode_num_accepted_tokens_per_pos": "spec_decode_num_accepted_tokens_per_pos",
+    "lora_requests_info": "lora_requests_info",
 }
 KV_USAGE = VLLM_PREFIX + "kv_cache_usage_perc"
 

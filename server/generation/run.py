@@ -28,7 +28,7 @@ from paged_serve.engine.outputs import RequestOutput, TokenLogprob
 from paged_serve.engine.sampling_params import SamplingParams
 from paged_serve.engine.sched.forks import sample_ids
 from paged_serve.server.protocol.errors import SERVER_ERROR, APIError, bad_request, queue_full
-from paged_serve.server.state import ServerState
+from paged_serve.server.state import ServerState, model_not_found
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +77,11 @@ class Generation:
         num_choices: int,
         cache_salt: str | None = None,
         probe: bool = False,
+        lora: str | None = None,
     ):
         self._state = state
         self._cache_salt = cache_salt  # the engine's salt: tenant and request (state.py)
+        self._lora = lora  # the served LoRA adapter every request runs on (None: the base)
         self._probe = probe  # a health probe: outside --max-waiting (AsyncEngine.add_request)
         self._sample_ids: list[str] = []  # every sample of every started request
         self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
@@ -111,6 +113,7 @@ class Generation:
             request_id,
             cache_salt=self._cache_salt,
             probe=self._probe,
+            lora=self._lora,
         )
         ids = sample_ids(request_id, job.params.n)
         self._sample_ids += ids
@@ -191,23 +194,28 @@ def start_generation(
     *,
     cache_salt: str | None,
     probe: bool = False,
+    lora: str | None = None,
 ) -> Generation:
     """Queue every job in the engine, or none; raises APIError (400/503) for a refused one.
 
     ``cache_salt`` is the engine's prefix-cache salt (``state.tenant_cache_salt``): required,
     so that no endpoint forgets its tenant and serves one key's prefixes to another. ``probe``
     marks ``/health_generate``'s request, which ``--max-waiting`` neither refuses nor counts.
+    ``lora``: the served LoRA adapter to run on (``ServerState.lora_for``); one unloaded since
+    the request was read is a 404, as any model not served.
     """
     if state.shutting_down:
         raise APIError(
             503, "the server is shutting down", type=SERVER_ERROR, code="server_shutting_down"
         )
-    generation = Generation(state, sum(job.params.n for job in jobs), cache_salt, probe)
+    generation = Generation(state, sum(job.params.n for job in jobs), cache_salt, probe, lora)
     try:
         for job in jobs:
             generation.start(job, f"{id_prefix}-{job.first_index}")
     except ValueError as exc:
         generation.close()
+        if lora is not None and getattr(exc, "param", None) == "model":
+            raise model_not_found(lora, state.model_names + state.adapter_names()) from None
         # The engine names the field at fault where it is not the prompt (InvalidRequestError).
         raise bad_request(str(exc), getattr(exc, "param", None) or prompt_param) from None
     except QueueFullError as exc:

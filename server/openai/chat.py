@@ -129,7 +129,10 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     jobs = [Job(0, prompt_ids, params, images=multimodal)]
     reply = ChatReply(state, body, plan, reasoning, f"chatcmpl-{uuid.uuid4().hex}", prompt_ids)
     salt = tenant_cache_salt(request.get(OWNER), body.cache_salt)
-    with start_generation(state, reply.id, jobs, "messages", cache_salt=salt) as generation:
+    lora = state.lora_for(body.model)
+    with start_generation(
+        state, reply.id, jobs, "messages", cache_salt=salt, lora=lora
+    ) as generation:
         if body.stream:
             return await respond(request, reply.stream(generation))
         return await reply.complete(generation)

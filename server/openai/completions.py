@@ -75,7 +75,10 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             echoes.append(prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids[p]))
     reply = CompletionReply(state, body, f"cmpl-{uuid.uuid4().hex}", prompt_ids, echoes)
     salt = tenant_cache_salt(request.get(OWNER), body.cache_salt)
-    with start_generation(state, reply.id, jobs, "prompt", cache_salt=salt) as generation:
+    lora = state.lora_for(body.model)
+    with start_generation(
+        state, reply.id, jobs, "prompt", cache_salt=salt, lora=lora
+    ) as generation:
         if body.stream:
             return await respond(request, reply.stream(generation))
         return await reply.complete(generation)

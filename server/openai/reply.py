@@ -39,6 +39,7 @@ class ChoiceReply:
     def __init__(self, state: ServerState, reply_id: str, prompt_tokens: int, body: SamplingFields):
         self.state = state
         self.id = reply_id
+        self.model = state.reply_model(body.model)  # a LoRA adapter's name, as vLLM's replies
         self.created = int(time.time())  # Unix seconds, the same for every chunk of a stream
         self.prompt_tokens = prompt_tokens
         self.include_usage = body.include_usage  # a stream ends with a usage chunk
@@ -107,7 +108,7 @@ class ChoiceReply:
         return kind(
             id=self.id,
             created=self.created,
-            model=self.state.served_model_name,
+            model=self.model,
             choices=choices,
             usage=usage,
             **fields,

@@ -124,7 +124,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if body.background:  # other requests may have started runs while this one awaited
         runs.check_room(owner)
     job = Job(0, prompt_ids, params, images=multimodal)
-    generation = start_generation(state, reply.id, [job], "input", cache_salt=salt)
+    lora = state.lora_for(body.model)
+    generation = start_generation(state, reply.id, [job], "input", cache_salt=salt, lora=lora)
     if body.background:
         run = runs.start(reply, generation, stream=body.stream)  # the run owns generation now
         if body.stream:

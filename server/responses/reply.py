@@ -53,6 +53,7 @@ class ResponseReply:
         self.plan = plan
         self.state = state
         self.body = body
+        self.model = state.reply_model(body.model)  # a LoRA adapter's name, as vLLM's replies
         self.owner = owner
         self.messages = messages  # the conversation so far, without the instructions
         self.prompt_tokens = prompt_tokens
@@ -82,7 +83,7 @@ class ResponseReply:
             ),
             instructions=b.instructions,
             max_output_tokens=b.max_output_tokens,
-            model=self.state.served_model_name,
+            model=self.model,
             output=output,
             previous_response_id=b.previous_response_id,
             background=bool(b.background),

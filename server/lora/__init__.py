@@ -1,0 +1,1 @@
+"""LoRA adapters over HTTP: loading and unloading them while the server runs."""
