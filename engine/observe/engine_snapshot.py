@@ -16,24 +16,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from paged_serve.engine.observe.lora_figures import LoRAFigures
+
 if TYPE_CHECKING:
     from paged_serve.engine.llm_engine import LLMEngine
     from paged_serve.engine.sched.request import Request
     from paged_serve.engine.spec.speculator import Speculator
-
-
-@dataclass(frozen=True, slots=True)
-class LoRAFigures:
-    """The LoRA adapters at the end of a step: ``running`` and ``waiting`` are (adapter name,
-    requests) pairs of the running batch and the waiting queue, by name; ``loaded`` the
-    adapters in the device slots; ``max_loras`` the slots (``--max-loras``); ``time`` when
-    taken (Unix seconds: vLLM's ``lora_requests_info`` value)."""
-
-    max_loras: int
-    running: tuple[tuple[str, int], ...]
-    waiting: tuple[tuple[str, int], ...]
-    loaded: tuple[str, ...]
-    time: float
 
 
 @dataclass(frozen=True, slots=True)

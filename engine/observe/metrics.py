@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from paged_serve.engine.observe.engine_snapshot import LoRAFigures
+from paged_serve.engine.observe.lora_figures import LoRAFigures
 from paged_serve.engine.outputs import RequestMetrics
 
 PREFIX = "paged_serve_"
