@@ -13,7 +13,7 @@ from tests.server.lora.conftest import API_KEY, BASE_NAME, LoRAModels, LoRAServe
 
 PROMPT = [7, 30, 41, 52, 63]
 IDS = {"ignore_eos": True, "return_token_ids": True}
-LONG = 100  # tokens: a stream still running when its adapter is unloaded
+LONG = 120  # tokens: a stream still running when its adapter is unloaded
 
 
 def load(url: str, name: str, path: object, headers: dict[str, str] | None = None):
