@@ -48,17 +48,19 @@ class ServerState:
     def check_model(self, model: str | None) -> None:
         """404 unless ``model`` is absent, a served name of the base model or a served LoRA
         adapter's name."""
-        if model is None or model in self.model_names or self.lora_for(model) is not None:
-            return
-        raise model_not_found(model, self.model_names + self.adapter_names())
+        self.lora_for(model)
 
     def lora_for(self, model: str | None) -> str | None:
-        """The LoRA adapter a request runs on: ``model`` when it names a served adapter (and
-        not the base model), else None (the base model)."""
-        loras = self.engine.loras
-        if model is None or loras is None or model in self.model_names:
+        """The LoRA adapter a request runs on: ``model`` when it names a served adapter, None
+        for the base model (``model`` absent or one of its names). 404 for any other name, so
+        that a request whose adapter was unloaded after ``check_model`` never runs on the base
+        model instead."""
+        if model is None or model in self.model_names:
             return None
-        return model if loras.get(model) is not None else None
+        loras = self.engine.loras
+        if loras is None or loras.get(model) is None:
+            raise model_not_found(model, self.model_names + self.adapter_names())
+        return model
 
     def reply_model(self, model: str | None) -> str:
         """The ``model`` a reply carries: the adapter's name for a request on an adapter (as

@@ -5,9 +5,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import openai
 import pytest
 
+from paged_serve.engine.sampling_params import SamplingParams
+from paged_serve.server.app import create_app
+from paged_serve.server.generation.run import Job, start_generation
+from paged_serve.server.protocol.errors import APIError
+from paged_serve.server.state import STATE
 from tests.server.conftest import assert_error, http
 from tests.server.lora.conftest import API_KEY, BASE_NAME, LoRAModels, LoRAServers, greedy
 
@@ -128,3 +135,27 @@ def test_routes_absent_without_the_environment_variable(
     assert_error(load(url, "a3", lora_models.adapters["a3"]), 404)
     assert_error(unload(url, "a1"), 404)
     assert served(url) == [BASE_NAME, "a1", "a2"]
+
+
+def test_a_request_whose_adapter_left_after_its_check_is_404_not_the_base(
+    lora_models: LoRAModels, lora_servers: LoRAServers
+) -> None:
+    """Unloaded between ``check_model`` and the engine: a 404 wherever the name is next
+    resolved, never a run on the base model."""
+    state = create_app(lora_servers.engine, served_model_name=BASE_NAME)[STATE]
+    assert load(lora_servers.url, "a3", lora_models.adapters["a3"]).status == 200
+    state.check_model("a3")
+    assert (state.lora_for("a3"), state.reply_model("a3")) == ("a3", "a3")
+    assert (state.lora_for(BASE_NAME), state.reply_model(None)) == (None, BASE_NAME)
+    assert unload(lora_servers.url, "a3").status == 200
+    with pytest.raises(APIError) as info:
+        state.lora_for("a3")
+    assert (info.value.status, info.value.param) == (404, "model")
+
+    async def start() -> None:  # the name resolved before the unload reaches the engine
+        job = Job(0, PROMPT, SamplingParams(max_tokens=2))
+        start_generation(state, "race", [job], "prompt", cache_salt=None, lora="a3")
+
+    with pytest.raises(APIError) as info:
+        asyncio.run(start())
+    assert (info.value.status, info.value.code) == (404, "model_not_found")
