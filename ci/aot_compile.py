@@ -3,6 +3,7 @@
     python ci/aot_compile.py [--dtypes fp32,fp16,bf16] [--head-dims 64,80,96,128,256]
                              [--groups 1,4,8,16] [--vocabs 1000,32000,151936] [--jobs N] [--json]
                              [--tiles TILE_N,NUM_WARPS,NUM_STAGES,MAXNREG] [--token-mask]
+                             [--kv-codes int8,e4m3,e5m2]
 
 A configuration is compiled as the launcher would launch it: the attention kernel's
 compile-time arguments and options come from
@@ -21,6 +22,9 @@ configuration spills, fails to compile or needs more shared memory than sm_90 ha
 replaces the launcher's attention ``tile_n``, warps, stages and ``maxnreg`` (0: ptxas' own
 choice), to compare candidates. The sampling kernel is built without a grammar token mask (the
 build every unconstrained batch runs); ``--token-mask`` adds the ``HAS_MASK`` build of each vocab.
+``--kv-codes`` adds, per code type, dtype and head dim, the attention builds over a quantized
+KV cache (``QUANT``: int8 / fp8 codes dequantized as each tile loads) for the largest group:
+decode, split decode, and windowed split prefill.
 
 The interpreter never compiles, so this is the only check of resource use that needs no GPU.
 It proves nothing numerical: agreement on a GPU is what the ``cuda`` tests check.
@@ -44,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SM90_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
 DTYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
+KV_CODES = {"int8": "*i8", "e4m3": "*fp8e4nv", "e5m2": "*fp8e5"}  # a quantized cache's codes
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,7 @@ class Config:
     latent: int = 0  # mla: kv_lora_rank + rope lanes of a latent cache entry
     rope: int = 0
     phase: int = 0  # sampling split: the phase (MAX .. FINAL), level 7 for the radix walks
+    kv_codes: str = ""  # attention over a quantized cache: its codes (KV_CODES), "" for none
 
     @property
     def name(self) -> str:
@@ -83,6 +89,7 @@ class Config:
         if self.kind == "conv":
             return f"causal conv {self.dtype} K=4"
         tiles = f" tiles={','.join(map(str, self.tiles))}" if self.tiles else ""
+        extra += f" kv={self.kv_codes}" if self.kv_codes else ""
         return f"attention {self.dtype} D={self.head_dim} G={self.group} {mode}{extra}{tiles}"
 
 
@@ -132,6 +139,7 @@ def _attention_source(cfg: Config):
         max_seqlen_k=1,
         sliding_window=1 if cfg.window else None,
         num_kv_splits=2 if cfg.split else 1,
+        quantized=bool(cfg.kv_codes),
     )
     if cfg.tiles is not None:
         tile_n, num_warps, num_stages, maxnreg = cfg.tiles
@@ -154,8 +162,10 @@ def _attention_source(cfg: Config):
         if arg in constants:
             signature[arg] = "constexpr"
         elif arg.endswith("_ptr"):
-            fp32_scratch = arg.startswith("part_") or arg == "sinks_ptr"
+            fp32_scratch = arg.startswith("part_") or arg == "sinks_ptr" or "_scale_" in arg
             dtype = "*i32" if arg in int_ptrs else "*fp32" if fp32_scratch else DTYPES[cfg.dtype]
+            if cfg.kv_codes and arg in ("k_cache_ptr", "v_cache_ptr"):
+                dtype = KV_CODES[cfg.kv_codes]
             signature[arg] = dtype
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
@@ -360,6 +370,15 @@ def configs(args: argparse.Namespace) -> list[Config]:
             group = max(args.groups)
             out.append(Config("attention", dtype, head_dim, group, True, split=True))
             out.append(Config("attention", dtype, head_dim, group, False, True, True))
+    for codes in args.kv_codes:  # quantized caches: decode, split decode, windowed split prefill
+        for dtype in args.dtypes:
+            for head_dim in args.head_dims:
+                group = max(args.groups)
+                out.append(Config("attention", dtype, head_dim, group, True, kv_codes=codes))
+                out.append(Config("attention", dtype, head_dim, group, True, True, kv_codes=codes))
+                out.append(
+                    Config("attention", dtype, head_dim, group, False, True, True, kv_codes=codes)
+                )
     if args.tiles is not None:
         out = [replace(c, tiles=tuple(args.tiles)) for c in out]
     for dtype in args.dtypes:  # DeepSeek-V3's latent attention: 128 heads, a 512 + 64 entry
@@ -394,12 +413,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--tiles", type=_ints, help="TILE_N,NUM_WARPS,NUM_STAGES,MAXNREG override")
     p.add_argument("--token-mask", action="store_true", help="also the masked sampling builds")
+    p.add_argument("--kv-codes", type=lambda s: [c for c in s.split(",") if c], default=[])
     args = p.parse_args(argv)
     if args.tiles is not None and len(args.tiles) != 4:
         p.error(f"--tiles takes TILE_N,NUM_WARPS,NUM_STAGES,MAXNREG, got {args.tiles}")
     unknown = set(args.dtypes) - set(DTYPES)
     if unknown:
         p.error(f"unknown dtypes {sorted(unknown)}; choose from {sorted(DTYPES)}")
+    if set(args.kv_codes) - set(KV_CODES):
+        p.error(f"unknown --kv-codes {args.kv_codes}; choose from {sorted(KV_CODES)}")
 
     todo = configs(args)
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:

@@ -6,16 +6,17 @@ planned attention (``engine/platform/cpu/attention.py``). Each is typed here onc
 ``Protocol``; an implementation may take further keyword arguments, with defaults
 (tests/kernels/test_interface.py checks every backend against these signatures).
 
-Shapes: q ``[T, Hq, D]``; key/value ``[T, Hkv, D]``; k_cache, v_cache
-``[num_blocks, block_size, Hkv, D]``; block_tables ``[S, max_blocks]`` int32; seq_lens ``[S]``
-int32 (context including the new tokens); cu_seqlens_q ``[S + 1]`` int32; slot_mapping ``[T]``
-int64 (-1: do not write); block_mapping ``[N, 2]`` int64 ``(src, dst)`` rows; kv_caches
-``[num_layers, 2, num_blocks, block_size, Hkv, D]`` (``[num_layers, 1, num_blocks, block_size, 1,
-C]`` for a latent cache); latent_cache ``[num_blocks, block_size, C]`` with ``C = kv_lora_rank +
-rope_dim``. Linear-attention state (gated DeltaNet): conv_state ``[num_slots, K - 1, C]`` and
-state ``[num_slots, Hv, Dk, Dv]`` fp32, one slot per live sequence; state_slots ``[S]`` int32
-and has_state ``[S]`` int32 (0: the sequence starts from zeros). The semantics are the
-references' (``fused_moe_ref`` for ``FusedMoe``, ``causal_conv1d_ref``, ``gated_delta_rule_ref``,
+Shapes: q ``[T, Hq, D]``; key/value ``[T, Hkv, D]``; k_cache, v_cache ``[num_blocks, block_size,
+Hkv, D]`` (int8 or fp8 codes beside k_scale, v_scale ``[num_blocks, block_size, Hkv]`` fp32 for a
+quantized cache: ``WriteKv``); block_tables ``[S, max_blocks]`` int32; seq_lens ``[S]`` int32
+(context including the new tokens); cu_seqlens_q ``[S + 1]`` int32; slot_mapping ``[T]`` int64 (-1:
+do not write); block_mapping ``[N, 2]`` int64 ``(src, dst)`` rows; kv_caches ``[num_layers, 2,
+num_blocks, block_size, Hkv, D]`` (``[num_layers, 1, num_blocks, block_size, 1, C]`` for a latent
+cache); latent_cache ``[num_blocks, block_size, C]`` with ``C = kv_lora_rank + rope_dim``.
+Linear-attention state (gated DeltaNet): conv_state ``[num_slots, K - 1, C]`` and state
+``[num_slots, Hv, Dk, Dv]`` fp32, one slot per live sequence; state_slots ``[S]`` int32 and
+has_state ``[S]`` int32 (0: the sequence starts from zeros). The semantics are the references'
+(``fused_moe_ref`` for ``FusedMoe``, ``causal_conv1d_ref``, ``gated_delta_rule_ref``,
 ``lora_shrink_ref`` and ``lora_expand_ref``).
 
 Batched multi-LoRA: x ``[T, K]``; y ``[T, N]``; the adapters' matrices stacked by slot, a
@@ -92,7 +93,21 @@ ExpertWeights = IntExperts | Fp8Experts
 
 
 class WriteKv(Protocol):
-    """Scatter a step's new keys and values into one layer's caches, in place."""
+    """Scatter a step's new keys and values into one layer's caches, in place.
+
+    Quantized KV cache (``k_scale``, ``v_scale`` given, both or neither): the caches hold
+    codes ``[num_blocks, block_size, Hkv, D]`` of dtype int8, float8_e4m3fn or float8_e5m2,
+    beside scales ``[num_blocks, block_size, Hkv]`` fp32, one per token and KV head, and a
+    cached value is ``code.float() * scale``. The write quantizes each token's head in fp32::
+
+        amax  = max |x| over the D lanes
+        scale = amax / QMAX            (1.0 where amax == 0: codes all zero)
+        int8: code = round(x / scale)  to nearest, ties to even, within [-127, 127]
+        fp8:  code = fp8(clamp(x / scale, -QMAX, QMAX))   (the cast rounds to nearest even)
+
+    with QMAX 127 (int8), 448 (e4m3), 57344 (e5m2) (``reference.KV_QMAX``; the reference is
+    ``quantize_kv_ref``). A slot of -1 gets neither codes nor a scale.
+    """
 
     def __call__(
         self,
@@ -102,6 +117,8 @@ class WriteKv(Protocol):
         v_cache: torch.Tensor,
         *,
         slot_mapping: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None: ...
 
 
@@ -128,6 +145,11 @@ class PagedAttention(Protocol):
     attention: the layer passes ``w = local_attention // 2 + 1`` and Hugging Face keeps
     ``|q - k| <= local_attention // 2`` (transformers' ``sliding_window_bidirectional_overlay``),
     the same keys. A decode row (``q_len`` 1, at ``seq_len - 1``) sees the same keys either way.
+
+    ``k_scale``, ``v_scale`` (both or neither): the caches are quantized (``WriteKv``'s layout:
+    int8/fp8 codes and fp32 ``[num_blocks, block_size, Hkv]`` scales); the attention reads
+    ``code.float() * scale`` for every key and value, dequantized as each block is loaded, and
+    returns q's dtype as always.
     """
 
     def __call__(
@@ -146,6 +168,8 @@ class PagedAttention(Protocol):
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
         causal: bool = True,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -179,7 +203,9 @@ class MlaAttention(Protocol):
 
 
 class CopyBlocks(Protocol):
-    """Copy whole blocks of every layer and side (copy-on-write of forked sequences), in place."""
+    """Copy whole blocks of every layer and side (copy-on-write of forked sequences), in place.
+    Any dtype (int8 and fp8 codes too); a quantized cache's scales ``[L, 2, num_blocks,
+    block_size, Hkv]`` fp32 are copied by a second call on their ``[..., Hkv, 1]`` view."""
 
     def __call__(self, kv_caches: torch.Tensor, *, block_mapping: torch.Tensor) -> None: ...
 

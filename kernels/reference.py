@@ -57,6 +57,8 @@ def paged_attention_ref(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     causal: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ragged query chunks over the paged KV cache, in fp32, one sequence at a time.
 
@@ -70,10 +72,13 @@ def paged_attention_ref(
     ``max_seqlen_q`` / ``max_seqlen_k`` are accepted for interface parity with the kernel.
     ``softcap`` c replaces each scaled score ``s`` by ``c * tanh(s / c)`` before masking (Gemma
     2); ``sinks [Hq]`` adds ``exp(sink_h)`` to each row's softmax denominator, a logit that
-    attends to nothing (gpt-oss's ``s_aux``).
+    attends to nothing (gpt-oss's ``s_aux``). ``k_scale``, ``v_scale`` ``[num_blocks, block_size,
+    Hkv]`` fp32 (both or neither): the caches hold int8/fp8 codes, and each gathered block is
+    dequantized (:func:`dequantize_kv_ref`) before the same math.
     Returns ``[T, Hq, D]`` in ``q.dtype``. Written for clarity, not speed: the CPU platform's
     production attention is ``engine/platform/cpu/attention_plan.py``.
     """
+    _check_kv_scales(k_scale, v_scale)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -83,9 +88,13 @@ def paged_attention_ref(
         if last == first:
             continue
         blocks = block_tables[s, : (seq_len + block_size - 1) // block_size].long()
+        k_blocks, v_blocks = k_cache[blocks], v_cache[blocks]  # [n, block_size, Hkv, D]
+        if k_scale is not None:
+            k_blocks = dequantize_kv_ref(k_blocks, k_scale[blocks])
+            v_blocks = dequantize_kv_ref(v_blocks, v_scale[blocks])
         # [L, Hkv, D] -> [Hq, L, D]: query head h reads KV head h // group
-        k = k_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
-        v = v_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
+        k = k_blocks.flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
+        v = v_blocks.flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
         queries = q[first:last].float().transpose(0, 1)  # [Hq, Lq, D]
         scores = queries @ k.permute(1, 2, 0) * scale  # [Hq, Lq, L]
         if softcap is not None:
@@ -191,12 +200,64 @@ def write_kv_ref(
     v_cache: torch.Tensor,
     *,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Scatter ``key``/``value`` ``[T, Hkv, D]`` into the caches at ``slot_mapping [T]`` (int64).
 
-    Slot ``-1`` means "do not write". In place, exact.
+    Slot ``-1`` means "do not write". In place, exact. With ``k_scale``, ``v_scale``
+    ``[num_blocks, block_size, Hkv]`` fp32 (both or neither) the caches hold int8/fp8 codes:
+    each token's heads are quantized (:func:`quantize_kv_ref`, to the caches' dtype) and the
+    codes and scales scattered; a slot of -1 gets neither.
     """
-    scatter_kv(key, value, k_cache, v_cache, *kept_slots(slot_mapping))
+    _check_kv_scales(k_scale, v_scale)
+    slots, rows = kept_slots(slot_mapping)
+    if k_scale is None:
+        scatter_kv(key, value, k_cache, v_cache, slots, rows)
+        return
+    if rows is not None:
+        key, value = key[rows], value[rows]
+    k_codes, k_scales = quantize_kv_ref(key, dtype=k_cache.dtype)
+    v_codes, v_scales = quantize_kv_ref(value, dtype=v_cache.dtype)
+    scatter_kv(k_codes, v_codes, k_cache, v_cache, slots, None)
+    num_slots = k_scale.shape[0] * k_scale.shape[1]
+    k_scale.view(num_slots, k_scale.shape[2])[slots] = k_scales
+    v_scale.view(num_slots, v_scale.shape[2])[slots] = v_scales
+
+
+# ------------------------------------------------------------------------ quantized KV cache
+# int8 / fp8 codes ``[num_blocks, block_size, Hkv, D]`` beside fp32 scales ``[num_blocks,
+# block_size, Hkv]``: one scale per token and KV head (vLLM's int8_per_token_head /
+# fp8_per_token_head). A cached value is ``code * scale``.
+
+KV_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def quantize_kv_ref(x: torch.Tensor, *, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes [T, H, D] dtype, scale [T, H] fp32)`` of ``x [T, H, D]``, per token and head,
+    in fp32: ``scale = amax / QMAX`` (``KV_QMAX``; 1.0 where ``amax == 0``, whose codes are all
+    zero) with ``amax = max |x|`` over the D lanes; int8 codes ``round(x / scale)`` to nearest,
+    ties to even, within ``[-127, 127]``; fp8 codes ``x / scale`` clamped to ``[-QMAX, QMAX]``
+    and cast (round to nearest even)."""
+    if dtype not in KV_QMAX:
+        raise ValueError(f"KV codes must be one of {tuple(KV_QMAX)}, got {dtype}")
+    qmax = KV_QMAX[dtype]
+    x = x.float()
+    amax = x.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    y = (x / scale[..., None]).clamp(-qmax, qmax)
+    codes = torch.round(y) if dtype == torch.int8 else y
+    return codes.to(dtype), scale
+
+
+def dequantize_kv_ref(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``codes.float() * scale`` (fp32): codes ``[..., H, D]``, scale ``[..., H]``."""
+    return codes.float() * scale.float()[..., None]
+
+
+def _check_kv_scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale go together: pass both (quantized cache) or neither")
 
 
 def write_latent_ref(
@@ -217,7 +278,9 @@ def copy_blocks_ref(kv_caches: torch.Tensor, *, block_mapping: torch.Tensor) -> 
     kv_caches: ``[num_layers, sides, num_blocks, block_size, Hkv, D]`` (the engine's one
     allocation: 2 sides, K and V, or 1, a latent cache's entries); block_mapping: ``[N, 2]``
     int64 rows of ``(src_block, dst_block)``. In place, exact. Destinations must be distinct
-    and never also a source in the same call.
+    and never also a source in the same call. Any dtype, int8 and fp8 codes included; a
+    quantized cache's scales ``[num_layers, 2, num_blocks, block_size, Hkv]`` are copied by a
+    second call on their ``[..., Hkv, 1]`` view.
     """
     if block_mapping.numel() == 0:
         return

@@ -18,6 +18,8 @@ import torch
 from paged_serve.kernels.triton.runtime import check_device, zeroed_tickets
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# A quantized cache's codes (kernels/interface.py's WriteKv), beside fp32 per-slot scales.
+KV_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 MAX_HEAD_DIM = 256
 MAX_GROUP = 128
 
@@ -52,10 +54,14 @@ def check_attention_inputs(
     max_seqlen_q: int,
     max_seqlen_k: int,
     sliding_window: int | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> AttentionShapes:
-    """Check everything but ``out``, ``workspace`` and ``num_kv_splits``; return the sizes."""
+    """Check everything but ``out``, ``workspace`` and ``num_kv_splits``; return the sizes.
+    ``k_scale``, ``v_scale``: a quantized cache's scales (both or neither)."""
     # q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D]
-    _check_q_and_caches(q, k_cache, v_cache)
+    quantized = check_kv_scales(k_scale, v_scale, k_cache, q.device)
+    _check_q_and_caches(q, k_cache, v_cache, quantized=quantized)
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim:
@@ -174,7 +180,33 @@ def check_tickets(
     return tickets
 
 
-def _check_q_and_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def check_kv_scales(
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    device: torch.device,
+) -> bool:
+    """Whether the cache is quantized: both scales given, each contiguous fp32 ``[num_blocks,
+    block_size, Hkv]`` on ``device``; False with neither, ValueError otherwise."""
+    if k_scale is None and v_scale is None:
+        return False
+    if k_scale is None or v_scale is None:
+        raise ValueError("k_scale and v_scale go together: pass both (quantized cache) or neither")
+    shape = tuple(k_cache.shape[:3])
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if tuple(t.shape) != shape or t.dtype != torch.float32:
+            raise ValueError(
+                f"{name} must be fp32 {shape} (one scale per slot and KV head), got "
+                f"{t.dtype} {tuple(t.shape)}"
+            )
+        if t.device != device or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous on {device}, got {t.device}")
+    return True
+
+
+def _check_q_and_caches(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, quantized: bool
+) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -184,7 +216,13 @@ def _check_q_and_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         )
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q dtype must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    if quantized:
+        if k_cache.dtype not in KV_CODE_DTYPES or v_cache.dtype != k_cache.dtype:
+            raise ValueError(
+                f"a quantized cache (k_scale, v_scale given) holds one of {KV_CODE_DTYPES} "
+                f"codes, got {k_cache.dtype} and {v_cache.dtype}"
+            )
+    elif k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(
             f"cache dtypes ({k_cache.dtype}, {v_cache.dtype}) must equal q dtype {q.dtype}"
         )

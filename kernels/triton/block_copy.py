@@ -11,6 +11,11 @@ Grid: ``(N, num_layers * sides, cdiv(block_numel, CHUNK))``. A block is ``block_
 block_size * Hkv * D`` contiguous elements; each program copies one ``CHUNK``-element slice
 (``CHUNK`` = block_numel rounded up to a power of two, capped at 4096) of one block of one
 (layer, side). All offsets are int64.
+
+A quantized cache (``kernels/interface.py``'s ``WriteKv``) is copied by two calls: its int8 /
+fp8 codes ``[L, 2, num_blocks, block_size, Hkv, D]``, then its fp32 scales ``[L, 2, num_blocks,
+block_size, Hkv]`` viewed as ``[..., Hkv, 1]``. fp8 codes are copied as their bytes (a uint8
+view): the copy stays exact and needs no fp8 load, which GPUs before sm_89 lack.
 """
 
 from __future__ import annotations
@@ -47,8 +52,9 @@ def copy_blocks(kv_caches: torch.Tensor, *, block_mapping: torch.Tensor) -> None
     """Copy blocks ``block_mapping [N, 2]`` (int64 ``(src, dst)`` rows) in every layer and side.
 
     kv_caches: ``[num_layers, sides, num_blocks, block_size, Hkv, D]`` (sides 2, or 1 for a
-    latent cache), contiguous. Block ids are
-    not range-checked (that would need a device sync). In place; bit-exact.
+    latent cache), contiguous, of any dtype (int8 and fp8 codes, or a quantized cache's scales
+    viewed ``[..., Hkv, 1]``, too). Block ids are not range-checked (that would need a device
+    sync). In place; bit-exact.
     """
     # kv_caches: [L, sides, num_blocks, block_size, Hkv, D]; block_mapping: [N, 2]
     if kv_caches.dim() != 6 or kv_caches.shape[1] not in (1, 2):
@@ -75,6 +81,8 @@ def copy_blocks(kv_caches: torch.Tensor, *, block_mapping: torch.Tensor) -> None
     if num_pairs == 0 or num_layers == 0 or block_numel == 0:
         return
 
+    if kv_caches.is_floating_point() and kv_caches.element_size() == 1:  # fp8: copy the bytes
+        kv_caches = kv_caches.view(torch.uint8)
     chunk = min(triton.next_power_of_2(block_numel), _MAX_CHUNK)
     grid = (num_pairs, num_layers * sides, triton.cdiv(block_numel, chunk))
     _copy_blocks_kernel[grid](kv_caches, block_mapping, num_blocks, block_numel, CHUNK=chunk)

@@ -11,9 +11,20 @@ a power of two, masked; ``BLOCK_H * BLOCK_D`` <= 4096) of both the key and the v
 token offsets are int64, so caches beyond 2^31 elements are addressed correctly. A latent cache
 (``write_latent``: one ``[C]`` entry per token, multi-head latent attention) is written by the
 same kernel with one head and no value side.
+
+Quantized caches (``k_scale``, ``v_scale`` given; ``kernels/interface.py``'s ``WriteKv``): the
+caches hold int8 / float8_e4m3fn / float8_e5m2 codes, and the same program quantizes its tile
+in fp32 before storing it: per head (a row of the tile), ``amax`` over the D lanes, ``scale =
+amax / QMAX`` (1.0 where ``amax == 0``), ``x / scale`` clamped to ``[-QMAX, QMAX]`` and rounded
+to the code grid (nearest, ties to even), then the codes and the ``[BLOCK_H]`` scales. Both
+divisions are ``div_rn`` (IEEE, as torch's), and the rounding is done in fp32 (``_round_to_int``,
+``_round_to_fp8``) so the final cast is exact: the interpreter's fp32 -> fp8 cast does not round
+to nearest even, and this way the interpreter and a GPU store ``quantize_kv_ref``'s codes.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +33,92 @@ import triton.language as tl
 from paged_serve.kernels.triton.runtime import check_device
 
 _MAX_TILE = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class KvCodeFormat:
+    """How a quantized cache's codes are made: ``qmax`` (the largest code magnitude), and for
+    fp8 the fraction bits and the smallest normal exponent (subnormals share its spacing)."""
+
+    qmax: float
+    is_int: bool
+    mantissa_bits: int = 0
+    min_exponent: int = 0
+
+
+KV_CODE_FORMATS = {
+    torch.int8: KvCodeFormat(127.0, True),
+    torch.float8_e4m3fn: KvCodeFormat(448.0, False, 3, -6),
+    torch.float8_e5m2: KvCodeFormat(57344.0, False, 2, -14),
+}
+
+
+@triton.jit
+def _round_to_int(y):
+    """``y`` (fp32, ``|y| <= 2^22``) rounded to the nearest integer, ties to even, in fp32:
+    ``1.5 * 2^23`` has an fp32 ulp of 1, so adding and taking it away rounds."""
+    return (y + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _round_to_fp8(y, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """``y`` (fp32, within the format's range) rounded to the nearest value of an fp8 format
+    with ``MANTISSA`` fraction bits, ties to even, in fp32. At binade ``e`` (at least
+    ``MIN_EXP``) the spacing is ``2^(e - MANTISSA)``, the fp32 ulp of ``c = 1.5 * 2^(e + 23 -
+    MANTISSA)``: ``(|y| + c) - c`` rounds to it. The sign goes back by its bit (-0 stays -0)."""
+    bits = y.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)
+    magic = (((exponent + 150 - MANTISSA) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    magnitude = (tl.abs(y) + magic) - magic
+    return (magnitude.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(
+        tl.float32, bitcast=True
+    )
+
+
+@triton.jit
+def _quantize_heads(
+    x,
+    QMAX: tl.constexpr,
+    INT_CODES: tl.constexpr,
+    MANTISSA: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+):
+    """``(codes, scale)`` of ``x [BLOCK_H, BLOCK_D]`` fp32 (padded lanes 0), one scale per head
+    (row): ``amax / QMAX`` (1.0 for an all-zero head), the codes on the code grid in fp32."""
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.where(amax > 0.0, tl.math.div_rn(amax, QMAX), 1.0)
+    y = tl.math.div_rn(x, scale[:, None])
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    if INT_CODES:
+        codes = _round_to_int(y)
+    else:
+        codes = _round_to_fp8(y, MANTISSA, MIN_EXP)
+    return codes, scale
+
+
+@triton.jit
+def _store_side(
+    x,
+    cache_ptr,
+    cache_off,
+    scale_ptr,
+    scale_off,
+    mask,
+    h_mask,
+    QUANT: tl.constexpr,
+    QMAX: tl.constexpr,
+    INT_CODES: tl.constexpr,
+    MANTISSA: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+):
+    """Store one side's ``[BLOCK_H, BLOCK_D]`` tile: as is, or (``QUANT``) as codes and scales."""
+    if QUANT:
+        x = tl.where(mask, x.to(tl.float32), 0.0)  # masked lanes were not loaded
+        codes, scale = _quantize_heads(x, QMAX, INT_CODES, MANTISSA, MIN_EXP)
+        tl.store(cache_ptr + cache_off, codes.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + scale_off, scale, mask=h_mask)
+    else:
+        tl.store(cache_ptr + cache_off, x, mask=mask)
 
 
 @triton.jit
@@ -38,10 +135,18 @@ def _write_kv_kernel(
     stride_vh,
     stride_cache_slot,
     stride_cache_head,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_scale_slot,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WRITE_VALUE: tl.constexpr = True,
+    QUANT: tl.constexpr = False,
+    QMAX: tl.constexpr = 0.0,
+    INT_CODES: tl.constexpr = False,
+    MANTISSA: tl.constexpr = 0,
+    MIN_EXP: tl.constexpr = 0,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -49,16 +154,24 @@ def _write_kv_kernel(
         return
     offs_h = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h < num_kv_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    h_mask = offs_h < num_kv_heads
+    mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     cache_off = slot * stride_cache_slot + offs_h[:, None] * stride_cache_head + offs_d[None, :]
+    scale_off = slot * stride_scale_slot + offs_h  # (QUANT only) scales [.., Hkv], contiguous
 
     k = tl.load(key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask)
-    tl.store(k_cache_ptr + cache_off, k, mask=mask)
+    _store_side(
+        k, k_cache_ptr, cache_off, k_scale_ptr, scale_off, mask, h_mask,
+        QUANT, QMAX, INT_CODES, MANTISSA, MIN_EXP,
+    )  # fmt: skip
     if WRITE_VALUE:
         v = tl.load(
             value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask
         )
-        tl.store(v_cache_ptr + cache_off, v, mask=mask)
+        _store_side(
+            v, v_cache_ptr, cache_off, v_scale_ptr, scale_off, mask, h_mask,
+            QUANT, QMAX, INT_CODES, MANTISSA, MIN_EXP,
+        )  # fmt: skip
 
 
 def write_kv(
@@ -68,12 +181,16 @@ def write_kv(
     v_cache: torch.Tensor,
     *,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write ``key``/``value`` ``[T, Hkv, D]`` into the caches at ``slot_mapping [T]`` (int64).
 
     k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, contiguous, same dtype as key/value.
     Slots must be ``-1`` or ``< num_blocks * block_size`` (not checked: that would need a sync).
-    In place; bit-exact.
+    In place; bit-exact. With ``k_scale``, ``v_scale`` (``[num_blocks, block_size, Hkv]`` fp32,
+    contiguous; both or neither) the caches are int8 / float8_e4m3fn / float8_e5m2 codes (both
+    the same) and each token's heads are quantized as ``quantize_kv_ref`` does.
     """
     # key, value: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; slot_mapping: [T]
     if key.dim() != 3 or value.shape != key.shape:
@@ -92,7 +209,8 @@ def write_kv(
             f"cache [Hkv, D] = {tuple(k_cache.shape[2:])} does not match key "
             f"[Hkv, D] = {(num_kv_heads, head_dim)}"
         )
-    if len({key.dtype, value.dtype, k_cache.dtype, v_cache.dtype}) != 1:
+    code_format = _check_quantized(key, value, k_cache, v_cache, k_scale, v_scale)
+    if code_format is None and len({key.dtype, value.dtype, k_cache.dtype, v_cache.dtype}) != 1:
         raise ValueError(
             f"key/value/k_cache/v_cache dtypes must match, got {key.dtype}, {value.dtype}, "
             f"{k_cache.dtype}, {v_cache.dtype}"
@@ -125,6 +243,15 @@ def write_kv(
 
     block_d = triton.next_power_of_2(head_dim)
     block_h = min(triton.next_power_of_2(num_kv_heads), max(1, _MAX_TILE // block_d))
+    quant = {}
+    if code_format is not None:
+        quant = dict(
+            QUANT=True,
+            QMAX=code_format.qmax,
+            INT_CODES=code_format.is_int,
+            MANTISSA=code_format.mantissa_bits,
+            MIN_EXP=code_format.min_exponent,
+        )
     _write_kv_kernel[(num_tokens, triton.cdiv(num_kv_heads, block_h))](
         key,
         value,
@@ -138,10 +265,49 @@ def write_kv(
         value.stride(1),
         k_cache.stride(1),
         k_cache.stride(2),
+        k_cache if k_scale is None else k_scale,  # unused without QUANT
+        v_cache if v_scale is None else v_scale,
+        0 if k_scale is None else k_scale.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        **quant,
     )
+
+
+def _check_quantized(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> KvCodeFormat | None:
+    """The code format of a quantized write (None: not quantized); ValueError for scales
+    without the other, of another shape, dtype, device or layout, or caches not of a code
+    dtype."""
+    if k_scale is None and v_scale is None:
+        return None
+    if k_scale is None or v_scale is None:
+        raise ValueError("k_scale and v_scale go together: pass both (quantized cache) or neither")
+    code_format = KV_CODE_FORMATS.get(k_cache.dtype)
+    if code_format is None or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"a quantized cache holds one of {tuple(KV_CODE_FORMATS)} codes, got "
+            f"{k_cache.dtype} and {v_cache.dtype}"
+        )
+    if not key.is_floating_point() or value.dtype != key.dtype or key.dtype in KV_CODE_FORMATS:
+        raise ValueError(f"key/value must be fp32/fp16/bf16 alike, got {key.dtype}, {value.dtype}")
+    shape = tuple(k_cache.shape[:3])
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if tuple(t.shape) != shape or t.dtype != torch.float32:
+            raise ValueError(
+                f"{name} must be fp32 {shape} (one scale per slot and KV head), got "
+                f"{t.dtype} {tuple(t.shape)}"
+            )
+        if t.device != key.device or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous on {key.device}, got {t.device}")
+    return code_format
 
 
 def write_latent(
@@ -188,6 +354,9 @@ def write_latent(
         latent.stride(0),
         0,
         latent_cache.stride(1),
+        0,
+        latent_cache,  # no scales
+        latent_cache,
         0,
         HEAD_DIM=width,
         BLOCK_H=1,

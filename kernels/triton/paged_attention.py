@@ -57,6 +57,17 @@ Grids
 Tiles: ``BLOCK_M`` = 16 rows for decode-only batches, else 64 (32 for head dims > 128), raised
 to the group size if larger; ``TILE_N`` = 64 keys (32 for head dims > 128).
 
+Quantized KV cache
+------------------
+With ``k_scale``, ``v_scale`` (``kernels/interface.py``'s layout: int8 / float8_e4m3fn /
+float8_e5m2 codes ``[num_blocks, block_size, Hkv, D]``, fp32 scales ``[num_blocks, block_size,
+Hkv]``) the compile-time ``QUANT`` switch makes ``_load_kv_tile`` read, beside each gathered
+``[TILE_N, D]`` tile of codes, the ``[TILE_N]`` scales of the same slots and KV head, and hand
+on ``code.to(fp32) * scale`` (in q's dtype for fp16/bf16 dots): every path that reads the cache
+-- decode, prefill chunks, split-KV runs, with windows, soft-cap, sinks, causal or not -- goes
+through that one load, and nothing after it changes. Positions past ``kv_hi`` read neither codes
+nor scales. ``QUANT=False`` builds the same kernel as before the switch existed.
+
 Interpreter caveats: Triton 3.9's interpreter computes ``tl.dot`` on raw bf16 operands wrongly,
 so under ``TRITON_INTERPRET=1`` bf16 operands are cast to fp32 before the dots. On CUDA, fp32
 operands use ``input_precision="ieee"`` (not TF32) so fp32 results match the reference.
@@ -181,22 +192,37 @@ def _load_kv_tile(
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_scale_block,
+    stride_scale_slot,
+    q_ptr,
     BLOCK_SIZE: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """``(k, v)`` ``[TILE_N, HEAD_DIM_PAD]`` at key positions ``offs_n``, each gathered through
-    its own block-table entry; invalid positions and padded head lanes read 0."""
+    its own block-table entry; invalid positions and padded head lanes read 0. ``QUANT``: the
+    caches hold codes, dequantized here (``code * scale``, fp32, one scale per key) and given
+    to the dots in q's dtype (fp32 with ``DOT_FP32``)."""
     # Only positions < kv_hi <= seq_len are read: free slots (possibly NaN) never are.
     block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-    slot = (
-        block * stride_cache_block
-        + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_cache_slot
-        + kv_head * stride_cache_head
-    )
+    offset = (offs_n % BLOCK_SIZE).to(tl.int64)
+    slot = block * stride_cache_block + offset * stride_cache_slot + kv_head * stride_cache_head
     kv_mask = n_valid[:, None] & d_mask[None, :]
     k = tl.load(k_cache_ptr + slot[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + slot[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    if DOT_FP32:
+    if QUANT:
+        # scales [num_blocks, block_size, Hkv]: the tile's keys' scales of this KV head
+        scale_slot = block * stride_scale_block + offset * stride_scale_slot + kv_head
+        k_scale = tl.load(k_scale_ptr + scale_slot, mask=n_valid, other=0.0)
+        v_scale = tl.load(v_scale_ptr + scale_slot, mask=n_valid, other=0.0)
+        k = k.to(tl.float32) * k_scale[:, None]
+        v = v.to(tl.float32) * v_scale[:, None]
+        if not DOT_FP32:
+            k = k.to(q_ptr.dtype.element_ty)
+            v = v.to(q_ptr.dtype.element_ty)
+    elif DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     return k, v
@@ -399,6 +425,10 @@ def _paged_attention_kernel(
     stride_cache_slot,
     stride_cache_head,
     stride_bt,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_scale_block,
+    stride_scale_slot,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     GROUP: tl.constexpr,
@@ -415,6 +445,7 @@ def _paged_attention_kernel(
     MERGE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -460,7 +491,8 @@ def _paged_attention_kernel(
         n_valid = offs_n < kv_hi
         k, v = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, table_row, kv_head, offs_n, n_valid, offs_d, d_mask,
-            stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE, DOT_FP32,
+            stride_cache_block, stride_cache_slot, stride_cache_head, k_scale_ptr, v_scale_ptr,
+            stride_scale_block, stride_scale_slot, q_ptr, BLOCK_SIZE, DOT_FP32, QUANT,
         )  # fmt: skip
         m_i, l_i, acc = _attend_key_tile(
             q, k, v, offs_n, n_valid, q_pos, sliding_window, scale_log2, softcap_in, softcap_out,
@@ -574,7 +606,8 @@ class AttentionLaunch:
     the partials (one launch, ``num_tickets`` counters) instead of the reduce kernel. Launches
     with prefill chunks, where splits are never chosen automatically, keep the reduce: folded
     in, the merge made the head-dim-256 prefill builds spill on sm_90 (``ci/aot_compile.py``).
-    ``causal``: the kernel's ``CAUSAL`` (False: bidirectional encoders).
+    ``causal``: the kernel's ``CAUSAL`` (False: bidirectional encoders). ``quantized``: the
+    kernel's ``QUANT``, int8/fp8 caches dequantized as each tile is loaded.
     """
 
     shapes: AttentionShapes
@@ -588,6 +621,7 @@ class AttentionLaunch:
     use_sinks: bool = False
     fuse_merge: bool = True
     causal: bool = True
+    quantized: bool = False
 
     @property
     def split(self) -> bool:
@@ -633,6 +667,7 @@ class AttentionLaunch:
             MERGE=self.merge_in_kernel,
             DOT_FP32=self.dot_fp32,
             DOT_PRECISION=self.dot_precision,
+            QUANT=self.quantized,
         )
 
     def options(self) -> dict[str, int | None]:
@@ -654,10 +689,11 @@ def attention_launch(
     num_sms: int = REFERENCE_SMS,
     fuse_merge: bool = True,
     causal: bool = True,
+    quantized: bool = False,
 ) -> AttentionLaunch:
     """The launch settings of one call (``num_kv_splits=None``: :func:`choose_num_kv_splits`
-    for a GPU of ``num_sms`` multiprocessors; ``fuse_merge``, ``causal``: as
-    ``AttentionLaunch``).
+    for a GPU of ``num_sms`` multiprocessors; ``fuse_merge``, ``causal``, ``quantized``: as
+    ``AttentionLaunch``). ``dtype`` is q's (a quantized cache's tiles reach the dots in it).
 
     A fixed function of the shapes, dtype and arguments, never of tensor contents.
     """
@@ -687,6 +723,7 @@ def attention_launch(
         use_sinks=sinks,
         fuse_merge=fuse_merge,
         causal=causal,
+        quantized=quantized,
     )
 
 
@@ -756,6 +793,8 @@ def paged_attention(
     fuse_merge: bool = True,
     tickets: torch.Tensor | None = None,
     causal: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ragged query chunks over the paged KV cache; see ``paged_attention_ref``.
 
@@ -775,6 +814,9 @@ def paged_attention(
     ``tickets``: its counters, contiguous int32 zeros on q's device, at least
     ``AttentionLaunch.num_tickets`` (the number of sequences times KV heads for decode); the
     launch leaves them zero. Omitted: a per-device pool (``runtime.zeroed_tickets``).
+    ``k_scale``, ``v_scale``: ``[num_blocks, block_size, Hkv]`` fp32, contiguous (both or
+    neither): the caches hold int8 / float8_e4m3fn / float8_e5m2 codes (both the same) and
+    every key and value read is ``code * scale`` (``kernels/interface.py``'s layout).
     Returns ``[T, Hq, D]`` in ``q.dtype``. Invalid arguments raise ``ValueError``
     (``kernels/triton/attention_checks.py``).
     """
@@ -790,6 +832,8 @@ def paged_attention(
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
         sliding_window=sliding_window,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     sinks = check_sinks(sinks, shapes, q.device)
     if softcap is not None and not softcap > 0:
@@ -811,6 +855,7 @@ def paged_attention(
         num_sms=multiprocessor_count(q.device),
         fuse_merge=fuse_merge,
         causal=causal,
+        quantized=k_scale is not None,
     )
     if launch.split:
         part_out, part_lse = _partials(workspace, shapes, launch.num_kv_splits, q.device)
@@ -849,6 +894,10 @@ def paged_attention(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        k_cache if k_scale is None else k_scale,  # unused without QUANT
+        v_cache if v_scale is None else v_scale,
+        0 if k_scale is None else k_scale.stride(0),
+        0 if k_scale is None else k_scale.stride(1),
         **launch.constexprs(),
         **launch.options(),
     )
