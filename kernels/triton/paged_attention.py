@@ -569,7 +569,7 @@ class AttentionTiles:
 
 
 def attention_tiles(
-    *, head_dim: int, group: int, decode_only: bool, dtype: torch.dtype
+    *, head_dim: int, group: int, decode_only: bool, dtype: torch.dtype, quantized: bool = False
 ) -> AttentionTiles:
     """Tile sizes for one launch (untuned defaults; never a function of the batch size).
 
@@ -580,6 +580,9 @@ def attention_tiles(
     stages and ``maxnreg`` 128 (all a 512-thread block can have) build for sm_90 with no spills
     (``ci/aot_compile.py``). Left to itself ptxas gave such builds as few as 32 (fp16's tiles)
     or 64 (these) registers and spilled; 8 warps needed more than 255 registers in some builds.
+    A ``quantized`` cache (codes and their converted tile both live) pipelines one stage less
+    where the full depth spilled on sm_90: fp32 1 stage (2 spilled 176-956 B), fp16/bf16 at head
+    dims > 128 2 stages (3 spilled 8 B with fp8 codes).
     """
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     wide = head_dim_pad > 128
@@ -589,6 +592,8 @@ def attention_tiles(
         tile_n, num_warps, num_stages, maxnreg = 16, 16, 2, 128
     else:
         tile_n, num_warps, num_stages, maxnreg = (32 if wide else 64), (8 if wide else 4), 3, None
+    if quantized and (dtype == torch.float32 or wide):
+        num_stages -= 1
     return AttentionTiles(
         head_dim_pad, block_m, block_m // group, tile_n, num_warps, num_stages, maxnreg
     )
@@ -712,7 +717,11 @@ def attention_launch(
     return AttentionLaunch(
         shapes=shapes,
         tiles=attention_tiles(
-            head_dim=shapes.head_dim, group=shapes.group, decode_only=decode_only, dtype=dtype
+            head_dim=shapes.head_dim,
+            group=shapes.group,
+            decode_only=decode_only,
+            dtype=dtype,
+            quantized=quantized,
         ),
         num_kv_splits=num_kv_splits,
         decode_only=decode_only,
