@@ -11,6 +11,9 @@ Shared conventions (the kernels follow them exactly):
 * KV cache: one tensor per layer and side, ``[num_blocks, block_size, num_kv_heads, head_dim]``.
   Token ``t`` of a sequence lives in block ``block_tables[s, t // block_size]`` at offset
   ``t % block_size``; its flat *slot* is ``block * block_size + offset``.
+* Quantized KV cache: the same layout holding int8 / fp8 codes, beside fp32 scales
+  ``[num_blocks, block_size, num_kv_heads]``, one per token and KV head; a cached value is
+  ``code * scale`` (:func:`quantize_kv_ref`, :func:`dequantize_kv_ref`).
 * Ragged queries: the step's query tokens are concatenated, sequence by sequence;
   ``cu_seqlens_q [S + 1]`` gives each sequence's slice. ``seq_lens [S]`` is each sequence's
   context length *including* the new tokens, so the ``i``-th of ``q_len`` new tokens sits at

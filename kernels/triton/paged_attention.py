@@ -66,7 +66,9 @@ Hkv]``) the compile-time ``QUANT`` switch makes ``_load_kv_tile`` read, beside e
 on ``code.to(fp32) * scale`` (in q's dtype for fp16/bf16 dots): every path that reads the cache
 -- decode, prefill chunks, split-KV runs, with windows, soft-cap, sinks, causal or not -- goes
 through that one load, and nothing after it changes. Positions past ``kv_hi`` read neither codes
-nor scales. ``QUANT=False`` builds the same kernel as before the switch existed.
+nor scales. ``QUANT=False`` builds the same instructions as before the switch existed (sm_90
+PTX of 16 fp32/bf16 builds compared, parameter list and debug info aside); a quantized launch
+pipelines one stage less where the full depth spilled (:func:`attention_tiles`).
 
 Interpreter caveats: Triton 3.9's interpreter computes ``tl.dot`` on raw bf16 operands wrongly,
 so under ``TRITON_INTERPRET=1`` bf16 operands are cast to fp32 before the dots. On CUDA, fp32
