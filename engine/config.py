@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from paged_serve.engine.kv.kv_dtype import kv_code_dtype
 from paged_serve.engine.lora.config import LoRAConfig
 from paged_serve.engine.spec.config import SpeculativeConfig
 
@@ -104,8 +105,10 @@ class EngineConfig:
     convert: str = "auto"
     hf_overrides: dict[str, object] | None = None
     lora: LoRAConfig | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        kv_code_dtype(self.kv_cache_dtype)  # ValueError naming the choices
         for name in ("grammar_compile_timeout_s", "grammar_fill_timeout_s"):
             value = getattr(self, name)
             if not 0 < value < float("inf"):

@@ -19,6 +19,7 @@ from paged_serve.engine.config import (
     RUNNERS,
     EngineConfig,
 )
+from paged_serve.engine.kv.kv_dtype import KV_CACHE_DTYPES
 from paged_serve.engine.lora.lora_args import add_lora_args, lora_config
 from paged_serve.engine.spec.config import SpeculativeConfig
 
@@ -102,6 +103,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> dict[str, argparse._Argu
         help="KV cache bytes (default: 1 GiB on CPU; on CUDA, --gpu-memory-utilization decides)",
     )
     cache.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    cache.add_argument(
+        "--kv-cache-dtype",
+        choices=sorted(KV_CACHE_DTYPES),
+        default="auto",
+        help="auto: the model's dtype; int8 or fp8 (fp8_e4m3, fp8_e5m2): one-byte codes with an "
+        "fp32 scale per token and KV head, about 3.8x the tokens of fp32 (1.9x of bf16)",
+    )
     cache.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -228,4 +236,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         convert=args.convert,
         hf_overrides=args.hf_overrides,
         lora=lora_config(args),
+        kv_cache_dtype=args.kv_cache_dtype,
     )

@@ -1,9 +1,9 @@
 """The ``vllm serve`` flags paged-serve does not implement, each refused with one line that names
 it and says why (exit code 2, argparse's), never ignored.
 
-A flag is refused only for the values that would change what vLLM does: ``--kv-cache-dtype
-auto``, ``--pipeline-parallel-size 1`` or ``--load-format safetensors`` describe what
-paged-serve does anyway and are accepted, so a launch line that spells out vLLM's defaults
+A flag is refused only for the values that would change what vLLM does:
+``--pipeline-parallel-size 1`` or ``--load-format safetensors`` describe what paged-serve does
+anyway and are accepted, so a launch line that spells out vLLM's defaults
 works. The table is docs/api.md's "vllm serve flags".
 """
 
@@ -28,9 +28,6 @@ class Refusal:
 
 REFUSALS = (
     Refusal(("--trust-remote-code",), "models' own Python code is never run", takes_value=False),
-    Refusal(
-        ("--kv-cache-dtype",), "the KV cache is stored in the model's dtype", accepted=("auto",)
-    ),
     Refusal(
         ("--pipeline-parallel-size", "-pp"),
         "only tensor parallelism shards a model (--tensor-parallel-size)",

@@ -1,8 +1,11 @@
 """The KV cache: one allocation for all layers, sized from a memory budget.
 
-Per-head attention stores a key and a value per KV head and token; multi-head latent attention
-(DeepSeek's MLA) stores one entry per token, its normalised latent and shared rotated key part
-(``kv_lora_rank + qk_rope_head_dim`` lanes, shared by every head and every tensor-parallel rank).
+Per-head attention stores a key and a value per KV head and token, in the model's dtype or
+quantized (``--kv-cache-dtype int8`` or ``fp8``: codes of one byte, with an fp32 scale per token
+and KV head beside them, ``scales``; a value is ``code * scale``, engine/kv/kv_dtype.py);
+multi-head latent attention (DeepSeek's MLA) stores one entry per token, its normalised latent
+and shared rotated key part (``kv_lora_rank + qk_rope_head_dim`` lanes, shared by every head and
+every tensor-parallel rank).
 ``CacheLayout`` says which a model needs; blocks, block tables, the prefix cache and
 copy-on-write are the same for both. Only softmax-attention layers have a KV cache: a hybrid
 model's linear-attention layers keep per-sequence state instead (``state_cache.py``).
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_serve.engine.kv.kv_dtype import is_quantized
 from paged_serve.engine.kv.state_cache import linear_layer_ids
 
 logger = logging.getLogger(__name__)
@@ -70,7 +74,8 @@ def per_head_elements_per_token(hf_config: object) -> int:
 
 class KVCache:
     """Every attention layer's cache: ``[num_layers, sides, num_blocks, block_size,
-    num_kv_heads, head_dim]``.
+    num_kv_heads, head_dim]``, in ``dtype`` or, with a quantized ``cache_dtype``, its codes
+    beside ``scales [num_layers, sides, num_blocks, block_size, num_kv_heads]`` fp32.
 
     One tensor, so the block-copy kernel copies a block for every layer in one launch;
     ``layer(i)`` returns decoder layer ``i``'s ``[num_blocks, block_size, num_kv_heads,
@@ -89,24 +94,29 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         layer_ids: tuple[int, ...] | None = None,
+        cache_dtype: torch.dtype | None = None,
     ):
         layer_ids = tuple(range(num_layers)) if layer_ids is None else layer_ids
+        quantized = cache_dtype is not None and is_quantized(cache_dtype)
+        if quantized and layout.latent:
+            raise ValueError(
+                "--kv-cache-dtype int8/fp8 is not served for multi-head latent attention "
+                "(its latent cache stays in the model's dtype): use --kv-cache-dtype auto"
+            )
         if len(layer_ids) != num_layers:
             raise ValueError(f"{len(layer_ids)} layer ids for {num_layers} cached layers")
         self._index = {layer: i for i, layer in enumerate(layer_ids)}
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.layout = layout
+        shape = (num_layers, layout.sides, num_blocks, block_size, layout.num_kv_heads)
         self.tensor = torch.zeros(
-            num_layers,
-            layout.sides,
-            num_blocks,
-            block_size,
-            layout.num_kv_heads,
-            layout.head_dim,
-            dtype=dtype,
-            device=device,
+            *shape, layout.head_dim, dtype=cache_dtype if quantized else dtype, device=device
         )
+        # per token and KV head: the scale of its codes (None: the cache holds values)
+        self.scales = torch.ones(*shape, dtype=torch.float32, device=device) if quantized else None
+        if self.scales is not None:
+            self._scales = [(self.scales[i, 0], self.scales[i, 1]) for i in range(num_layers)]
         # The per-layer views, made once (a step asks for every layer's)
         if layout.latent:
             self._latents = [self.tensor[i, 0, :, :, 0] for i in range(num_layers)]
@@ -119,6 +129,11 @@ class KVCache:
             raise RuntimeError("a latent cache has no per-head K and V: use latent(i)")
         return self._layers[self._index[index]]
 
+    def layer_scales(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer ``index``'s K and V scales ``[num_blocks, block_size, num_kv_heads]``, or None
+        when the cache holds values, not codes."""
+        return None if self.scales is None else self._scales[self._index[index]]
+
     def latent(self, index: int) -> torch.Tensor:
         """Layer ``index``'s latent entries ``[num_blocks, block_size, kv_lora_rank + rope]``."""
         if not self.layout.latent:
@@ -127,7 +142,13 @@ class KVCache:
 
     @property
     def num_bytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+        scales = 0 if self.scales is None else self.scales.numel() * 4
+        return self.tensor.numel() * self.tensor.element_size() + scales
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the cache holds (every sequence's together)."""
+        return self.num_blocks * self.block_size
 
     @classmethod
     def for_model(
@@ -139,6 +160,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         tensor_parallel_size: int = 1,
+        cache_dtype: torch.dtype | None = None,
     ) -> KVCache:
         """As many blocks as ``budget_bytes`` holds for a Hugging Face model config's layers and
         layout (this rank's share of the KV heads under tensor parallelism). Raises ValueError
@@ -147,7 +169,7 @@ class KVCache:
         layer_ids = attention_layer_ids(hf_config)
         num_layers = len(layer_ids)
         per_block = cls.bytes_per_block(
-            num_layers=num_layers, block_size=block_size, layout=layout, dtype=dtype
+            num_layers=num_layers, block_size=block_size, layout=layout, dtype=cache_dtype or dtype
         )
         num_blocks = budget_bytes // per_block
         if num_blocks < 1:
@@ -160,15 +182,16 @@ class KVCache:
             dtype=dtype,
             device=device,
             layer_ids=layer_ids,
+            cache_dtype=cache_dtype,
         )
         logger.info(
             "KV cache%s: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",
             " (latent)" if layout.latent else "",
             num_blocks,
             block_size,
-            num_blocks * block_size,
+            cache.num_tokens,
             cache.num_bytes / 2**20,
-            dtype,
+            cache_dtype if cache.scales is not None else dtype,
         )
         return cache
 
@@ -176,6 +199,10 @@ class KVCache:
     def bytes_per_block(
         *, num_layers: int, block_size: int, layout: CacheLayout, dtype: torch.dtype
     ) -> int:
-        """Bytes one block takes across all layers (both sides of a per-head layout)."""
+        """Bytes one block takes across all layers (both sides of a per-head layout); a
+        quantized ``dtype``'s codes take a byte each, and each token's KV heads an fp32 scale."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return num_layers * block_size * layout.elements_per_token() * itemsize
+        per_token = layout.elements_per_token() * itemsize
+        if is_quantized(dtype):
+            per_token += layout.sides * layout.num_kv_heads * 4
+        return num_layers * block_size * per_token

@@ -83,7 +83,9 @@ def paged_attention_flat(
     its whole sequence) as in ``kernels/interface.py``."""
     ctx = current_attention_context()
     k_cache, v_cache = ctx.kv_cache.layer(layer_idx)
-    ctx.backend.write_kv(k, v, k_cache, v_cache, slot_mapping=ctx.slot_mapping)
+    scales = ctx.kv_cache.layer_scales(layer_idx)  # a quantized cache's (engine/kv/kv_dtype.py)
+    quantized = {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
+    ctx.backend.write_kv(k, v, k_cache, v_cache, slot_mapping=ctx.slot_mapping, **quantized)
     return ctx.backend.paged_attention(
         q,
         k_cache,
@@ -98,6 +100,7 @@ def paged_attention_flat(
         softcap=softcap,
         sinks=sinks,
         causal=causal,
+        **quantized,
     )
 
 

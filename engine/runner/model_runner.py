@@ -19,6 +19,7 @@ import torch
 from paged_serve.engine.config import EngineConfig
 from paged_serve.engine.kv.attention_context import AttentionContext, attention_context
 from paged_serve.engine.kv.kv_cache import KVCache
+from paged_serve.engine.kv.kv_dtype import kv_code_dtype
 from paged_serve.engine.kv.lora_step import LoRAStep, lora_step
 from paged_serve.engine.kv.state_cache import StateCache, linear_state_shape
 from paged_serve.engine.lora.adapter_files import LoRAAdapter
@@ -165,6 +166,7 @@ class ModelRunner:
             dtype=dtype,
             device=device,
             tensor_parallel_size=1 if tp is None else tp.world_size,
+            cache_dtype=kv_code_dtype(config.kv_cache_dtype),
         )
         self.block_size = config.block_size
         self.vocab_size = int(hf_config.vocab_size)
@@ -349,6 +351,8 @@ class ModelRunner:
         if block_copies:
             mapping = self._tensor([list(p) for p in block_copies], torch.int64)
             self.backend.copy_blocks(self.kv_cache.tensor, block_mapping=mapping)
+            if self.kv_cache.scales is not None:  # a quantized cache's scales travel too
+                self.backend.copy_blocks(self.kv_cache.scales[..., None], block_mapping=mapping)
 
     def _copy_states(self, state_copies: list[tuple[int, int]]) -> None:
         if state_copies and self.state_cache is not None:

@@ -9,7 +9,9 @@
  *     out[g]       = sum_p w[g][p] * v[p] / sum_p w[g][p]
  * K and V rows are found through the block table: token p lives in block table[p / block_size]
  * at offset p % block_size. bf16 caches and queries are widened to fp32 on load, and the output
- * is rounded to bf16 (nearest even) on store.
+ * is rounded to bf16 (nearest even) on store. A quantized cache (one-byte codes, int8 or fp8)
+ * is read as lut[code] * scale, with the fp32 scale of the token's KV head (scales laid out as
+ * the codes without their head_dim lanes) and a 256-entry table of what each code byte means.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -73,7 +75,14 @@ typedef struct {
     float scale;
     int window;
     void *out;
+    const float *k_scales, *v_scales; /* a quantized cache's scales (NULL otherwise) */
+    const float *lut;                 /* a code byte's value (NULL for fp32 and bf16 caches) */
 } decode_args;
+
+/* What a cache holds: fp32 or bf16 values, or one-byte codes with scales. */
+enum { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_CODES = 2 };
+
+static inline int cache_bytes(int kind) { return kind == CACHE_CODES ? 1 : kind == CACHE_BF16 ? 2 : 4; }
 
 enum { V_TILE = 8 };          /* tokens a V accumulation pass reads together */
 enum { PREFETCH_TOKENS = 4 }; /* how far ahead the K pass asks for K and V rows */
@@ -81,9 +90,9 @@ enum { PREFETCH_TOKENS = 4 }; /* how far ahead the K pass asks for K and V rows 
 /* Ask for a token's K or V row (every KV head) ahead of its use: the rows of a sequence lie in
  * blocks scattered over the cache, which the hardware prefetcher does not foresee. */
 __attribute__((always_inline)) static inline void prefetch_row(
-    const void *cache, int64_t at, int64_t count, int bf16) {
-    const char *first = (const char *)cache + at * (bf16 ? 2 : 4);
-    const int64_t bytes = count * (bf16 ? 2 : 4);
+    const void *cache, int64_t at, int64_t count, int kind) {
+    const char *first = (const char *)cache + at * cache_bytes(kind);
+    const int64_t bytes = count * cache_bytes(kind);
     for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(first + offset);
 }
 
@@ -103,20 +112,35 @@ typedef struct {
 } scratch;
 
 /* A token's K or V row (every KV head) as fp32: in place for fp32 caches, widened once into
- * `buffer` for bf16 ones (rather than once per query head reading it). */
+ * `buffer` for bf16 ones (rather than once per query head reading it), and for codes each KV
+ * head's lanes lut[code] * that head's scale (`scales`: the cache's, indexed as the codes
+ * without their head_dim lanes). */
 __attribute__((always_inline)) static inline const float *row_f32(
-    const void *cache, int64_t at, int64_t count, float *buffer, int bf16) {
-    if (!bf16) return (const float *)cache + at;
-    const uint16_t *source = (const uint16_t *)cache + at;
+    const void *cache, int64_t at, int64_t count, float *buffer, int kind, const float *scales,
+    const float *lut, int head_dim) {
+    if (kind == CACHE_F32) return (const float *)cache + at;
+    if (kind == CACHE_BF16) {
+        const uint16_t *source = (const uint16_t *)cache + at;
 #pragma omp simd
-    for (int64_t i = 0; i < count; i++) buffer[i] = bf16_to_f32(source[i]);
+        for (int64_t i = 0; i < count; i++) buffer[i] = bf16_to_f32(source[i]);
+        return buffer;
+    }
+    const uint8_t *codes = (const uint8_t *)cache + at;
+    const float *row_scales = scales + at / head_dim;
+    for (int64_t h = 0; h < count / head_dim; h++) {
+        const float s = row_scales[h];
+        const uint8_t *ch = codes + h * head_dim;
+        float *bh = buffer + h * head_dim;
+        for (int d = 0; d < head_dim; d++) bh[d] = lut[ch[d]] * s;
+    }
     return buffer;
 }
 
 /* Sequence s's decode row: scores, softmax and weighted sum, every head. Always inlined with
- * constant `head_dim` and `bf16`, so that the loops are vectorized for each case. */
+ * constant `head_dim`, `bf16` (the query and output) and `kind` (the cache), so that the loops
+ * are vectorized for each case. */
 __attribute__((always_inline)) static inline void attend_sequence(
-    const decode_args *a, int s, scratch *t, int head_dim, int bf16) {
+    const decode_args *a, int s, scratch *t, int head_dim, int bf16, int kind) {
     const int num_kv_heads = a->num_kv_heads, group = a->group, q_heads = num_kv_heads * group;
     const int64_t width = (int64_t)q_heads * head_dim; /* one token's query or output row */
     const int64_t kv_width = (int64_t)num_kv_heads * head_dim;
@@ -150,10 +174,11 @@ __attribute__((always_inline)) static inline void attend_sequence(
         const int64_t token = token_at(a, table, p);
         if (p + PREFETCH_TOKENS < len) {
             const int64_t at = token_at(a, table, p + PREFETCH_TOKENS);
-            prefetch_row(a->k_cache, at, kv_width, bf16);
-            prefetch_row(a->v_cache, at, kv_width, bf16);
+            prefetch_row(a->k_cache, at, kv_width, kind);
+            prefetch_row(a->v_cache, at, kv_width, kind);
         }
-        const float *restrict k = row_f32(a->k_cache, token, kv_width, t->kv_row, bf16);
+        const float *restrict k =
+            row_f32(a->k_cache, token, kv_width, t->kv_row, kind, a->k_scales, a->lut, head_dim);
         for (int head = 0; head < q_heads; head++) {
             const float *kh = k + (int64_t)(head / group) * head_dim;
             const float *qh = qf + (int64_t)head * head_dim;
@@ -183,7 +208,8 @@ __attribute__((always_inline)) static inline void attend_sequence(
         const float *rows[V_TILE];
         for (int j = 0; j < count; j++) {
             const int64_t token = token_at(a, table, p0 + j);
-            rows[j] = row_f32(a->v_cache, token, kv_width, t->kv_row + j * kv_width, bf16);
+            rows[j] = row_f32(a->v_cache, token, kv_width, t->kv_row + j * kv_width, kind,
+                              a->v_scales, a->lut, head_dim);
         }
         for (int head = 0; head < q_heads; head++) {
             const int64_t offset = (int64_t)(head / group) * head_dim;
@@ -227,25 +253,28 @@ __attribute__((always_inline)) static inline void attend_sequence(
     }
 }
 
-/* The exported kernels, one per element type (fp32, bf16), called through ctypes:
+/* The exported kernels, one per query type (fp32, bf16) and cache kind, called through ctypes:
  *   q [T, Hq, D] with rows q_stride elements apart; sequence s's row is q_rows[s] (NULL: s);
  *   k_cache, v_cache [num_blocks, block_size, Hkv, D], blocks block_stride and tokens
  *   token_stride elements apart (a token's Hkv * D elements contiguous);
  *   group = Hq / Hkv; block_tables [S, *] int32 (rows table_stride apart); seq_lens [S] int32;
  *   window: the latest `window` tokens only (0: all); out [T, Hq, D] contiguous: the rows of
- *   the S sequences are written, others left alone.
+ *   the S sequences are written, others left alone; for a cache of codes, k_scales and
+ *   v_scales [num_blocks, block_size, Hkv] (strides the codes' over head_dim) and lut[256]
+ *   (NULL for the others).
  * Sequences are spread over num_threads OpenMP threads; the common head sizes get loops of
  * their own. */
-#define DEFINE_KERNEL(NAME, BF16)                                                              \
+#define DEFINE_KERNEL(NAME, BF16, KIND)                                                              \
     void NAME(const void *q, int64_t q_stride, const int64_t *q_rows, const void *k_cache,     \
               const void *v_cache, int64_t block_stride, int64_t token_stride, int block_size, \
               int num_kv_heads, int group, int head_dim, const int32_t *block_tables,          \
               int64_t table_stride, const int32_t *seq_lens, int num_seqs, float scale,        \
-              int window, void *out, int num_threads) {                                        \
+              int window, void *out, int num_threads, const float *k_scales,                    \
+              const float *v_scales, const float *lut) {                                       \
         const decode_args a = {q,          q_stride,     q_rows,       k_cache,      v_cache, \
                                block_stride, token_stride, block_size, num_kv_heads, group,   \
                                block_tables, table_stride, seq_lens,   scale,        window,  \
-                               out};                                                           \
+                               out,        k_scales,     v_scales,     lut};                   \
         const int64_t width = (int64_t)num_kv_heads * group * head_dim;                        \
         _Pragma("omp parallel num_threads(num_threads)") {                                     \
             scratch t = {malloc(sizeof(float) * width), malloc(sizeof(float) * width),         \
@@ -253,11 +282,11 @@ __attribute__((always_inline)) static inline void attend_sequence(
                          malloc(sizeof(float) * V_TILE * num_kv_heads * head_dim), 0};         \
             _Pragma("omp for schedule(dynamic, 1)") for (int s = 0; s < num_seqs; s++) {       \
                 if (head_dim == 64)                                                            \
-                    attend_sequence(&a, s, &t, 64, BF16);                                      \
+                    attend_sequence(&a, s, &t, 64, BF16, KIND);                                      \
                 else if (head_dim == 128)                                                      \
-                    attend_sequence(&a, s, &t, 128, BF16);                                     \
+                    attend_sequence(&a, s, &t, 128, BF16, KIND);                                     \
                 else                                                                           \
-                    attend_sequence(&a, s, &t, head_dim, BF16);                                \
+                    attend_sequence(&a, s, &t, head_dim, BF16, KIND);                                \
             }                                                                                  \
             free(t.qf);                                                                        \
             free(t.acc);                                                                       \
@@ -267,8 +296,10 @@ __attribute__((always_inline)) static inline void attend_sequence(
         }                                                                                      \
     }
 
-DEFINE_KERNEL(paged_decode_f32, 0)
-DEFINE_KERNEL(paged_decode_bf16, 1)
+DEFINE_KERNEL(paged_decode_f32, 0, CACHE_F32)
+DEFINE_KERNEL(paged_decode_bf16, 1, CACHE_BF16)
+DEFINE_KERNEL(paged_decode_codes_f32, 0, CACHE_CODES)
+DEFINE_KERNEL(paged_decode_codes_bf16, 1, CACHE_CODES)
 
 /* The step's new K and V rows into the caches: token t's rows (k + t * k_stride, v + t *
  * v_stride elements; `row` elements each, contiguous) go to slot slots[t] of caches laid out as

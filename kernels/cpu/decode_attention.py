@@ -71,6 +71,9 @@ _ARGTYPES = [
     _I32,  # window (0: none)
     _PTR,  # out [T, Hq, D]
     _I32,  # num_threads
+    _PTR,  # k_scales [num_blocks, block_size, Hkv] fp32, or NULL
+    _PTR,  # v_scales, or NULL
+    _PTR,  # lut [256] fp32: a code byte's value, or NULL
 ]
 _WRITE_ARGTYPES = [
     _PTR,  # key [T, Hkv, D]
@@ -94,14 +97,21 @@ def _library_path(cache_dir: Path) -> Path:
 class CpuDecodeAttention:
     """The loaded kernel: ``attend`` runs it on CPU tensors (see ``supports``)."""
 
-    SYMBOLS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+    # (query dtype, codes in the cache) -> the kernel
+    SYMBOLS = {
+        (torch.float32, False): "paged_decode_f32",
+        (torch.bfloat16, False): "paged_decode_bf16",
+        (torch.float32, True): "paged_decode_codes_f32",
+        (torch.bfloat16, True): "paged_decode_codes_bf16",
+    }
 
     def __init__(self, library: ctypes.CDLL):
         self._kernels = {}
-        for dtype, name in self.SYMBOLS.items():
+        for key, name in self.SYMBOLS.items():
             function = getattr(library, name)
             function.argtypes, function.restype = _ARGTYPES, None
-            self._kernels[dtype] = function
+            self._kernels[key] = function
+        self._tables: dict[torch.dtype, torch.Tensor] = {}
         self._write = library.write_kv_rows
         self._write.argtypes, self._write.restype = _WRITE_ARGTYPES, ctypes.c_int
 
@@ -152,16 +162,28 @@ class CpuDecodeAttention:
         if refused:
             raise IndexError(f"{refused} slot(s) outside the cache's {num_slots}")
 
-    def supports(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    def supports(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> bool:
         """Whether ``attend`` takes these: CPU tensors, fp32 or bf16 alike; q ``[T, Hq, D]``
         with each row's heads contiguous (rows may lie apart: a split of the q/k projection);
-        the caches ``[num_blocks, block_size, Hkv, D]`` laid out alike, each block contiguous."""
+        the caches ``[num_blocks, block_size, Hkv, D]`` laid out alike, each block contiguous.
+        With ``scales`` (K's and V's ``[num_blocks, block_size, Hkv]`` fp32) the caches hold
+        one-byte codes (int8 or fp8) and the scales are laid out as the codes without their
+        ``D`` lanes."""
+        if scales is not None and not _scales_fit(k_cache, v_cache, scales):
+            return False
+        values = q.dtype if scales is None else k_cache.dtype
         return (
             q.device.type == "cpu"
             and k_cache.device.type == "cpu"
             and q.dim() == 3
-            and q.dtype in self._kernels
-            and k_cache.dtype == q.dtype == v_cache.dtype
+            and (q.dtype, scales is not None) in self._kernels
+            and k_cache.dtype == values == v_cache.dtype
             and q.stride(2) == 1
             and q.stride(1) == q.shape[2]
             and k_cache.stride() == v_cache.stride()
@@ -183,14 +205,16 @@ class CpuDecodeAttention:
         sliding_window: int | None = None,
         q_rows: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Sequence ``s``'s query row ``q[q_rows[s]]`` (``q_rows`` None: row ``s``) attends over its
         first ``seq_lens[s]`` cached tokens (the ``sliding_window`` latest when set).
 
         q: ``[T, Hq, D]``; k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``;
-        block_tables: ``[S, max_blocks]`` int32; seq_lens: ``[S]`` int32; q_rows: ``[S]`` int64.
-        Writes those rows of ``out`` (``[T, Hq, D]``, new when None) and returns it; other rows
-        are left as they were. The caller checks ``supports`` first.
+        block_tables: ``[S, max_blocks]`` int32; seq_lens: ``[S]`` int32; q_rows: ``[S]`` int64;
+        scales: a cache of codes' K and V scales (``supports``). Writes those rows of ``out``
+        (``[T, Hq, D]``, new when None) and returns it; other rows are left as they were. The
+        caller checks ``supports`` first.
         """
         num_seqs = seq_lens.shape[0]
         _, block_size, kv_heads, head_dim = k_cache.shape
@@ -200,7 +224,8 @@ class CpuDecodeAttention:
             q_rows = q_rows.to(torch.int64).contiguous()
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype)
-        self._kernels[q.dtype](
+        table = None if scales is None else self._table(k_cache.dtype)
+        self._kernels[q.dtype, scales is not None](
             q.data_ptr(),
             q.stride(0),
             None if q_rows is None else q_rows.data_ptr(),
@@ -220,8 +245,34 @@ class CpuDecodeAttention:
             sliding_window or 0,
             out.data_ptr(),
             torch.get_num_threads(),
+            None if scales is None else scales[0].data_ptr(),
+            None if scales is None else scales[1].data_ptr(),
+            None if table is None else table.data_ptr(),
         )
         return out
+
+    def _table(self, dtype: torch.dtype) -> torch.Tensor:
+        """``[256]`` fp32: the value of each byte as a code of ``dtype`` (int8 or an fp8)."""
+        table = self._tables.get(dtype)
+        if table is None:
+            table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+            self._tables[dtype] = table
+        return table
+
+
+def _scales_fit(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]
+) -> bool:
+    """Codes of one byte whose scales are laid out as they are without their ``D`` lanes."""
+    head_dim = k_cache.shape[3]
+    return k_cache.element_size() == 1 and all(
+        s.dtype == torch.float32
+        and s.device.type == "cpu"
+        and s.shape == cache.shape[:3]
+        and s.stride(2) == 1
+        and all(s.stride(i) * head_dim == cache.stride(i) for i in range(3))
+        for s, cache in zip(scales, (k_cache, v_cache))
+    )
 
 
 _loaded: dict[Path, CpuDecodeAttention | None] = {}

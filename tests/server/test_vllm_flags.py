@@ -232,3 +232,21 @@ def test_speculative_config_parses_as_vllm_writes_it(capsys):
     message = _refused(["--speculative-config", '{"method": "eagle3", "model": "x"}'], capsys)
     assert "--speculative-config" in message and "eagle3" in message
     EngineConfig(speculative_config=SpeculativeConfig())  # a valid engine setting
+
+
+@pytest.mark.parametrize(
+    ("value", "name"),
+    [("int8", "int8"), ("fp8", "fp8"), ("fp8_per_token_head", "fp8_per_token_head")],
+)
+def test_kv_cache_dtype_reaches_the_engine(value, name):
+    from paged_serve.engine.engine_args import engine_kwargs
+
+    args = build_parser().parse_args(["--kv-cache-dtype", value])
+    assert engine_kwargs(args)["kv_cache_dtype"] == name
+
+
+def test_an_unknown_kv_cache_dtype_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--kv-cache-dtype", "int4"])
+    assert exit_info.value.code == 2
+    assert "--kv-cache-dtype" in capsys.readouterr().err

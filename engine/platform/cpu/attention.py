@@ -38,7 +38,7 @@ import torch
 
 from paged_serve.engine.platform.cpu.attention_plan import AttentionPlan
 from paged_serve.kernels.cpu.decode_attention import CpuDecodeAttention
-from paged_serve.kernels.reference import kept_slots, scatter_kv
+from paged_serve.kernels.reference import kept_slots, quantize_kv_ref, scatter_kv
 
 
 class PlannedTorchAttention:
@@ -62,14 +62,30 @@ class PlannedTorchAttention:
         v_cache: torch.Tensor,
         *,
         slot_mapping: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
-        """As ``write_kv_ref``: scatter ``[T, Hkv, D]`` at ``slot_mapping [T]`` (-1: skip)."""
+        """As ``write_kv_ref``: scatter ``[T, Hkv, D]`` at ``slot_mapping [T]`` (-1: skip); with
+        ``k_scale``/``v_scale`` the caches hold codes: each row quantized, codes and scales
+        written (``quantize_kv_ref``)."""
         kernel = self.decode_kernel
-        if kernel is not None and kernel.supports_write(key, value, k_cache, v_cache):
+        quantized = k_scale is not None and v_scale is not None
+        fits = kernel is not None and kernel.supports_write(key, value, k_cache, v_cache)
+        if fits and not quantized:
             kernel.write_kv(key, value, k_cache, v_cache, slot_mapping=slot_mapping)
             return
         if self._slots_key is not slot_mapping:
             self._slots_key, self._slots = slot_mapping, kept_slots(slot_mapping)
+        if quantized:
+            key, k_row_scale = quantize_kv_ref(key, dtype=k_cache.dtype)
+            value, v_row_scale = quantize_kv_ref(value, dtype=v_cache.dtype)
+            scatter_kv(
+                k_row_scale[..., None],
+                v_row_scale[..., None],
+                k_scale[..., None],
+                v_scale[..., None],
+                *self._slots,
+            )
         scatter_kv(key, value, k_cache, v_cache, *self._slots)
 
     def paged_attention(
@@ -88,12 +104,16 @@ class PlannedTorchAttention:
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
         causal: bool = True,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As ``paged_attention_ref``: ``q [T, Hq, D]`` over the paged cache, the math in q's
         dtype (fp32 in the C kernel, which decode-only steps take: ``_decodes_in_place``).
-        ``causal=False``: each query sees its whole sequence (``kernels/interface.py``)."""
+        ``causal=False``: each query sees its whole sequence (``kernels/interface.py``).
+        ``k_scale``/``v_scale``: the caches hold codes, read back as ``code * scale``."""
         plain = softcap is None and sinks is None  # the C kernel has neither
-        if plain and self._decodes_in_place(q, k_cache, v_cache, seq_lens):
+        scales = None if k_scale is None or v_scale is None else (k_scale, v_scale)
+        if plain and self._decodes_in_place(q, k_cache, v_cache, seq_lens, scales):
             return self.decode_kernel.attend(
                 q,
                 k_cache,
@@ -102,6 +122,7 @@ class PlannedTorchAttention:
                 seq_lens=seq_lens,
                 scale=scale,
                 sliding_window=sliding_window,
+                scales=scales,
             )
         key = (cu_seqlens_q, seq_lens, block_tables, q.shape[0], sliding_window, causal)
         if self._plan is None or not _same_key(key, self._plan_key):
@@ -116,11 +137,24 @@ class PlannedTorchAttention:
             )
             self._plan_key = key
         return self._plan.run(
-            q, k_cache, v_cache, scale, q.dtype, self.group_alone, softcap=softcap, sinks=sinks
+            q,
+            k_cache,
+            v_cache,
+            scale,
+            q.dtype,
+            self.group_alone,
+            softcap=softcap,
+            sinks=sinks,
+            scales=scales,
         )
 
     def _decodes_in_place(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> bool:
         """Whether the C kernel takes this step: every sequence brings one token (a decode-only
         step), the tensors suit it, and the step is not one unquantized bf16 row alone, which
@@ -128,9 +162,9 @@ class PlannedTorchAttention:
         kernel = self.decode_kernel
         if kernel is None or q.shape[0] != seq_lens.shape[0]:
             return False
-        if q.shape[0] == 1 and q.dtype == torch.bfloat16 and not self.group_alone:
+        if q.shape[0] == 1 and q.dtype == torch.bfloat16 and not self.group_alone and not scales:
             return False
-        return kernel.supports(q, k_cache, v_cache)
+        return kernel.supports(q, k_cache, v_cache, scales)
 
 
 def _same_key(a: tuple[object, ...], b: tuple[object, ...]) -> bool:

@@ -149,18 +149,19 @@ class UniformGroup:
         group_alone: bool = False,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``q [S, Lq, Hq, D]`` over the group's contexts; ``[S, Lq, Hq, D]`` in ``dtype``, the
         precision q, k and v are taken to for the math (``group_alone``: see the class).
         ``softcap`` and ``sinks [Hq]`` (kernels/interface.py) take the explicit path,
-        ``_attend_explicit``: torch's SDPA has neither."""
+        ``_attend_explicit``: torch's SDPA has neither. ``scales``: the K and V scales
+        ``[num_blocks, block_size, Hkv]`` of caches holding codes (engine/kv/kv_dtype.py),
+        gathered with them and multiplied in after the gather."""
         q_len = q.shape[1]
-        pair = kv_pair(k_cache, v_cache)
-        if pair is not None:  # the engine's cache: K and V gathered together
-            k, v = gather_blocks(pair, self.blocks, self.max_len).to(dtype)
-        else:
-            k = gather_blocks(k_cache[None], self.blocks, self.max_len)[0].to(dtype)
-            v = gather_blocks(v_cache[None], self.blocks, self.max_len)[0].to(dtype)
+        k, v = self._gathered(k_cache, v_cache, dtype)
+        if scales is not None:
+            k_scale, v_scale = self._gathered(scales[0][..., None], scales[1][..., None], dtype)
+            k, v = k * k_scale, v * v_scale
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         if self.tail is not None:
             # Slots past a sequence's end may hold NaN, which masking alone does not cancel.
@@ -186,6 +187,18 @@ class UniformGroup:
             enable_gqa=True,
         )
         return out.transpose(1, 2)
+
+    def _gathered(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's contexts of two caches, dense ``[S, max_len, H, D]`` in ``dtype``."""
+        pair = kv_pair(k_cache, v_cache)
+        if pair is not None:  # the engine's cache: K and V gathered together
+            k, v = gather_blocks(pair, self.blocks, self.max_len).to(dtype)
+            return k, v
+        k = gather_blocks(k_cache[None], self.blocks, self.max_len)[0].to(dtype)
+        v = gather_blocks(v_cache[None], self.blocks, self.max_len)[0].to(dtype)
+        return k, v
 
     def _attend_explicit(
         self,
@@ -342,12 +355,13 @@ class AttentionPlan:
         group_alone: bool = False,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``q [T, Hq, D]`` -> ``[T, Hq, D]`` in q's dtype, with the math in ``dtype`` (fp32 for
         the reference; the model's own dtype reproduces Hugging Face's attention);
         ``group_alone`` as in ``UniformGroup``; ``softcap``, ``sinks`` as in
-        ``kernels/interface.py``."""
-        extra = {"group_alone": group_alone, "softcap": softcap, "sinks": sinks}
+        ``kernels/interface.py``; ``scales`` of a quantized cache as ``UniformGroup.attend``."""
+        extra = {"group_alone": group_alone, "softcap": softcap, "sinks": sinks, "scales": scales}
         if self.pure_decode:
             out = self.groups[0].attend(q.unsqueeze(1), k_cache, v_cache, scale, dtype, **extra)
             return out.squeeze(1).to(q.dtype)

@@ -5,8 +5,6 @@ peft's merged model, for a batch mixing the base and two adapters over one slot 
 
 from __future__ import annotations
 
-import pytest
-
 from paged_serve.engine import LLM
 from paged_serve.engine.lora.config import LoRAConfig, LoRAModule
 from paged_serve.engine.sampling_params import SamplingParams

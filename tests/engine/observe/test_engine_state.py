@@ -7,6 +7,7 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from paged_serve.engine.observe import engine_state
 from paged_serve.engine.observe.engine_state import StateWatch, pool_integrity, take_state
@@ -70,9 +71,11 @@ def test_copy_on_write_is_counted_and_the_recent_pairs_kept():
 
 
 def _engine(bm: BlockManager) -> SimpleNamespace:
-    """What take_state reads of an LLMEngine: the block manager, the scheduler, the steps."""
+    """What take_state reads of an LLMEngine: the block manager, the scheduler, the steps, the
+    KV cache's dtype."""
     scheduler = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
-    return SimpleNamespace(block_manager=bm, scheduler=scheduler, num_steps=0)
+    runner = SimpleNamespace(kv_cache=SimpleNamespace(tensor=torch.empty(0, dtype=torch.int8)))
+    return SimpleNamespace(block_manager=bm, scheduler=scheduler, num_steps=0, runner=runner)
 
 
 def _request(rid: str, prompt_len: int) -> Request:

@@ -113,6 +113,7 @@ def test_the_idle_state_matches_metrics(base_url: str, engine: AsyncEngine):
     assert state["running"] == [] and state["waiting"] == []
     assert set(state["kv"]["map"]) <= {".", "c"}
     assert state["kv"]["block_size"] == engine.block_size
+    assert state["kv"]["cache_dtype"] == weights["dtype"]  # --kv-cache-dtype auto
 
 
 def _stream(url: str, body: dict, out: list[Reply]) -> threading.Thread:
