@@ -313,15 +313,29 @@ class LoraExpand(Protocol):
     ) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class LoraSegments:
+    """A step's tokens grouped by adapter slot, for products that run slot by slot: slot
+    ``first_slot + i``'s tokens are ``order[i * per_slot : (i + 1) * per_slot]`` (token indices,
+    int64; a slot with fewer tokens is padded with token 0), and ``kept`` (int64 positions in
+    ``order``; None: every position) are the real ones, whose token indices are ``rows``."""
+
+    order: torch.Tensor
+    per_slot: int
+    kept: torch.Tensor | None
+    rows: torch.Tensor
+
+
 class AddLora(Protocol):
     """Each token's LoRA adapter added to a projection's output, in place:
     ``y[t] += b[s]^T (a[s] x[t])`` for the slot ``s = token_slots[t]`` of every token whose slot
     is not -1 (the Triton backend: ``LoraShrink`` then ``LoraExpand``). x ``[T, in]``; y
     ``[T, out]``; the stacked slots a ``[slots, lanes, in]`` and b ``[slots, lanes, out]``
     (``scaling * B^T`` per lane); token_slots ``[T]`` int32. The slots the tokens use lie in
-    ``first_slot .. first_slot + num_slots - 1`` (host integers), and ``mask [T, num_slots, 1]``
-    (the model's dtype) is 1 where a token's slot is that one, or None when every token is in
-    the one slot of the range."""
+    ``first_slot .. first_slot + num_slots - 1`` (host integers); ``segments`` groups the tokens
+    by slot, and ``mask [T, num_slots, 1]`` (the model's dtype) is 1 where a token's slot is that
+    one (a decode graph's static form of the same); both None when every token is in the one
+    slot of the range."""
 
     def __call__(
         self,
@@ -333,4 +347,5 @@ class AddLora(Protocol):
         first_slot: int,
         num_slots: int,
         mask: torch.Tensor | None,
+        segments: LoraSegments | None,
     ) -> None: ...

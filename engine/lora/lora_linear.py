@@ -94,6 +94,7 @@ class LoRALinear(nn.Module):
             step.first_slot,
             step.num_slots,
             step.mask,
+            step.segments,
         )
         return y
 

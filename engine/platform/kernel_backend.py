@@ -28,6 +28,7 @@ from paged_serve.kernels.interface import (
     FusedMoe,
     FusedSample,
     GatedDeltaRule,
+    LoraSegments,
     MlaAttention,
     PagedAttention,
     WriteKv,
@@ -81,6 +82,7 @@ def add_lora_kernels(
     first_slot: int,
     num_slots: int,
     mask: torch.Tensor | None,
+    segments: LoraSegments | None,
 ) -> None:
     """``AddLora`` on the Triton kernels: shrink every token by its slot's ``A``, expand by its
     ``B`` into ``y`` (``kernels/triton/lora.py``; a token of slot -1 exits at once). Reads
