@@ -78,6 +78,10 @@ class EngineConfig:
     engine replaces ``auto`` by what it resolved once the model is loaded).
     hf_overrides: config fields set over the checkpoint's ``config.json`` before the model is
     built (vLLM's ``--hf-overrides``: ``is_matryoshka``, ``classifier_from_token``, ...).
+    lora: LoRA adapters served on the model (``engine/lora/``), None without ``--enable-lora``.
+    kv_cache_dtype: ``auto`` (the model's dtype) or a quantized cache's codes, ``int8``,
+    ``fp8``/``fp8_e4m3``, ``fp8_e5m2`` (``engine/kv/kv_dtype.py``); kv_cache_dtype_skip_layers:
+    decoder layer indices whose cache stays in the model's dtype.
     """
 
     model: str | None = None
@@ -106,6 +110,7 @@ class EngineConfig:
     hf_overrides: dict[str, object] | None = None
     lora: LoRAConfig | None = None
     kv_cache_dtype: str = "auto"
+    kv_cache_dtype_skip_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         kv_code_dtype(self.kv_cache_dtype)  # ValueError naming the choices

@@ -111,6 +111,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> dict[str, argparse._Argu
         "fp32 scale per token and KV head, about 3.8x the tokens of fp32 (1.9x of bf16)",
     )
     cache.add_argument(
+        "--kv-cache-dtype-skip-layers",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="LAYER",
+        help="decoder layers whose KV cache stays in the model's dtype under --kv-cache-dtype "
+        "int8/fp8 (default: none)",
+    )
+    cache.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -237,4 +246,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         hf_overrides=args.hf_overrides,
         lora=lora_config(args),
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype_skip_layers=tuple(args.kv_cache_dtype_skip_layers),
     )

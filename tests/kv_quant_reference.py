@@ -31,13 +31,15 @@ def round_trip(x: torch.Tensor, code_dtype: torch.dtype) -> torch.Tensor:
     return (codes * scale).to(x.dtype)
 
 
-def fake_quant_attention(code_dtype: torch.dtype) -> str:
+def fake_quant_attention(code_dtype: torch.dtype, skip: tuple[int, ...] = ()) -> str:
     """The name of a registered attention implementation that stores K and V as
-    ``code_dtype`` would (``round_trip``) before transformers' SDPA attention."""
-    name = f"kv_round_trip_{str(code_dtype).removeprefix('torch.')}"
+    ``code_dtype`` would (``round_trip``) before transformers' SDPA attention, in every layer
+    but those of ``skip`` (layer indices)."""
+    name = f"kv_round_trip_{str(code_dtype).removeprefix('torch.')}_skip{'_'.join(map(str, skip))}"
 
     def forward(module, query, key, value, attention_mask, **kwargs):  # [B, H, T, D]
-        key, value = round_trip(key, code_dtype), round_trip(value, code_dtype)
+        if module.layer_idx not in skip:
+            key, value = round_trip(key, code_dtype), round_trip(value, code_dtype)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(name, forward)

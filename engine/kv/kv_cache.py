@@ -95,6 +95,7 @@ class KVCache:
         device: torch.device,
         layer_ids: tuple[int, ...] | None = None,
         cache_dtype: torch.dtype | None = None,
+        skip_layers: frozenset[int] = frozenset(),
     ):
         layer_ids = tuple(range(num_layers)) if layer_ids is None else layer_ids
         quantized = cache_dtype is not None and is_quantized(cache_dtype)
@@ -105,45 +106,68 @@ class KVCache:
             )
         if len(layer_ids) != num_layers:
             raise ValueError(f"{len(layer_ids)} layer ids for {num_layers} cached layers")
-        self._index = {layer: i for i, layer in enumerate(layer_ids)}
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.layout = layout
-        shape = (num_layers, layout.sides, num_blocks, block_size, layout.num_kv_heads)
-        self.tensor = torch.zeros(
-            *shape, layout.head_dim, dtype=cache_dtype if quantized else dtype, device=device
-        )
-        # per token and KV head: the scale of its codes (None: the cache holds values)
-        self.scales = torch.ones(*shape, dtype=torch.float32, device=device) if quantized else None
-        if self.scales is not None:
-            self._scales = [(self.scales[i, 0], self.scales[i, 1]) for i in range(num_layers)]
+        # A quantized cache's layers hold codes; those of ``skip_layers`` (decoder layer ids,
+        # --kv-cache-dtype-skip-layers) values in the model's dtype, in a tensor of their own.
+        coded = [i for i in layer_ids if quantized and i not in skip_layers]
+        plain = [i for i in layer_ids if i not in coded]
+        shape = (layout.sides, num_blocks, block_size, layout.num_kv_heads)
+
+        def cache(count: int, element: torch.dtype) -> torch.Tensor:
+            return torch.zeros(count, *shape, layout.head_dim, dtype=element, device=device)
+
+        self.tensor = cache(len(coded), cache_dtype) if coded else cache(len(plain), dtype)
+        self.plain = cache(len(plain), dtype) if coded and plain else None
+        # per token and KV head of a coded layer: the scale of its codes (None: no codes)
+        self.scales = torch.ones(len(coded), *shape, device=device) if coded else None
+        values = self.tensor if not coded else self.plain
+        views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, layer in enumerate(coded):
+            views[layer] = (self.tensor[i, 0], self.tensor[i, 1])
+        for i, layer in enumerate(plain):
+            views[layer] = (values[i, 0], values[i, 1])
+        self._scales = {
+            layer: (self.scales[i, 0], self.scales[i, 1]) for i, layer in enumerate(coded)
+        }
         # The per-layer views, made once (a step asks for every layer's)
         if layout.latent:
-            self._latents = [self.tensor[i, 0, :, :, 0] for i in range(num_layers)]
+            self._latents = {layer: self.tensor[i, 0, :, :, 0] for i, layer in enumerate(plain)}
         else:
-            self._layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(num_layers)]
+            self._layers = views
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``index``'s K and V caches (per-head layout)."""
         if self.layout.latent:
             raise RuntimeError("a latent cache has no per-head K and V: use latent(i)")
-        return self._layers[self._index[index]]
+        return self._layers[index]
 
     def layer_scales(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Layer ``index``'s K and V scales ``[num_blocks, block_size, num_kv_heads]``, or None
         when the cache holds values, not codes."""
-        return None if self.scales is None else self._scales[self._index[index]]
+        return self._scales.get(index)
 
     def latent(self, index: int) -> torch.Tensor:
         """Layer ``index``'s latent entries ``[num_blocks, block_size, kv_lora_rank + rope]``."""
         if not self.layout.latent:
             raise RuntimeError("a per-head KV cache has no latent entries: use layer(i)")
-        return self._latents[self._index[index]]
+        return self._latents[index]
+
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every tensor whose blocks a block copy copies, each ``[layers, sides, num_blocks,
+        ...]``: the codes or values, a quantized cache's scales (a lane of their own) and its
+        unquantized layers' values."""
+        tensors = [self.tensor]
+        if self.scales is not None:
+            tensors.append(self.scales[..., None])
+        if self.plain is not None:
+            tensors.append(self.plain)
+        return tensors
 
     @property
     def num_bytes(self) -> int:
-        scales = 0 if self.scales is None else self.scales.numel() * 4
-        return self.tensor.numel() * self.tensor.element_size() + scales
+        return sum(t.numel() * t.element_size() for t in self.block_tensors())
 
     @property
     def num_tokens(self) -> int:
@@ -161,6 +185,7 @@ class KVCache:
         device: torch.device,
         tensor_parallel_size: int = 1,
         cache_dtype: torch.dtype | None = None,
+        skip_layers: frozenset[int] = frozenset(),
     ) -> KVCache:
         """As many blocks as ``budget_bytes`` holds for a Hugging Face model config's layers and
         layout (this rank's share of the KV heads under tensor parallelism). Raises ValueError
@@ -168,8 +193,14 @@ class KVCache:
         layout = cache_layout(hf_config, tensor_parallel_size)
         layer_ids = attention_layer_ids(hf_config)
         num_layers = len(layer_ids)
+        skipped = len(set(layer_ids) & skip_layers) if cache_dtype is not None else 0
         per_block = cls.bytes_per_block(
-            num_layers=num_layers, block_size=block_size, layout=layout, dtype=cache_dtype or dtype
+            num_layers=num_layers - skipped,
+            block_size=block_size,
+            layout=layout,
+            dtype=cache_dtype or dtype,
+        ) + cls.bytes_per_block(
+            num_layers=skipped, block_size=block_size, layout=layout, dtype=dtype
         )
         num_blocks = budget_bytes // per_block
         if num_blocks < 1:
@@ -183,6 +214,7 @@ class KVCache:
             device=device,
             layer_ids=layer_ids,
             cache_dtype=cache_dtype,
+            skip_layers=skip_layers,
         )
         logger.info(
             "KV cache%s: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",

@@ -167,6 +167,7 @@ class ModelRunner:
             device=device,
             tensor_parallel_size=1 if tp is None else tp.world_size,
             cache_dtype=kv_code_dtype(config.kv_cache_dtype),
+            skip_layers=frozenset(config.kv_cache_dtype_skip_layers),
         )
         self.block_size = config.block_size
         self.vocab_size = int(hf_config.vocab_size)
@@ -350,9 +351,8 @@ class ModelRunner:
     def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
         if block_copies:
             mapping = self._tensor([list(p) for p in block_copies], torch.int64)
-            self.backend.copy_blocks(self.kv_cache.tensor, block_mapping=mapping)
-            if self.kv_cache.scales is not None:  # a quantized cache's scales travel too
-                self.backend.copy_blocks(self.kv_cache.scales[..., None], block_mapping=mapping)
+            for tensor in self.kv_cache.block_tensors():  # codes, their scales, values
+                self.backend.copy_blocks(tensor, block_mapping=mapping)
 
     def _copy_states(self, state_copies: list[tuple[int, int]]) -> None:
         if state_copies and self.state_cache is not None:

@@ -10,8 +10,9 @@
  * K and V rows are found through the block table: token p lives in block table[p / block_size]
  * at offset p % block_size. bf16 caches and queries are widened to fp32 on load, and the output
  * is rounded to bf16 (nearest even) on store. A quantized cache (one-byte codes, int8 or fp8)
- * is read as lut[code] * scale, with the fp32 scale of the token's KV head (scales laid out as
- * the codes without their head_dim lanes) and a 256-entry table of what each code byte means.
+ * is read as code * scale, the code widened exactly to fp32 (int8 by a cast, fp8 e4m3 or
+ * e5m2 by its bits), with the fp32 scale of the token's KV head (scales laid out as the codes
+ * without their head_dim lanes).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -34,6 +35,27 @@ static inline uint16_t f32_to_bf16(float f) {
     if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u); /* NaN stays NaN */
     c.u += 0x7fffu + ((c.u >> 16) & 1u);
     return (uint16_t)(c.u >> 16);
+}
+
+/* fp8 codes widened exactly, without a table (branch-free, so the loops vectorize): e4m3
+ * (bias 7, no infinities, 0x7f/0xff NaN) and e5m2 (bias 15, IEEE-like). */
+static inline float e4m3_to_f32(uint8_t b) {
+    const uint32_t sign = (uint32_t)(b & 0x80u) << 24, e = (b >> 3) & 0xfu, m = b & 7u;
+    bits32 c;
+    c.u = sign | ((e + 120u) << 23) | (m << 20);
+    const float normal = c.f;
+    const float sub = (float)m * 0x1p-9f;
+    float v = e ? normal : (sign ? -sub : sub);
+    return (e == 15u && m == 7u) ? __builtin_nanf("") : v;
+}
+
+static inline float e5m2_to_f32(uint8_t b) {
+    const uint32_t sign = (uint32_t)(b & 0x80u) << 24, e = (b >> 2) & 0x1fu, m = b & 3u;
+    bits32 c;
+    c.u = sign | ((e == 31u ? 0xffu : e + 112u) << 23) | (m << 21);
+    const float normal = c.f;
+    const float sub = (float)m * 0x1p-16f;
+    return e ? normal : (sign ? -sub : sub);
 }
 
 static inline float load(const void *p, int64_t i, int bf16) {
@@ -76,13 +98,15 @@ typedef struct {
     int window;
     void *out;
     const float *k_scales, *v_scales; /* a quantized cache's scales (NULL otherwise) */
-    const float *lut;                 /* a code byte's value (NULL for fp32 and bf16 caches) */
+    int e5m2;                         /* fp8 codes: e5m2 (1) or e4m3 (0) */
 } decode_args;
 
-/* What a cache holds: fp32 or bf16 values, or one-byte codes with scales. */
-enum { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_CODES = 2 };
+/* What a cache holds: fp32 or bf16 values, or one-byte codes with scales (int8 or fp8). */
+enum { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_INT8 = 2, CACHE_FP8 = 3 };
 
-static inline int cache_bytes(int kind) { return kind == CACHE_CODES ? 1 : kind == CACHE_BF16 ? 2 : 4; }
+static inline int cache_bytes(int kind) {
+    return kind >= CACHE_INT8 ? 1 : kind == CACHE_BF16 ? 2 : 4;
+}
 
 enum { V_TILE = 8 };          /* tokens a V accumulation pass reads together */
 enum { PREFETCH_TOKENS = 4 }; /* how far ahead the K pass asks for K and V rows */
@@ -113,11 +137,11 @@ typedef struct {
 
 /* A token's K or V row (every KV head) as fp32: in place for fp32 caches, widened once into
  * `buffer` for bf16 ones (rather than once per query head reading it), and for codes each KV
- * head's lanes lut[code] * that head's scale (`scales`: the cache's, indexed as the codes
- * without their head_dim lanes). */
+ * head's lanes code * that head's scale (`scales`: the cache's, indexed as the codes without
+ * their head_dim lanes). */
 __attribute__((always_inline)) static inline const float *row_f32(
     const void *cache, int64_t at, int64_t count, float *buffer, int kind, const float *scales,
-    const float *lut, int head_dim) {
+    int head_dim, int e5m2) {
     if (kind == CACHE_F32) return (const float *)cache + at;
     if (kind == CACHE_BF16) {
         const uint16_t *source = (const uint16_t *)cache + at;
@@ -125,13 +149,24 @@ __attribute__((always_inline)) static inline const float *row_f32(
         for (int64_t i = 0; i < count; i++) buffer[i] = bf16_to_f32(source[i]);
         return buffer;
     }
-    const uint8_t *codes = (const uint8_t *)cache + at;
     const float *row_scales = scales + at / head_dim;
     for (int64_t h = 0; h < count / head_dim; h++) {
         const float s = row_scales[h];
-        const uint8_t *ch = codes + h * head_dim;
         float *bh = buffer + h * head_dim;
-        for (int d = 0; d < head_dim; d++) bh[d] = lut[ch[d]] * s;
+        if (kind == CACHE_INT8) {
+            const int8_t *ch = (const int8_t *)cache + at + h * head_dim;
+#pragma omp simd
+            for (int d = 0; d < head_dim; d++) bh[d] = (float)ch[d] * s;
+        } else {
+            const uint8_t *ch = (const uint8_t *)cache + at + h * head_dim;
+            if (e5m2) {
+#pragma omp simd
+                for (int d = 0; d < head_dim; d++) bh[d] = e5m2_to_f32(ch[d]) * s;
+            } else {
+#pragma omp simd
+                for (int d = 0; d < head_dim; d++) bh[d] = e4m3_to_f32(ch[d]) * s;
+            }
+        }
     }
     return buffer;
 }
@@ -178,7 +213,8 @@ __attribute__((always_inline)) static inline void attend_sequence(
             prefetch_row(a->v_cache, at, kv_width, kind);
         }
         const float *restrict k =
-            row_f32(a->k_cache, token, kv_width, t->kv_row, kind, a->k_scales, a->lut, head_dim);
+            row_f32(a->k_cache, token, kv_width, t->kv_row, kind, a->k_scales, head_dim,
+                    a->e5m2);
         for (int head = 0; head < q_heads; head++) {
             const float *kh = k + (int64_t)(head / group) * head_dim;
             const float *qh = qf + (int64_t)head * head_dim;
@@ -209,7 +245,7 @@ __attribute__((always_inline)) static inline void attend_sequence(
         for (int j = 0; j < count; j++) {
             const int64_t token = token_at(a, table, p0 + j);
             rows[j] = row_f32(a->v_cache, token, kv_width, t->kv_row + j * kv_width, kind,
-                              a->v_scales, a->lut, head_dim);
+                              a->v_scales, head_dim, a->e5m2);
         }
         for (int head = 0; head < q_heads; head++) {
             const int64_t offset = (int64_t)(head / group) * head_dim;
@@ -260,8 +296,8 @@ __attribute__((always_inline)) static inline void attend_sequence(
  *   group = Hq / Hkv; block_tables [S, *] int32 (rows table_stride apart); seq_lens [S] int32;
  *   window: the latest `window` tokens only (0: all); out [T, Hq, D] contiguous: the rows of
  *   the S sequences are written, others left alone; for a cache of codes, k_scales and
- *   v_scales [num_blocks, block_size, Hkv] (strides the codes' over head_dim) and lut[256]
- *   (NULL for the others).
+ *   v_scales [num_blocks, block_size, Hkv] (strides the codes' over head_dim; NULL for the
+ *   others) and e5m2 (fp8 codes: 1 for e5m2, 0 for e4m3).
  * Sequences are spread over num_threads OpenMP threads; the common head sizes get loops of
  * their own. */
 #define DEFINE_KERNEL(NAME, BF16, KIND)                                                              \
@@ -270,11 +306,11 @@ __attribute__((always_inline)) static inline void attend_sequence(
               int num_kv_heads, int group, int head_dim, const int32_t *block_tables,          \
               int64_t table_stride, const int32_t *seq_lens, int num_seqs, float scale,        \
               int window, void *out, int num_threads, const float *k_scales,                    \
-              const float *v_scales, const float *lut) {                                       \
+              const float *v_scales, int e5m2) {                                               \
         const decode_args a = {q,          q_stride,     q_rows,       k_cache,      v_cache, \
                                block_stride, token_stride, block_size, num_kv_heads, group,   \
                                block_tables, table_stride, seq_lens,   scale,        window,  \
-                               out,        k_scales,     v_scales,     lut};                   \
+                               out,        k_scales,     v_scales,     e5m2};                  \
         const int64_t width = (int64_t)num_kv_heads * group * head_dim;                        \
         _Pragma("omp parallel num_threads(num_threads)") {                                     \
             scratch t = {malloc(sizeof(float) * width), malloc(sizeof(float) * width),         \
@@ -298,8 +334,10 @@ __attribute__((always_inline)) static inline void attend_sequence(
 
 DEFINE_KERNEL(paged_decode_f32, 0, CACHE_F32)
 DEFINE_KERNEL(paged_decode_bf16, 1, CACHE_BF16)
-DEFINE_KERNEL(paged_decode_codes_f32, 0, CACHE_CODES)
-DEFINE_KERNEL(paged_decode_codes_bf16, 1, CACHE_CODES)
+DEFINE_KERNEL(paged_decode_int8_f32, 0, CACHE_INT8)
+DEFINE_KERNEL(paged_decode_int8_bf16, 1, CACHE_INT8)
+DEFINE_KERNEL(paged_decode_fp8_f32, 0, CACHE_FP8)
+DEFINE_KERNEL(paged_decode_fp8_bf16, 1, CACHE_FP8)
 
 /* The step's new K and V rows into the caches: token t's rows (k + t * k_stride, v + t *
  * v_stride elements; `row` elements each, contiguous) go to slot slots[t] of caches laid out as

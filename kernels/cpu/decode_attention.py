@@ -73,7 +73,7 @@ _ARGTYPES = [
     _I32,  # num_threads
     _PTR,  # k_scales [num_blocks, block_size, Hkv] fp32, or NULL
     _PTR,  # v_scales, or NULL
-    _PTR,  # lut [256] fp32: a code byte's value, or NULL
+    _I32,  # fp8 codes: e5m2 (1) or e4m3 (0)
 ]
 _WRITE_ARGTYPES = [
     _PTR,  # key [T, Hkv, D]
@@ -97,12 +97,14 @@ def _library_path(cache_dir: Path) -> Path:
 class CpuDecodeAttention:
     """The loaded kernel: ``attend`` runs it on CPU tensors (see ``supports``)."""
 
-    # (query dtype, codes in the cache) -> the kernel
+    # (query dtype, what the cache holds: values or int8 / fp8 codes) -> the kernel
     SYMBOLS = {
-        (torch.float32, False): "paged_decode_f32",
-        (torch.bfloat16, False): "paged_decode_bf16",
-        (torch.float32, True): "paged_decode_codes_f32",
-        (torch.bfloat16, True): "paged_decode_codes_bf16",
+        (torch.float32, "values"): "paged_decode_f32",
+        (torch.bfloat16, "values"): "paged_decode_bf16",
+        (torch.float32, "int8"): "paged_decode_int8_f32",
+        (torch.bfloat16, "int8"): "paged_decode_int8_bf16",
+        (torch.float32, "fp8"): "paged_decode_fp8_f32",
+        (torch.bfloat16, "fp8"): "paged_decode_fp8_bf16",
     }
 
     def __init__(self, library: ctypes.CDLL):
@@ -111,7 +113,6 @@ class CpuDecodeAttention:
             function = getattr(library, name)
             function.argtypes, function.restype = _ARGTYPES, None
             self._kernels[key] = function
-        self._tables: dict[torch.dtype, torch.Tensor] = {}
         self._write = library.write_kv_rows
         self._write.argtypes, self._write.restype = _WRITE_ARGTYPES, ctypes.c_int
 
@@ -182,7 +183,7 @@ class CpuDecodeAttention:
             q.device.type == "cpu"
             and k_cache.device.type == "cpu"
             and q.dim() == 3
-            and (q.dtype, scales is not None) in self._kernels
+            and (q.dtype, _holds(k_cache, scales)) in self._kernels
             and k_cache.dtype == values == v_cache.dtype
             and q.stride(2) == 1
             and q.stride(1) == q.shape[2]
@@ -224,8 +225,7 @@ class CpuDecodeAttention:
             q_rows = q_rows.to(torch.int64).contiguous()
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype)
-        table = None if scales is None else self._table(k_cache.dtype)
-        self._kernels[q.dtype, scales is not None](
+        self._kernels[q.dtype, _holds(k_cache, scales)](
             q.data_ptr(),
             q.stride(0),
             None if q_rows is None else q_rows.data_ptr(),
@@ -247,17 +247,17 @@ class CpuDecodeAttention:
             torch.get_num_threads(),
             None if scales is None else scales[0].data_ptr(),
             None if scales is None else scales[1].data_ptr(),
-            None if table is None else table.data_ptr(),
+            int(k_cache.dtype == torch.float8_e5m2),
         )
         return out
 
-    def _table(self, dtype: torch.dtype) -> torch.Tensor:
-        """``[256]`` fp32: the value of each byte as a code of ``dtype`` (int8 or an fp8)."""
-        table = self._tables.get(dtype)
-        if table is None:
-            table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
-            self._tables[dtype] = table
-        return table
+
+
+def _holds(cache: torch.Tensor, scales: tuple | None) -> str:
+    """What ``cache`` holds, as ``SYMBOLS`` names it: values, or int8 or fp8 codes."""
+    if scales is None:
+        return "values"
+    return "int8" if cache.dtype == torch.int8 else "fp8"
 
 
 def _scales_fit(

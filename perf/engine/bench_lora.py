@@ -4,8 +4,9 @@ against Hugging Face + peft switching adapters per request, in one process, one 
 
     python -m perf.engine.bench_lora [--streams 8 32] [--adapters 0 1 4 16] [--rank 16]
 
-The model is a random-weight Llama (768 hidden, 2048 MLP, 8 layers, 12 query and 4 KV heads,
-a 16000-token vocabulary; 75 M parameters, fp32), the adapters random rank-``--rank`` LoRA on
+The model is a random-weight Llama (``--hidden`` 768 and ``--intermediate`` 2048 by default,
+8 layers, query heads of 64 lanes, 4 KV heads, a 16000-token vocabulary; 75 M parameters at the
+default sizes, fp32), the adapters random rank-``--rank`` LoRA on
 all seven projections of every layer, written in peft's format (``adapter_config.json``,
 ``adapter_model.safetensors``). Each case runs ``S`` requests at once (``--streams``), each a
 32-token prompt and ``--new-tokens`` greedy tokens, the ``i``-th on adapter ``i mod k`` (``k``
@@ -44,13 +45,14 @@ PROJECTIONS = {
 }
 
 
-def build_model() -> LlamaForCausalLM:
+def build_model(hidden: int, intermediate: int) -> LlamaForCausalLM:
+    """The benchmark's random Llama: ``hidden`` wide (heads of 64), ``intermediate`` MLP."""
     config = LlamaConfig(
         vocab_size=16000,
-        hidden_size=768,
-        intermediate_size=2048,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=8,
-        num_attention_heads=12,
+        num_attention_heads=hidden // 64,
         num_key_value_heads=4,
         max_position_embeddings=2048,
         tie_word_embeddings=False,
@@ -164,9 +166,17 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hf-requests", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--intermediate", type=int, default=2048)
     args = parser.parse_args()
-    model = build_model()
-    report: dict[str, Any] = {"threads": torch.get_num_threads(), "rank": args.rank, "cases": []}
+    model = build_model(args.hidden, args.intermediate)
+    report: dict[str, Any] = {
+        "threads": torch.get_num_threads(),
+        "rank": args.rank,
+        "hidden": args.hidden,
+        "intermediate": args.intermediate,
+        "cases": [],
+    }
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for i in range(max(args.adapters)):

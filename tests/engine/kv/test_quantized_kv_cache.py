@@ -101,6 +101,25 @@ def test_triton_kernels(model, expected):
     assert run(engine, PROMPTS[:2]) == want[:2]
 
 
+def test_skipped_layers_keep_the_model_dtype(model):
+    """--kv-cache-dtype-skip-layers 0: layer 0 caches fp32 values, layer 1 codes; the tokens
+    are HF's with only layer 1's K and V rounded; a fork's copies carry both tensors."""
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation(fake_quant_attention(torch.float8_e5m2, skip=(0,)))
+    want = [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]
+    engine = engine_for(model, "fp8_e5m2", kv_cache_dtype_skip_layers=(0,))
+    cache = engine.runner.kv_cache
+    assert cache.layer(0)[0].dtype == torch.float32 and cache.layer_scales(0) is None
+    assert cache.layer(1)[0].dtype == torch.float8_e5m2 and cache.layer_scales(1) is not None
+    assert len(cache.block_tensors()) == 3
+    assert run(engine) == want
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, n=2)
+    engine.add_request(PROMPTS[1], params, request_id="fork")
+    while engine.has_unfinished:
+        engine.step()
+    assert_pool_clean(engine.block_manager)
+
+
 def test_the_cache_holds_more_tokens_in_the_same_bytes(model):
     """Codes of a byte and an fp32 scale per token and KV head: (64 + 4) bytes a token and
     head against fp32's 256."""

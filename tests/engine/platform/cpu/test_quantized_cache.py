@@ -90,3 +90,28 @@ def test_the_write_stores_codes_and_scales(code):
     # codes, not garbage: within half a step of the code (int8: amax / 254; fp8: 3 or 2 bits)
     bound = {torch.int8: 1 / 200, torch.float8_e4m3fn: 1 / 16, torch.float8_e5m2: 1 / 8}[code]
     assert (k_back - key[kept]).abs().max() <= key.abs().max() * bound
+
+
+@pytest.mark.parametrize("code", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8])
+def test_the_c_kernel_widens_every_code_byte_exactly(code):
+    """Each of the 256 bytes as a V code of scale 1 in a one-token context: attention returns
+    the V row itself, which must be torch's conversion of the codes, bit for bit (NaN codes
+    NaN, e5m2's infinities infinite)."""
+    if KERNEL is None:
+        pytest.skip("no C compiler here")
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(code).view(4, 1, 1, 64)
+    k_codes = torch.zeros_like(codes)
+    scale = torch.ones(4, 1, 1)
+    q = torch.randn(4, 1, 64)
+    out = KERNEL.attend(
+        q,
+        k_codes,
+        codes,
+        block_tables=torch.arange(4, dtype=torch.int32)[:, None],
+        seq_lens=torch.ones(4, dtype=torch.int32),
+        scale=0.125,
+        scales=(scale, scale),
+    )
+    torch.testing.assert_close(
+        out.view(256), codes.view(256).float(), rtol=0, atol=0, equal_nan=True
+    )
