@@ -41,21 +41,21 @@ static inline uint16_t f32_to_bf16(float f) {
  * (bias 7, no infinities, 0x7f/0xff NaN) and e5m2 (bias 15, IEEE-like). */
 static inline float e4m3_to_f32(uint8_t b) {
     const uint32_t sign = (uint32_t)(b & 0x80u) << 24, e = (b >> 3) & 0xfu, m = b & 7u;
-    bits32 c;
-    c.u = sign | ((e + 120u) << 23) | (m << 20);
-    const float normal = c.f;
-    const float sub = (float)m * 0x1p-9f;
-    float v = e ? normal : (sign ? -sub : sub);
-    return (e == 15u && m == 7u) ? __builtin_nanf("") : v;
+    const uint32_t nan = (e == 15u && m == 7u) ? 0x7fc00000u : 0u;
+    const uint32_t u = (sign | ((e + 120u) << 23) | (m << 20)) | nan;
+    float normal, sub = (float)m * 0x1p-9f;
+    memcpy(&normal, &u, sizeof normal);
+    sub = sign ? -sub : sub;
+    return e ? normal : sub;
 }
 
 static inline float e5m2_to_f32(uint8_t b) {
     const uint32_t sign = (uint32_t)(b & 0x80u) << 24, e = (b >> 2) & 0x1fu, m = b & 3u;
-    bits32 c;
-    c.u = sign | ((e == 31u ? 0xffu : e + 112u) << 23) | (m << 21);
-    const float normal = c.f;
-    const float sub = (float)m * 0x1p-16f;
-    return e ? normal : (sign ? -sub : sub);
+    const uint32_t u = sign | ((e == 31u ? 0xffu : e + 112u) << 23) | (m << 21);
+    float normal, sub = (float)m * 0x1p-16f;
+    memcpy(&normal, &u, sizeof normal);
+    sub = sign ? -sub : sub;
+    return e ? normal : sub;
 }
 
 static inline float load(const void *p, int64_t i, int bf16) {
