@@ -122,20 +122,19 @@ class KVCache:
         self.plain = cache(len(plain), dtype) if coded and plain else None
         # per token and KV head of a coded layer: the scale of its codes (None: no codes)
         self.scales = torch.ones(len(coded), *shape, device=device) if coded else None
-        values = self.tensor if not coded else self.plain
-        views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for i, layer in enumerate(coded):
-            views[layer] = (self.tensor[i, 0], self.tensor[i, 1])
-        for i, layer in enumerate(plain):
-            views[layer] = (values[i, 0], values[i, 1])
         self._scales = {
             layer: (self.scales[i, 0], self.scales[i, 1]) for i, layer in enumerate(coded)
         }
         # The per-layer views, made once (a step asks for every layer's)
         if layout.latent:
             self._latents = {layer: self.tensor[i, 0, :, :, 0] for i, layer in enumerate(plain)}
-        else:
-            self._layers = views
+            return
+        values = self.tensor if not coded else self.plain
+        self._layers = {
+            layer: (self.tensor[i, 0], self.tensor[i, 1]) for i, layer in enumerate(coded)
+        }
+        for i, layer in enumerate(plain):
+            self._layers[layer] = (values[i, 0], values[i, 1])
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``index``'s K and V caches (per-head layout)."""
