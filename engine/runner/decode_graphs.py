@@ -152,8 +152,8 @@ class DecodeGraphs:
         self.has_state = torch.zeros(n, dtype=torch.int32, device=device)
         self.max_loras = max_loras  # adapter slots (0: no LoRA)
         self.lora_slots = torch.full((n,), -1, dtype=torch.int32, device=device)
-        dtype = next(model.parameters()).dtype
-        self.lora_mask = torch.zeros(n, max(max_loras, 1), 1, dtype=dtype, device=device)
+        self._slot_ids = torch.arange(max_loras, dtype=torch.int32, device=device)
+        self._lora_dtype = next(model.parameters()).dtype
         # One fp32 logits buffer for every bucket (each graph's own output would hold sum(sizes)
         # rows); fp32 because the sampler upcasts anyway, so no model's logits lose precision.
         vocab_size = model.get_output_embeddings().weight.shape[0] if with_logits else 0
@@ -201,10 +201,13 @@ class DecodeGraphs:
         self.logits[:size].copy_(out.logits[0])
 
     def _lora_step(self, size: int) -> LoRAStep | None:
-        """The static adapter slots of a bucket's rows (None without LoRA)."""
+        """The static adapter slots of a bucket's rows and their one-hot mask over every slot,
+        computed inside the captured forward (None without LoRA)."""
         if not self.max_loras:
             return None
-        return LoRAStep(self.lora_slots[:size], 0, self.max_loras, self.lora_mask[:size])
+        slots = self.lora_slots[:size]
+        mask = (slots[:, None] == self._slot_ids[None, :]).to(self._lora_dtype)[:, :, None]
+        return LoRAStep(slots, 0, self.max_loras, mask)
 
     def holds(self, inputs: StepInputs) -> bool:
         """Whether a captured graph can run this step (decode-shaped, a bucket large enough)."""
@@ -248,8 +251,6 @@ class DecodeGraphs:
         if self.max_loras:
             rows = (inputs.lora_slots or [-1] * count) + [-1] * pad
             buffers.append((self.lora_slots[:size], rows, torch.int32))
-            one_hot = [[[float(r == s)] for s in range(self.max_loras)] for r in rows]
-            buffers.append((self.lora_mask[:size], one_hot, self.lora_mask.dtype))
         for dst, data, dtype in buffers:
             dst.copy_(host_tensor(data, dtype, dst.device), non_blocking=True)
         self._replay[size]()
