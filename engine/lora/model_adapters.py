@@ -138,9 +138,6 @@ class ModelAdapters:
         while len(self._host) > self.config.host_capacity:
             self._host.popitem(last=False)
 
-    def forget(self, adapter_id: int) -> None:
-        self._host.pop(adapter_id, None)
-
     @property
     def in_host_memory(self) -> list[int]:
         """Adapter ids read into host memory, least recently used first."""
