@@ -288,6 +288,29 @@ class GatedDeltaRule(Protocol):
     ) -> torch.Tensor: ...
 
 
+class SsdScan(Protocol):
+    """Mamba-2's selective state-space scan of ragged sequences over their SSM states (updated
+    in place): x ``[T, H, P]``, dt ``[T, H]`` fp32 (after softplus, bias and limits), A ``[H]``
+    fp32 (negative), B and C ``[T, G, N]``, D ``[H]`` or None, state ``[slots, H, P, N]`` fp32;
+    ``y [T, H, P]`` in x's dtype (``kernels/reference.py``'s ``ssd_scan_ref`` defines it)."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        C: torch.Tensor,
+        D: torch.Tensor | None,
+        state: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor,
+        state_slots: torch.Tensor,
+        has_state: torch.Tensor,
+        max_seqlen_q: int,
+    ) -> torch.Tensor: ...
+
+
 class LoraShrink(Protocol):
     """Each token's input through its adapter's A: ``s [T, R]`` fp32 with ``s[t, r] = sum_k
     x[t, k] * a[slot_t, r, k]`` summed in fp32; a row of slot -1 is zeros (and reads no a).

@@ -609,6 +609,53 @@ def gated_delta_rule_ref(
     return out.to(v.dtype)
 
 
+def ssd_scan_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    state: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_state: torch.Tensor,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
+    """Mamba-2's selective state-space recurrence, token by token (its definition).
+
+    x ``[T, H, P]``; dt ``[T, H]`` (the step size, softplus and limits already applied); A
+    ``[H]`` (negative); B and C ``[T, G, N]``, head ``h`` reading group ``h // (H // G)``; D
+    ``[H]`` (the skip) or None. For each token, per head, with ``S [P, N]``::
+
+        S = exp(dt * A) * S + dt * x B^T;  y = S C + D * x
+
+    Computed in ``state``'s dtype (fp32; float64 to check); the final ``S`` goes back to the
+    slot (``state [slots, H, P, N]``), a sequence with ``has_state == 0`` starting from zeros.
+    Returns ``y [T, H, P]`` in x's dtype. ``max_seqlen_q`` is the kernels' launch choice
+    (unused here)."""
+    del max_seqlen_q
+    compute = state.dtype
+    group = x.shape[1] // B.shape[1]
+    xx, dd = x.to(compute), dt.to(compute)
+    bb = B.to(compute).repeat_interleave(group, dim=1)  # [T, H, N]
+    cc = C.to(compute).repeat_interleave(group, dim=1)
+    decay = (dd * A.to(compute)).exp()  # [T, H]
+    out = torch.empty(x.shape, dtype=compute, device=x.device)
+    for s, (a, b) in enumerate(zip(cu_seqlens.tolist(), cu_seqlens[1:].tolist())):
+        slot = int(state_slots[s])
+        S = state[slot].clone() if int(has_state[s]) else torch.zeros_like(state[slot])
+        for t in range(a, b):
+            S = S * decay[t][:, None, None]
+            S = S + (dd[t][:, None] * xx[t])[:, :, None] * bb[t][:, None, :]
+            out[t] = torch.einsum("hpn,hn->hp", S, cc[t])
+        state[slot] = S
+    if D is not None:
+        out = out + D.to(compute)[:, None] * xx
+    return out.to(x.dtype)
+
+
 # --------------------------------------------------------------------- weight-only quantization
 # One canonical layout for W4A16 / W8A16 weights (GPTQ, AWQ and compressed-tensors' packed
 # checkpoints are repacked into it at load): ``qweight [K // pack, N]`` int32 with

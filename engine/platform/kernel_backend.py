@@ -31,6 +31,7 @@ from paged_serve.kernels.interface import (
     LoraSegments,
     MlaAttention,
     PagedAttention,
+    SsdScan,
     WriteKv,
     WriteLatent,
 )
@@ -42,7 +43,8 @@ class KernelBackend:
     experts of a mixture-of-experts layer (``engine/model/experts_swap.py``); ``write_latent``
     and ``mla_attention`` serve multi-head latent attention layers
     (``engine/model/latent_attention.py``); ``causal_conv`` and ``gated_delta_rule`` serve
-    gated DeltaNet layers over their state slots (``engine/model/linear_attention.py``);
+    gated DeltaNet layers over their state slots (``engine/model/linear_attention.py``), and
+    ``causal_conv`` and ``ssd_scan`` Mamba-2 layers (``engine/model/mamba_mixer.py``);
     ``add_lora`` adds each token's LoRA adapter to a projection (``engine/lora/``).
     ``sample`` is the
     fused draw (``kernels/triton/sampling.py``), or None for the eager one; ``graph_safe``: the
@@ -58,6 +60,7 @@ class KernelBackend:
     causal_conv: CausalConv
     gated_delta_rule: GatedDeltaRule
     add_lora: AddLora
+    ssd_scan: SsdScan
     sample: FusedSample | None = None
     graph_safe: bool = False
 
@@ -114,6 +117,7 @@ def make_kernels(
             causal_conv1d_cpu,
             gated_delta_rule_cpu,
             add_lora_grouped,
+            reference.ssd_scan_ref,
         )
     if name == "triton":
         # Imported here: triton must not load before TRITON_INTERPRET is decided.
@@ -137,6 +141,7 @@ def make_kernels(
             causal_conv1d,
             gated_delta_rule,
             add_lora_kernels,
+            reference.ssd_scan_ref,
             sample,
             graph_safe=True,
         )

@@ -43,6 +43,7 @@ IMPLEMENTATIONS: list[tuple[type, Callable]] = [
     (interface.GatedDeltaRule, delta_rule.gated_delta_rule),
     (interface.GatedDeltaRule, reference.gated_delta_rule_ref),
     (interface.GatedDeltaRule, gated_delta_rule_cpu),
+    (interface.SsdScan, reference.ssd_scan_ref),
     (interface.CopyBlocks, block_copy.copy_blocks),
     (interface.CopyBlocks, reference.copy_blocks_ref),
     (interface.FusedSample, sampling.sample),
