@@ -23,6 +23,10 @@ from paged_serve.engine.kv.state_cache import linear_layer_ids
 
 logger = logging.getLogger(__name__)
 
+# layer types without keys and values: Nemotron-H's feed-forward-only layers, LFM2's short
+# convolutions (state slots, state_cache.py)
+NO_KV_LAYER_TYPES = ("mlp", "moe", "conv")
+
 
 @dataclass(frozen=True, slots=True)
 class CacheLayout:
@@ -59,9 +63,12 @@ def cache_layout(hf_config: object, tensor_parallel_size: int = 1) -> CacheLayou
 
 
 def attention_layer_ids(hf_config: object) -> tuple[int, ...]:
-    """The layers that cache keys and values: every layer but the linear-attention ones."""
+    """The layers that cache keys and values: every layer but the linear-attention ones and
+    those of ``NO_KV_LAYER_TYPES``."""
     linear = set(linear_layer_ids(hf_config))
-    return tuple(i for i in range(hf_config.num_hidden_layers) if i not in linear)
+    types = getattr(hf_config, "layer_types", None) or ()
+    other = {i for i, t in enumerate(types) if t in NO_KV_LAYER_TYPES}
+    return tuple(i for i in range(hf_config.num_hidden_layers) if i not in linear | other)
 
 
 def per_head_elements_per_token(hf_config: object) -> int:
@@ -185,13 +192,26 @@ class KVCache:
         tensor_parallel_size: int = 1,
         cache_dtype: torch.dtype | None = None,
         skip_layers: frozenset[int] = frozenset(),
+        stateless_blocks: int = 0,
     ) -> KVCache:
         """As many blocks as ``budget_bytes`` holds for a Hugging Face model config's layers and
         layout (this rank's share of the KV heads under tensor parallelism). Raises ValueError
-        when not even one block fits."""
-        layout = cache_layout(hf_config, tensor_parallel_size)
+        when not even one block fits. A model without attention layers (Mamba-2) caches
+        nothing per token: its blocks only count tokens, ``stateless_blocks`` of them."""
         layer_ids = attention_layer_ids(hf_config)
         num_layers = len(layer_ids)
+        if not num_layers:
+            layout = CacheLayout(sides=2, num_kv_heads=0, head_dim=0)
+            return cls(
+                num_layers=0,
+                num_blocks=stateless_blocks,
+                block_size=block_size,
+                layout=layout,
+                dtype=dtype,
+                device=device,
+                layer_ids=(),
+            )
+        layout = cache_layout(hf_config, tensor_parallel_size)
         skipped = len(set(layer_ids) & skip_layers) if cache_dtype is not None else 0
         per_block = cls.bytes_per_block(
             num_layers=num_layers - skipped,

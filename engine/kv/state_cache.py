@@ -1,9 +1,11 @@
 """Linear-attention state: a fixed-size state per sequence and layer, beside the paged KV cache.
 
-A gated DeltaNet layer (Qwen3-Next, Qwen3.5: ``layer_types`` entries ``linear_attention``)
-keeps, per sequence, the last ``K - 1`` inputs of its causal convolution (``conv [K - 1, C]``, in
-the model's dtype, ``C = 2 Hk Dk + Hv Dv`` channels) and its recurrent state
-(``recurrent [Hv, Dk, Dv]``, fp32 whatever the model's dtype: it sums the whole sequence). A
+A stateful token mixer keeps, per sequence, the last ``K - 1`` inputs of its causal convolution
+(``conv [K - 1, C]``, in the model's dtype) and a recurrent state (fp32 whatever the model's
+dtype: it sums the whole sequence). A gated DeltaNet layer (Qwen3-Next, Qwen3.5) convolves ``C =
+2 Hk Dk + Hv Dv`` channels and keeps ``[Hv, Dk, Dv]``; a Mamba-2 layer (Bamba, Granite 4.0,
+Nemotron-H, Falcon-H1, Mamba-2) convolves ``C = H P + 2 G N`` channels and keeps ``[H, P, N]``
+(engine/model/mamba_mixer.py). Both are ``linear_attention`` entries of ``layer_types``. A
 sequence holds one *slot* index into every layer's tensors from admission to its end
 (``engine/sched/state_slots.py`` hands them out); the last slot is scratch, what the padding
 rows of a decode graph read and write.
@@ -20,26 +22,23 @@ LINEAR_LAYER_TYPE = "linear_attention"
 
 @dataclass(frozen=True, slots=True)
 class LinearStateShape:
-    """One rank's per-sequence state of a model's gated DeltaNet layers ``layer_ids``."""
+    """One rank's per-sequence state of a model's stateful token mixers ``layer_ids``: a
+    convolution window ``[conv_width - 1, conv_channels]`` in the model's dtype and a recurrent
+    state of shape ``recurrent`` in fp32 (gated DeltaNet: ``[Hv, Dk, Dv]``; Mamba-2: ``[H, P,
+    N]``, engine/model/mamba_mixer.py)."""
 
     layer_ids: tuple[int, ...]
-    num_k_heads: int
-    num_v_heads: int
-    key_head_dim: int
-    value_head_dim: int
     conv_width: int
-
-    @property
-    def conv_channels(self) -> int:
-        return 2 * self.num_k_heads * self.key_head_dim + self.num_v_heads * self.value_head_dim
+    conv_channels: int
+    recurrent: tuple[int, int, int]
 
     def bytes_per_slot(self, dtype: torch.dtype) -> int:
-        """One sequence's state over all linear layers (bytes): windows in ``dtype``, fp32
+        """One sequence's state over all stateful layers (bytes): windows in ``dtype``, fp32
         recurrent states."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         conv = (self.conv_width - 1) * self.conv_channels * itemsize
-        recurrent = self.num_v_heads * self.key_head_dim * self.value_head_dim * 4
-        return len(self.layer_ids) * (conv + recurrent)
+        heads, rows, cols = self.recurrent
+        return len(self.layer_ids) * (conv + heads * rows * cols * 4)
 
 
 def linear_layer_ids(hf_config: object) -> tuple[int, ...]:
@@ -52,21 +51,23 @@ def linear_state_shape(hf_config: object, tensor_parallel_size: int = 1) -> Line
     """This rank's state shape of a hybrid model's gated DeltaNet layers (its share of the key
     and value heads), or None for a model without linear-attention layers."""
     layer_ids = linear_layer_ids(hf_config)
-    if not layer_ids:
-        return None
+    if not layer_ids or getattr(hf_config, "linear_num_key_heads", None) is None:
+        return None  # Mamba-2 layers' shape comes from their modules (mamba_state_shape)
+    num_k = hf_config.linear_num_key_heads // tensor_parallel_size
+    num_v = hf_config.linear_num_value_heads // tensor_parallel_size
+    key_dim, value_dim = hf_config.linear_key_head_dim, hf_config.linear_value_head_dim
     return LinearStateShape(
         layer_ids=layer_ids,
-        num_k_heads=hf_config.linear_num_key_heads // tensor_parallel_size,
-        num_v_heads=hf_config.linear_num_value_heads // tensor_parallel_size,
-        key_head_dim=hf_config.linear_key_head_dim,
-        value_head_dim=hf_config.linear_value_head_dim,
         conv_width=hf_config.linear_conv_kernel_dim,
+        conv_channels=2 * num_k * key_dim + num_v * value_dim,
+        recurrent=(num_v, key_dim, value_dim),
     )
 
 
 class StateCache:
-    """Every linear layer's states: ``conv [layers, slots + 1, K - 1, C]`` (model dtype) and
-    ``recurrent [layers, slots + 1, Hv, Dk, Dv]`` (fp32); slot ``num_slots`` is scratch."""
+    """Every stateful layer's states: ``conv [layers, slots + 1, K - 1, C]`` (model dtype) and
+    ``recurrent [layers, slots + 1, *shape.recurrent]`` (fp32); slot ``num_slots`` is
+    scratch."""
 
     def __init__(
         self, shape: LinearStateShape, *, num_slots: int, dtype: torch.dtype, device: torch.device
@@ -79,19 +80,13 @@ class StateCache:
             layers, rows, shape.conv_width - 1, shape.conv_channels, dtype=dtype, device=device
         )
         self.recurrent = torch.zeros(
-            layers,
-            rows,
-            shape.num_v_heads,
-            shape.key_head_dim,
-            shape.value_head_dim,
-            dtype=torch.float32,
-            device=device,
+            layers, rows, *shape.recurrent, dtype=torch.float32, device=device
         )
         self._index = {layer: i for i, layer in enumerate(shape.layer_ids)}
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer_idx``'s ``(conv [slots + 1, K - 1, C], recurrent [slots + 1, Hv, Dk,
-        Dv])``."""
+        """Layer ``layer_idx``'s ``(conv [slots + 1, K - 1, C], recurrent [slots + 1,
+        *shape.recurrent])``."""
         i = self._index[layer_idx]
         return self.conv[i], self.recurrent[i]
 

@@ -25,6 +25,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 from paged_serve.engine.model.latent_attention import unservable_latent_reason
 from paged_serve.engine.model.linear_attention import linear_attention_layers
 from paged_serve.engine.model.linear_swap import transformer_layers
+from paged_serve.engine.model.mamba_mixer import mamba2_layers, unservable_mixer_reason
+from paged_serve.engine.model.short_conv import SHORT_CONV_LAYER_TYPE, short_conv_layers
 
 # Decoders engine/model/body/ runs op for op (tests/engine/model/test_model_body.py).
 FAST_BODY_ARCHITECTURES = (
@@ -53,7 +55,9 @@ FAST_BODY_ARCHITECTURES = (
     "CohereForCausalLM",  # LayerNorm, attention and MLP in parallel, rotation in pairs
 )
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
-LINEAR_LAYER_TYPE = "linear_attention"  # gated DeltaNet, over state slots
+LINEAR_LAYER_TYPE = "linear_attention"  # gated DeltaNet or Mamba-2, over state slots
+PARALLEL_LAYER_TYPE = "hybrid"  # Falcon-H1: attention and a Mamba-2 mixer side by side
+FEED_FORWARD_LAYER_TYPES = ("mlp", "moe")  # Nemotron-H: a layer without a token mixer
 
 
 def attention_layers(model: nn.Module) -> list[nn.Module]:
@@ -65,6 +69,14 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
         for m in model.modules()
         if type(m).__name__.endswith("Attention") and getattr(m, "layer_idx", None) is not None
     ]
+
+
+def _has_layer_list(model: PreTrainedModel) -> bool:
+    try:
+        transformer_layers(model)
+    except ValueError:
+        return False
+    return True
 
 
 def text_config(model: PreTrainedModel) -> PretrainedConfig:
@@ -115,13 +127,11 @@ def check_servable(model: PreTrainedModel, pooling: bool = False) -> None:
     if not pooling and (model.get_output_embeddings() is None or model.base_model is model):
         raise ValueError(f"{name} is not a causal LM: an LM head over a decoder (base_model)")
     encoder = pooling and is_bidirectional(model)
-    decoder = getattr(model, "model", None)
-    decoder = getattr(decoder, "language_model", decoder)  # a vision-language model's
-    if not encoder and not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
+    if not encoder and not _has_layer_list(model):
         raise ValueError(
-            f"{name} keeps its decoder layers elsewhere than model.model.layers (or "
-            "model.model.language_model.layers), the list the "
-            "engine's module swaps (fused and quantized projections, sharding) walk"
+            f"{name} keeps no list of decoder layers where the engine's module swaps (fused and "
+            "quantized projections, sharding) look: model.model.layers, "
+            "model.model.language_model.layers or the base model's layers"
         )
     if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", "") == "alibi":
         raise ValueError(f"{name} uses ALiBi position biases, which the paged kernels do not add")
@@ -131,7 +141,13 @@ def check_servable(model: PreTrainedModel, pooling: bool = False) -> None:
             if reason is not None:
                 raise ValueError(f"{name} {reason}")
     layer_types = getattr(config, "layer_types", None) or []
-    served = (*ATTENTION_LAYER_TYPES, LINEAR_LAYER_TYPE)
+    served = (
+        *ATTENTION_LAYER_TYPES,
+        LINEAR_LAYER_TYPE,
+        PARALLEL_LAYER_TYPE,
+        SHORT_CONV_LAYER_TYPE,
+        *FEED_FORWARD_LAYER_TYPES,
+    )
     other = sorted({t for t in layer_types if t not in served})
     if other:
         raise ValueError(
@@ -151,7 +167,8 @@ def check_servable(model: PreTrainedModel, pooling: bool = False) -> None:
         raise ValueError(
             f"{name} has bidirectional attention layers: paged-serve serves causal LMs"
         )
-    found = sorted({m.layer_idx for m in modules} | set(linear))
+    mixerless = {i for i, t in enumerate(layer_types) if t in FEED_FORWARD_LAYER_TYPES}
+    found = sorted({m.layer_idx for m in modules} | set(linear) | mixerless)
     layers = int(config.num_hidden_layers)
     if found != list(range(layers)):
         shown = ", ".join(map(str, found[:8])) + (", ..." if len(found) > 8 else "")
@@ -162,24 +179,34 @@ def check_servable(model: PreTrainedModel, pooling: bool = False) -> None:
 
 
 def _check_linear_layers(model: PreTrainedModel, layer_types: list[str]) -> list[int]:
-    """The layer ids of ``model``'s gated DeltaNet mixers, one per ``linear_attention`` entry
-    of ``layer_types`` (ValueError naming what does not fit)."""
-    wanted = [i for i, t in enumerate(layer_types) if t == LINEAR_LAYER_TYPE]
-    mixers = linear_attention_layers(model)
-    found = sorted(m.layer_idx for m in mixers)
+    """The layer ids of ``model``'s stateful mixers (gated DeltaNet, Mamba-2 or LFM2's short
+    convolutions), one per ``linear_attention`` or ``conv`` entry of ``layer_types`` and one
+    beside the attention of each ``hybrid`` entry (ValueError naming what does not fit)."""
+    stateful = (LINEAR_LAYER_TYPE, PARALLEL_LAYER_TYPE, SHORT_CONV_LAYER_TYPE)
+    wanted = [i for i, t in enumerate(layer_types) if t in stateful]
+    delta_nets, mambas = linear_attention_layers(model), mamba2_layers(model)
+    convs = short_conv_layers(model)
+    found = sorted(m.layer_idx for m in (*delta_nets, *mambas, *convs))
     name = type(model).__name__
     if found != wanted:
         raise ValueError(
             f"{name}: linear_attention layers {wanted}, but gated DeltaNet mixers (with conv1d, "
-            f"A_log, dt_bias, a gated norm and HF's input projections) at {found}: other "
-            "linear-attention and state-space layers are not supported yet"
+            f"A_log, dt_bias, a gated norm and HF's input projections) or Mamba-2 mixers (in_proj, "
+            f"conv1d, A_log, dt_bias, D, norm, out_proj) at {found}: other linear-attention and "
+            "state-space layers are not supported yet"
         )
-    for module in mixers:
+    if sum(map(bool, (delta_nets, mambas, convs))) > 1:
+        raise ValueError(f"{name} mixes kinds of stateful layers; one state shape is served")
+    for module in delta_nets:
         if module.activation not in ("silu", "swish"):
             raise ValueError(
                 f"{name}: the gated DeltaNet convolution's activation is {module.activation!r}; "
                 "the kernels apply SiLU"
             )
+    for module in mambas:
+        reason = unservable_mixer_reason(module)
+        if reason is not None:
+            raise ValueError(f"{name}: layer {module.layer_idx}'s Mamba-2 mixer: {reason}")
     return wanted
 
 

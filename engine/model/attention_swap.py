@@ -22,6 +22,8 @@ from paged_serve.engine.model.latent_attention import (
     latent_attention_flat,
 )
 from paged_serve.engine.model.linear_attention import install_linear_attention
+from paged_serve.engine.model.mamba_mixer import install_mamba2_mixers
+from paged_serve.engine.model.short_conv import install_short_convs
 
 ATTN_NAME = "paged_serve"
 
@@ -114,6 +116,8 @@ def install_paged_attention(model: PreTrainedModel, pooling: bool = False) -> No
     check_servable(model, pooling)
     install_latent_attention(model)  # MLA: absorbed weights over the latent cache
     install_linear_attention(model)  # gated DeltaNet mixers over state slots
+    install_mamba2_mixers(model)  # Mamba-2 mixers over state slots
+    install_short_convs(model)  # LFM2's gated short convolutions over state slots
     if is_multimodal(model):  # the vision encoder keeps its own attention: no paged KV
         others = {key: "sdpa" for key in model.config.sub_configs if key != "text_config"}
         model.set_attn_implementation({"text_config": ATTN_NAME, **others})

@@ -41,6 +41,8 @@ from paged_serve.engine.model.fused_projections import linear_from, unfuse_proje
 from paged_serve.engine.model.latent_attention import is_latent_attention
 from paged_serve.engine.model.linear_attention import is_gated_delta_net
 from paged_serve.engine.model.linear_swap import transformer_layers
+from paged_serve.engine.model.mamba_mixer import mamba2_layers
+from paged_serve.engine.model.short_conv import short_conv_layers
 from paged_serve.engine.platform.cpu.linears import restore_plain_linears
 from paged_serve.engine.platform.cpu.packed_experts import restore_plain_experts
 from paged_serve.engine.quant.experts import StoredExperts
@@ -118,6 +120,11 @@ def check_shardable(model: nn.Module, world_size: int) -> None:
     divides, and per-head q/k norms only (a norm over all heads, as OLMo 2's, would need every
     rank's heads). ``model`` has its plain projections (``plain_projections``)."""
     name = type(model).__name__
+    if mamba2_layers(model) or short_conv_layers(model):
+        raise ValueError(
+            f"tensor parallelism does not shard {name}'s Mamba-2 or short-convolution mixers "
+            "yet: serve it with --tensor-parallel-size 1"
+        )
     if getattr(model.config, "vision_config", None) is not None:
         raise ValueError(
             f"tensor parallelism does not shard {name}, a vision-language model, yet: serve it "

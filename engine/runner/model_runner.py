@@ -27,7 +27,9 @@ from paged_serve.engine.lora.model_adapters import ModelAdapters
 from paged_serve.engine.model.architecture import is_multimodal, runs_fast_body, text_config
 from paged_serve.engine.model.body import ModelBody
 from paged_serve.engine.model.logits_head import LogitsHead
+from paged_serve.engine.model.mamba_mixer import mamba_state_shape
 from paged_serve.engine.model.model_task import position_offset
+from paged_serve.engine.model.short_conv import short_conv_state_shape
 from paged_serve.engine.platform.host_tensors import to_device
 from paged_serve.engine.platform.platform import Platform
 from paged_serve.engine.pooling.pooler import pool_step
@@ -142,6 +144,7 @@ class ModelRunner:
         self.state_cache: StateCache | None = None
         hf_config = text_config(model)
         shape = linear_state_shape(hf_config, 1 if tp is None else tp.world_size)
+        shape = shape or mamba_state_shape(model) or short_conv_state_shape(model)
         if shape is not None:
             self.state_cache = StateCache(
                 shape, num_slots=config.max_num_seqs, dtype=dtype, device=device
@@ -168,6 +171,7 @@ class ModelRunner:
             tensor_parallel_size=1 if tp is None else tp.world_size,
             cache_dtype=kv_code_dtype(config.kv_cache_dtype),
             skip_layers=frozenset(config.kv_cache_dtype_skip_layers),
+            stateless_blocks=config.max_num_seqs * -(-max_model_len // config.block_size),
         )
         self.block_size = config.block_size
         self.vocab_size = int(hf_config.vocab_size)
