@@ -11,7 +11,8 @@ compile-time arguments and options come from
 MLA kernel's (DeepSeek-V3's 128 heads and 512 + 64 latent, per dtype: decode, split decode, prefill)
 from ``paged_serve.kernels.triton.mla_attention.mla_launch``, the gated DeltaNet kernels'
 (Qwen3-Next's 128-lane key and value heads: recurrent and chunked delta rule, the 4-wide causal
-convolution) from ``delta_rule_constants`` and ``conv_constants``, and
+convolution) from ``delta_rule_constants`` and ``conv_constants``, Mamba-2's scan kernels (P = 64,
+N = 128: recurrent and chunked) from ``ssd_constants``, and
 the sampling tile from ``paged_serve.kernels.triton.sampling`` (and, for vocabularies above its
 slice, every phase of the split-row sampler, ``paged_serve.kernels.triton.sampling_split``),
 pointers and the strides a contiguous cache makes multiples of 16 carry the JIT's launch-time
@@ -49,13 +50,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SM90_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
 DTYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
 KV_CODES = {"int8": "*i8", "e4m3": "*fp8e4nv", "e5m2": "*fp8e5"}  # a quantized cache's codes
+SSD_STATE = 128  # Mamba-2's state size N (2.7B, Codestral Mamba, Nemotron-H)
 
 
 @dataclass(frozen=True)
 class Config:
     """One kernel build: ``kind`` is ``attention``, ``mla`` (``group`` is its query heads),
-    ``delta`` (``decode_only``: the recurrent kernel, else the chunked one), ``conv`` or
-    ``sampling``."""
+    ``delta`` or ``ssd`` (``decode_only``: the recurrent kernel, else the chunked one; ``head_dim``
+    is ssd's P), ``conv`` or ``sampling``."""
 
     kind: str
     dtype: str = "fp32"
@@ -88,6 +90,9 @@ class Config:
             return f"delta rule {self.dtype} D={self.head_dim} {kernel}"
         if self.kind == "conv":
             return f"causal conv {self.dtype} K=4"
+        if self.kind == "ssd":
+            kernel = "recurrent" if self.decode_only else "chunked"
+            return f"ssd scan {self.dtype} P={self.head_dim} N={SSD_STATE} {kernel}"
         tiles = f" tiles={','.join(map(str, self.tiles))}" if self.tiles else ""
         extra += f" kv={self.kv_codes}" if self.kv_codes else ""
         return f"attention {self.dtype} D={self.head_dim} G={self.group} {mode}{extra}{tiles}"
@@ -251,6 +256,38 @@ def _linear_attention_source(cfg: Config):
     return ASTSource(kernel, signature, constants, attrs), {"num_warps": warps}
 
 
+def _ssd_source(cfg: Config):
+    """Mamba-2's scan (x, B, C, y in ``cfg.dtype``; dt, A, D, states fp32), P = ``head_dim``,
+    N = ``SSD_STATE``, with the skip D, as ``ssd_scan`` launches it."""
+    from triton.compiler import ASTSource
+
+    from paged_serve.kernels.triton.ssd_scan import (
+        _CHUNKED_WARPS,
+        _ssd_chunked_kernel,
+        _ssd_recurrent_kernel,
+        ssd_constants,
+    )
+
+    chunked = not cfg.decode_only
+    kernel = _ssd_chunked_kernel if chunked else _ssd_recurrent_kernel
+    constants = ssd_constants(cfg.head_dim, SSD_STATE, has_d=True, chunked=chunked)
+    fp32_ptrs = {"dt_ptr", "A_ptr", "D_ptr", "state_ptr"}
+    int_ptrs = {"cu_seqlens_ptr", "state_slots_ptr", "has_state_ptr"}
+    signature, attrs = {}, {}
+    for i, arg in enumerate(kernel.arg_names):
+        if arg in constants:
+            signature[arg] = "constexpr"
+        elif arg.endswith("_ptr"):
+            kind = "*i32" if arg in int_ptrs else "*fp32" if arg in fp32_ptrs else None
+            signature[arg] = kind or DTYPES[cfg.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[arg] = "i32"
+    return ASTSource(kernel, signature, constants, attrs), {
+        "num_warps": _CHUNKED_WARPS if chunked else 4
+    }
+
+
 def _sampling_source(cfg: Config):
     from triton.compiler import ASTSource
 
@@ -349,6 +386,7 @@ def measure(cfg: Config) -> Resources:
             "mla": _mla_source,
             "delta": _linear_attention_source,
             "conv": _linear_attention_source,
+            "ssd": _ssd_source,
             "sampling_split": _sampling_split_source,
         }.get(cfg.kind, _sampling_source)
         source, options = make(cfg)
@@ -388,6 +426,7 @@ def configs(args: argparse.Namespace) -> list[Config]:
         chunked = (False,) if dtype == "fp32" else (False, True)  # uses_chunked_kernel
         out += [Config("delta", dtype, 128, decode_only=not c) for c in chunked]
         out.append(Config("conv", dtype))
+        out += [Config("ssd", dtype, 64, decode_only=not c) for c in chunked]  # Mamba-2's P
     masks = (False, True) if args.token_mask else (False,)
     out += [Config("sampling", vocab=v, token_mask=m) for v in args.vocabs for m in masks]
     from paged_serve.kernels.triton.sampling_split import (

@@ -42,6 +42,7 @@ for _name in (
     "paged_serve.kernels.triton.mla_attention",
     "paged_serve.kernels.triton.causal_conv",
     "paged_serve.kernels.triton.delta_rule",
+    "paged_serve.kernels.triton.ssd_scan",
     "paged_serve.kernels.triton.quantized_moe",
     "paged_serve.kernels.triton.lora",
 ):

@@ -49,15 +49,18 @@ def aot_compile(*args: str) -> tuple[int, list[dict]]:
 
 def test_fp32_attention_and_sampling_build_without_spills():
     """Paged attention, DeepSeek-V3's MLA (decode, split decode, prefill), Qwen3-Next's gated
-    delta rule (fp32 takes the recurrent kernel on a GPU) and convolution, and sampling."""
+    delta rule (fp32 takes the recurrent kernel on a GPU) and convolution, Mamba-2's scan (the
+    recurrent kernel likewise), and sampling."""
     rc, rows = aot_compile(
         "--dtypes", "fp32", "--head-dims", "64,80,128,256", "--groups", "1,8", "--vocabs", "1000"
     )
-    assert len(rows) == 4 * (2 * 2 + 2) + 3 + 2 + 1
+    assert len(rows) == 4 * (2 * 2 + 2) + 3 + 3 + 1
     assert sum(r["config"].startswith("mla fp32 R=512+64 H=128") for r in rows) == 3
-    assert {"delta rule fp32 D=128 recurrent", "causal conv fp32 K=4"} <= {
-        r["config"] for r in rows
-    }
+    assert {
+        "delta rule fp32 D=128 recurrent",
+        "causal conv fp32 K=4",
+        "ssd scan fp32 P=64 N=128 recurrent",
+    } <= {r["config"] for r in rows}
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad
     assert rc == 0
@@ -66,8 +69,9 @@ def test_fp32_attention_and_sampling_build_without_spills():
 
 def test_bf16_gated_deltanet_and_split_sampling_kernels_build_without_spills():
     """The chunked delta rule's tensor-core tiles (16 tokens x 32 value lanes, 8 warps) at
-    Qwen3-Next's 128-lane heads, beside the recurrent kernel and the convolution; every phase
-    of the split-row sampler at V = 151936."""
+    Qwen3-Next's 128-lane heads, beside the recurrent kernel and the convolution; Mamba-2's
+    scan kernels (32 tokens x 16 lanes of P = 64, N = 128, 8 warps); every phase of the
+    split-row sampler at V = 151936."""
     rc, rows = aot_compile(
         "--dtypes", "bf16", "--head-dims", "128", "--groups", "1", "--vocabs", "151936"
     )  # fmt: skip
@@ -82,6 +86,8 @@ def test_bf16_gated_deltanet_and_split_sampling_kernels_build_without_spills():
         "delta rule bf16 D=128 chunked",
         "causal conv bf16 K=4",
     ]
+    ssd = [r["config"] for r in rows if r["config"].startswith("ssd scan")]
+    assert ssd == ["ssd scan bf16 P=64 N=128 recurrent", "ssd scan bf16 P=64 N=128 chunked"]
     assert all(r["ok"] for r in rows), rows
     assert rc == 0
 

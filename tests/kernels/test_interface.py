@@ -23,6 +23,7 @@ from paged_serve.kernels.triton import (
     mla_attention,
     paged_attention,
     sampling,
+    ssd_scan,
 )
 
 PLANNED = PlannedTorchAttention()
@@ -43,6 +44,7 @@ IMPLEMENTATIONS: list[tuple[type, Callable]] = [
     (interface.GatedDeltaRule, delta_rule.gated_delta_rule),
     (interface.GatedDeltaRule, reference.gated_delta_rule_ref),
     (interface.GatedDeltaRule, gated_delta_rule_cpu),
+    (interface.SsdScan, ssd_scan.ssd_scan),
     (interface.SsdScan, reference.ssd_scan_ref),
     (interface.CopyBlocks, block_copy.copy_blocks),
     (interface.CopyBlocks, reference.copy_blocks_ref),
