@@ -12,6 +12,7 @@ import pytest
 from paged_serve.engine.platform.cpu.attention import PlannedTorchAttention
 from paged_serve.engine.platform.cpu.linear_attention import causal_conv1d_cpu, gated_delta_rule_cpu
 from paged_serve.engine.platform.cpu.moe import grouped_moe
+from paged_serve.engine.platform.cpu.ssm import ssd_scan_cpu
 from paged_serve.kernels import interface, reference
 from paged_serve.kernels.triton import (
     block_copy,
@@ -46,6 +47,7 @@ IMPLEMENTATIONS: list[tuple[type, Callable]] = [
     (interface.GatedDeltaRule, gated_delta_rule_cpu),
     (interface.SsdScan, ssd_scan.ssd_scan),
     (interface.SsdScan, reference.ssd_scan_ref),
+    (interface.SsdScan, ssd_scan_cpu),
     (interface.CopyBlocks, block_copy.copy_blocks),
     (interface.CopyBlocks, reference.copy_blocks_ref),
     (interface.FusedSample, sampling.sample),
