@@ -5,9 +5,10 @@ kernel), prefill chunks shorter than, equal to and longer than a 32-token chunk 
 kernel (up to three chunks), and mixed steps; fresh sequences (``has_state`` 0, whose slot holds
 garbage that must not be read) beside continuing ones; B and C shared by all heads (G = 1) or
 by pairs of heads (G = H / 2); head sizes P and N that are not powers of two (P = 40 spans two
-P blocks); with and without the skip D; fp32 and bf16 inputs. The reference runs on the same
-inputs in float64, and the states after the step are compared too (slots the step does not name
-stay bit-equal). A state carried over three steps through its slot; both reduction orders.
+P blocks; P = 8, N = 6 are masked up to the dots' 16); with and without the skip D; fp32 and
+bf16 inputs; x, B and C views of one projection. The reference runs on the same inputs in
+float64, and the states after the step are compared too (slots the step does not name stay
+bit-equal). A state carried over four steps through its slot; both reduction orders.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ CASES = [
     ("prefill-1-to-3-chunks", PREFILL, {0, 3}, 4, 2, 24, 20, True, torch.float32),
     ("prefill-one-group-no-skip", PREFILL, {2}, 2, 1, 40, 12, False, torch.float32),
     ("mixed", MIXED, {1, 3}, 4, 2, 24, 20, True, torch.float32),
+    ("mixed-heads-below-a-dot-tile", MIXED, {2}, 2, 2, 8, 6, True, torch.float32),
     ("mixed-bf16", MIXED, {0}, 4, 2, 32, 32, True, torch.bfloat16),
     ("prefill-bf16", PREFILL, {1}, 4, 2, 24, 20, False, torch.bfloat16),
     ("decode-bf16", DECODE, {3}, 2, 1, 16, 24, False, torch.bfloat16),
