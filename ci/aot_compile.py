@@ -25,7 +25,8 @@ choice), to compare candidates. The sampling kernel is built without a grammar t
 build every unconstrained batch runs); ``--token-mask`` adds the ``HAS_MASK`` build of each vocab.
 ``--kv-codes`` adds, per code type, dtype and head dim, the attention builds over a quantized
 KV cache (``QUANT``: int8 / fp8 codes dequantized as each tile loads) for the largest group:
-decode, split decode, and windowed split prefill.
+decode, split decode, and windowed split prefill; and per code type and dtype the MLA builds
+over a quantized latent cache (its ``QUANT``: per-token scales on scores and weights).
 
 The interpreter never compiles, so this is the only check of resource use that needs no GPU.
 It proves nothing numerical: agreement on a GPU is what the ``cuda`` tests check.
@@ -84,6 +85,7 @@ class Config:
         mode = "decode" if self.decode_only else "prefill"
         extra = "".join((" split" if self.split else "", " window" if self.window else ""))
         if self.kind == "mla":
+            extra += f" kv={self.kv_codes}" if self.kv_codes else ""
             return f"mla {self.dtype} R={self.latent}+{self.rope} H={self.group} {mode}{extra}"
         if self.kind == "delta":
             kernel = "recurrent" if self.decode_only else "chunked"
@@ -200,6 +202,7 @@ def _mla_source(cfg: Config):
         max_seqlen_k=1,
         num_kv_splits=2 if cfg.split else 1,
         num_sms=132,
+        quantized=bool(cfg.kv_codes),
     )
     constants = launch.constexprs()
     aligned = {"stride_qt", "stride_qh", "stride_ot", "stride_oh"}
@@ -210,7 +213,10 @@ def _mla_source(cfg: Config):
         if arg in constants:
             signature[arg] = "constexpr"
         elif arg.endswith("_ptr"):
-            dtype = "*i32" if arg in int_ptrs else "*fp32" if arg.startswith("part_") else None
+            fp32_ptr = arg.startswith("part_") or arg == "latent_scale_ptr"
+            dtype = "*i32" if arg in int_ptrs else "*fp32" if fp32_ptr else None
+            if cfg.kv_codes and arg == "cache_ptr":
+                dtype = KV_CODES[cfg.kv_codes]
             signature[arg] = dtype or DTYPES[cfg.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
@@ -218,7 +224,7 @@ def _mla_source(cfg: Config):
             if arg in aligned and (cfg.latent + cfg.rope) % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(_mla_attention_kernel, signature, constants, attrs)
-    return source, {"num_warps": launch.num_warps}
+    return source, launch.options()
 
 
 def _linear_attention_source(cfg: Config):
@@ -419,9 +425,11 @@ def configs(args: argparse.Namespace) -> list[Config]:
                 )
     if args.tiles is not None:
         out = [replace(c, tiles=tuple(args.tiles)) for c in out]
-    for dtype in args.dtypes:  # DeepSeek-V3's latent attention: 128 heads, a 512 + 64 entry
-        for decode_only, split in ((True, False), (True, True), (False, False)):
-            out.append(Config("mla", dtype, 0, 128, decode_only, split, latent=512, rope=64))
+    for codes in ("", *args.kv_codes):  # DeepSeek-V3's latent attention: 128 heads, 512 + 64
+        for dtype in args.dtypes:
+            for decode_only, split in ((True, False), (True, True), (False, False)):
+                mla = Config("mla", dtype, 0, 128, decode_only, split, latent=512, rope=64)
+                out.append(replace(mla, kv_codes=codes))
     for dtype in args.dtypes:  # Qwen3-Next's gated DeltaNet: 128-lane heads, a 4-wide window
         chunked = (False,) if dtype == "fp32" else (False, True)  # uses_chunked_kernel
         out += [Config("delta", dtype, 128, decode_only=not c) for c in chunked]

@@ -12,7 +12,8 @@ quantized cache: ``WriteKv``); block_tables ``[S, max_blocks]`` int32; seq_lens 
 (context including the new tokens); cu_seqlens_q ``[S + 1]`` int32; slot_mapping ``[T]`` int64 (-1:
 do not write); block_mapping ``[N, 2]`` int64 ``(src, dst)`` rows; kv_caches ``[num_layers, 2,
 num_blocks, block_size, Hkv, D]`` (``[num_layers, 1, num_blocks, block_size, 1, C]`` for a latent
-cache); latent_cache ``[num_blocks, block_size, C]`` with ``C = kv_lora_rank + rope_dim``.
+cache); latent_cache ``[num_blocks, block_size, C]`` with ``C = kv_lora_rank + rope_dim`` (int8
+or fp8 codes beside latent_scale ``[num_blocks, block_size]`` fp32 when quantized: ``WriteLatent``).
 Linear-attention state (gated DeltaNet): conv_state ``[num_slots, K - 1, C]`` and state
 ``[num_slots, Hv, Dk, Dv]`` fp32, one slot per live sequence; state_slots ``[S]`` int32 and
 has_state ``[S]`` int32 (0: the sequence starts from zeros). The semantics are the references'
@@ -175,17 +176,31 @@ class PagedAttention(Protocol):
 
 class WriteLatent(Protocol):
     """Scatter a step's latent cache entries ``[T, C]`` into one layer's latent cache, in place
-    (multi-head latent attention)."""
+    (multi-head latent attention).
+
+    Quantized latent cache (``latent_scale`` given): the cache holds int8 / fp8 codes ``[num_blocks,
+    block_size, C]`` beside ``latent_scale [num_blocks, block_size]`` fp32, one scale per token
+    (the entry is one "KV head"), and each entry is quantized as ``WriteKv`` quantizes a head:
+    ``scale = max|entry| / QMAX`` over its ``C`` lanes (``quantize_kv_ref``). A slot of -1 gets
+    neither codes nor a scale.
+    """
 
     def __call__(
-        self, latent: torch.Tensor, latent_cache: torch.Tensor, *, slot_mapping: torch.Tensor
+        self,
+        latent: torch.Tensor,
+        latent_cache: torch.Tensor,
+        *,
+        slot_mapping: torch.Tensor,
+        latent_scale: torch.Tensor | None = None,
     ) -> None: ...
 
 
 class MlaAttention(Protocol):
     """Absorbed-query multi-head latent attention over the paged latent cache: ``q [T, H, C]``
     (``q_nope @ W_UK``, then the rotated rope part) in, latent outputs ``[T, H, kv_lora_rank]``
-    in q's dtype out; metadata as for ``PagedAttention``."""
+    in q's dtype out; metadata as for ``PagedAttention``. ``latent_scale [num_blocks,
+    block_size]`` fp32: the cache is quantized (``WriteLatent``'s layout) and every entry read
+    is ``code.float() * scale``."""
 
     def __call__(
         self,
@@ -199,13 +214,15 @@ class MlaAttention(Protocol):
         kv_lora_rank: int,
         max_seqlen_q: int,
         max_seqlen_k: int,
+        latent_scale: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
 class CopyBlocks(Protocol):
     """Copy whole blocks of every layer and side (copy-on-write of forked sequences), in place.
-    Any dtype (int8 and fp8 codes too); a quantized cache's scales ``[L, 2, num_blocks,
-    block_size, Hkv]`` fp32 are copied by a second call on their ``[..., Hkv, 1]`` view."""
+    Any dtype (int8 and fp8 codes too); a quantized cache's scales ``[L, sides, num_blocks,
+    block_size, Hkv]`` fp32 (a latent cache's: ``[L, 1, num_blocks, block_size, 1]``) are copied
+    by a second call on their ``[..., Hkv, 1]`` view."""
 
     def __call__(self, kv_caches: torch.Tensor, *, block_mapping: torch.Tensor) -> None: ...
 

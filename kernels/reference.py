@@ -141,27 +141,35 @@ def mla_attention_ref(
     kv_lora_rank: int,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    latent_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Multi-head latent attention with absorbed weights, in fp32, one sequence at a time.
+    """Multi-head latent attention with absorbed weights, in fp32 (float64 for a float64 q),
+    one sequence at a time.
 
     latent_cache: ``[num_blocks, block_size, R + rope]``, one entry per token: the normalised
     latent (first ``R = kv_lora_rank`` lanes) and the rotated shared key part. q: ``[T, H, R +
     rope]``, each head's ``q_nope @ W_UK`` then its rotated ``q_rope``. Head ``h`` scores a
     token ``q_h . entry * scale`` over every lane and takes the latent ``entry[:R]`` as its
     value, causal inside a chunk as in :func:`paged_attention_ref` (same metadata; the maxima
-    are accepted for interface parity). Returns ``[T, H, R]`` in ``q.dtype``: the latent
-    outputs, which ``W_UV`` turns into per-head values.
+    are accepted for interface parity). ``latent_scale [num_blocks, block_size]`` fp32: the
+    cache holds int8/fp8 codes, and each gathered entry is dequantized (``code * scale``,
+    :func:`dequantize_kv_ref`) before the same math. Returns ``[T, H, R]`` in ``q.dtype``: the
+    latent outputs, which ``W_UV`` turns into per-head values.
     """
     block_size = latent_cache.shape[1]
-    out = torch.zeros((*q.shape[:2], kv_lora_rank), dtype=torch.float32, device=q.device)
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros((*q.shape[:2], kv_lora_rank), dtype=compute, device=q.device)
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     for s, seq_len in enumerate(lens):
         first, last = cu[s], cu[s + 1]
         if last == first:
             continue
         blocks = block_tables[s, : (seq_len + block_size - 1) // block_size].long()
-        entries = latent_cache[blocks].flatten(0, 1)[:seq_len].float()  # [L, R + rope]
-        queries = q[first:last].float().transpose(0, 1)  # [H, Lq, R + rope]
+        entries = latent_cache[blocks]  # [n, block_size, R + rope]
+        if latent_scale is not None:
+            entries = dequantize_kv_ref(entries, latent_scale[blocks])
+        entries = entries.flatten(0, 1)[:seq_len].to(compute)  # [L, R + rope]
+        queries = q[first:last].to(compute).transpose(0, 1)  # [H, Lq, R + rope]
         scores = queries @ entries.T * scale  # [H, Lq, L]
         q_pos = torch.arange(seq_len - (last - first), seq_len, device=q.device)[:, None]
         allowed = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
@@ -264,14 +272,25 @@ def _check_kv_scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None)
 
 
 def write_latent_ref(
-    latent: torch.Tensor, latent_cache: torch.Tensor, *, slot_mapping: torch.Tensor
+    latent: torch.Tensor,
+    latent_cache: torch.Tensor,
+    *,
+    slot_mapping: torch.Tensor,
+    latent_scale: torch.Tensor | None = None,
 ) -> None:
     """Scatter ``latent [T, C]`` into ``latent_cache [num_blocks, block_size, C]`` at
-    ``slot_mapping [T]`` (int64; ``-1``: do not write). In place, exact."""
+    ``slot_mapping [T]`` (int64; ``-1``: do not write). In place, exact. With ``latent_scale
+    [num_blocks, block_size]`` fp32 the cache holds int8/fp8 codes: each entry is quantized as
+    one head (:func:`quantize_kv_ref`, one scale per token, to the cache's dtype) and its codes
+    and scale scattered; a slot of -1 gets neither."""
     slots, rows = kept_slots(slot_mapping)
     if rows is not None:
         latent = latent[rows]
     num_blocks, block_size, width = latent_cache.shape
+    if latent_scale is not None:
+        codes, scales = quantize_kv_ref(latent[:, None], dtype=latent_cache.dtype)
+        latent_scale.view(num_blocks * block_size)[slots] = scales[:, 0]
+        latent = codes[:, 0]
     latent_cache.view(num_blocks * block_size, width)[slots] = latent.to(latent_cache.dtype)
 
 

@@ -12,11 +12,12 @@ token offsets are int64, so caches beyond 2^31 elements are addressed correctly.
 (``write_latent``: one ``[C]`` entry per token, multi-head latent attention) is written by the
 same kernel with one head and no value side.
 
-Quantized caches (``k_scale``, ``v_scale`` given; ``kernels/interface.py``'s ``WriteKv``): the
-caches hold int8 / float8_e4m3fn / float8_e5m2 codes, and the same program quantizes its tile
-in fp32 before storing it: per head (a row of the tile), ``amax`` over the D lanes, ``scale =
-amax / QMAX`` (1.0 where ``amax == 0``), ``x / scale`` clamped to ``[-QMAX, QMAX]`` and rounded
-to the code grid (nearest, ties to even), then the codes and the ``[BLOCK_H]`` scales. Both
+Quantized caches (``k_scale``, ``v_scale`` given, ``kernels/interface.py``'s ``WriteKv``; a
+latent cache's ``latent_scale``, one scale per token, ``WriteLatent``): the caches hold int8 /
+float8_e4m3fn / float8_e5m2 codes, and the same program quantizes its tile in fp32 before
+storing it: per head (a row of the tile), ``amax`` over the D lanes, ``scale = amax / QMAX``
+(1.0 where ``amax == 0``), ``x / scale`` clamped to ``[-QMAX, QMAX]`` and rounded to the code
+grid (nearest, ties to even), then the codes and the ``[BLOCK_H]`` scales. Both
 divisions are ``div_rn`` (IEEE, as torch's), and the rounding is done in fp32 (``_round_to_int``,
 ``_round_to_fp8``) so the final cast is exact: the interpreter's fp32 -> fp8 cast does not round
 to nearest even, and this way the interpreter and a GPU store ``quantize_kv_ref``'s codes.
@@ -311,18 +312,28 @@ def _check_quantized(
 
 
 def write_latent(
-    latent: torch.Tensor, latent_cache: torch.Tensor, *, slot_mapping: torch.Tensor
+    latent: torch.Tensor,
+    latent_cache: torch.Tensor,
+    *,
+    slot_mapping: torch.Tensor,
+    latent_scale: torch.Tensor | None = None,
 ) -> None:
     """Write ``latent [T, C]`` (a latent cache's entries) into ``latent_cache [num_blocks,
     block_size, C]`` at ``slot_mapping [T]`` (int64, ``-1``: skip); the same kernel as
-    :func:`write_kv`, one "head" and no value side. In place; bit-exact."""
+    :func:`write_kv`, one "head" and no value side. In place; bit-exact. With ``latent_scale``
+    (``[num_blocks, block_size]`` fp32, contiguous) the cache holds int8 / float8_e4m3fn /
+    float8_e5m2 codes and each entry is quantized as one head (``quantize_kv_ref``): one scale
+    per token."""
     if latent.dim() != 2 or latent_cache.dim() != 3:
         raise ValueError(
             f"latent must be [T, C] and latent_cache [num_blocks, block_size, C], got "
             f"{tuple(latent.shape)} and {tuple(latent_cache.shape)}"
         )
     num_tokens, width = latent.shape
-    if latent_cache.shape[2] != width or latent_cache.dtype != latent.dtype:
+    code_format = _check_latent_scale(latent, latent_cache, latent_scale)
+    if latent_cache.shape[2] != width or (
+        code_format is None and latent_cache.dtype != latent.dtype
+    ):
         raise ValueError(
             f"latent_cache entries {latent_cache.shape[2]} {latent_cache.dtype} do not match "
             f"latent {width} {latent.dtype}"
@@ -342,6 +353,15 @@ def write_latent(
         raise ValueError("slot_mapping must be contiguous")
     if num_tokens == 0:
         return
+    quant = {}
+    if code_format is not None:
+        quant = dict(
+            QUANT=True,
+            QMAX=code_format.qmax,
+            INT_CODES=code_format.is_int,
+            MANTISSA=code_format.mantissa_bits,
+            MIN_EXP=code_format.min_exponent,
+        )
     _write_kv_kernel[(num_tokens, 1)](
         latent,
         latent,
@@ -355,11 +375,41 @@ def write_latent(
         0,
         latent_cache.stride(1),
         0,
-        latent_cache,  # no scales
-        latent_cache,
-        0,
+        latent_cache if latent_scale is None else latent_scale,  # unused without QUANT
+        latent_cache,  # no value side
+        0 if latent_scale is None else latent_scale.stride(1),
         HEAD_DIM=width,
         BLOCK_H=1,
         BLOCK_D=triton.next_power_of_2(width),
         WRITE_VALUE=False,
+        **quant,
     )
+
+
+def _check_latent_scale(
+    latent: torch.Tensor, latent_cache: torch.Tensor, latent_scale: torch.Tensor | None
+) -> KvCodeFormat | None:
+    """The code format of a quantized latent write (None: ``latent_scale`` not given);
+    ValueError for a cache not of a code dtype, a latent not of a float dtype, or a scale
+    tensor that is not contiguous fp32 ``[num_blocks, block_size]`` on the latent's device."""
+    if latent_scale is None:
+        return None
+    code_format = KV_CODE_FORMATS.get(latent_cache.dtype)
+    if code_format is None:
+        raise ValueError(
+            f"a quantized latent cache holds one of {tuple(KV_CODE_FORMATS)} codes, got "
+            f"{latent_cache.dtype}"
+        )
+    if not latent.is_floating_point() or latent.dtype in KV_CODE_FORMATS:
+        raise ValueError(f"latent must be fp32/fp16/bf16, got {latent.dtype}")
+    shape = tuple(latent_cache.shape[:2])
+    if tuple(latent_scale.shape) != shape or latent_scale.dtype != torch.float32:
+        raise ValueError(
+            f"latent_scale must be fp32 {shape} (one scale per slot), got "
+            f"{latent_scale.dtype} {tuple(latent_scale.shape)}"
+        )
+    if latent_scale.device != latent.device or not latent_scale.is_contiguous():
+        raise ValueError(
+            f"latent_scale must be contiguous on {latent.device}, got {latent_scale.device}"
+        )
+    return code_format

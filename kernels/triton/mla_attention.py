@@ -35,6 +35,15 @@ split runs (``_key_tiles``), online-softmax step (``_online_softmax_step``), row
 Grids: main ``(num_q_tiles, cdiv(H, BLOCK_H), num_kv_splits)`` (``num_q_tiles`` as in paged
 attention); reduce (prefill chunks or ``fuse_merge=False``) ``(T, cdiv(H, 16))``.
 
+* **Quantized cache** (``latent_scale`` given: int8 / fp8 codes, one fp32 scale per token;
+  ``kernels/interface.py``'s ``WriteLatent``). The compile-time ``QUANT`` switch loads, beside
+  each tile of codes, its ``[TILE_N]`` scales, and the codes go to the dots as they are (cast to
+  q's dtype, which holds every code exactly). Entry ``n`` is ``code * scale[n]``, so its score
+  is ``(q . code) * scale[n]`` and its value term ``p * scale[n] * code``: the scales multiply
+  the scores' columns and the softmax weights (over the tile's largest scale, then the dot's
+  result by it: ``_scaled_softmax_step``). No dequantized copy of the cache or of a tile is
+  made.
+
 Under ``TRITON_INTERPRET=1`` bf16 operands are cast to fp32 before the dots (the interpreter's
 bf16 ``tl.dot`` is wrong); fp32 dots use ``input_precision="ieee"`` on CUDA.
 """
@@ -48,6 +57,7 @@ import torch
 import triton
 import triton.language as tl
 from paged_serve.kernels.triton.attention_checks import (
+    KV_CODE_DTYPES,
     SUPPORTED_DTYPES,
     check_step_bounds,
     check_step_metadata,
@@ -67,6 +77,26 @@ from paged_serve.kernels.triton.runtime import check_device, interpreting, multi
 _LOG2_E = 1.4426950408889634
 MAX_LATENT_DIM = 1024
 MAX_ROPE_DIM = 256
+
+
+@triton.jit
+def _scaled_softmax_step(s, codes, entry_scale, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """``_online_softmax_step`` over a quantized tile: the values are ``codes [TILE_N,
+    LATENT_PAD]`` times ``entry_scale [TILE_N]`` (fp32, 0 for unloaded entries), folded into
+    the softmax weights rather than the codes. The weights are multiplied by the scales over
+    the tile's largest scale (each factor in [0, 1], so fp16 weights keep their precision) and
+    the dot by that largest scale."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    top = tl.max(entry_scale, 0)
+    top = tl.where(top > 0.0, top, 1.0)
+    weights = p * (entry_scale / top)[None, :]
+    pv = tl.dot(weights.to(codes.dtype), codes, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + pv * top
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -91,6 +121,8 @@ def _mla_attention_kernel(
     stride_cache_block,
     stride_cache_slot,
     stride_bt,
+    latent_scale_ptr,
+    stride_scale_block,
     LATENT: tl.constexpr,
     ROPE: tl.constexpr,
     LATENT_PAD: tl.constexpr,
@@ -105,6 +137,7 @@ def _mla_attention_kernel(
     MERGE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr = False,
 ):
     pid_q = tl.program_id(0)
     head_block = tl.program_id(1).to(tl.int64)
@@ -164,12 +197,24 @@ def _mla_attention_kernel(
         if DOT_FP32:
             c = c.to(tl.float32)
             k_rope = k_rope.to(tl.float32)
+        elif QUANT:  # codes reach the dots in q's dtype (exact: every code is representable)
+            c = c.to(q_ptr.dtype.element_ty)
+            k_rope = k_rope.to(q_ptr.dtype.element_ty)
         s = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
         s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
-        s = s * scale_log2
+        if QUANT:
+            # scales [num_blocks, block_size]: entry n is codes * scale[n], so is its score
+            scale_slot = block * stride_scale_block + (offs_n % BLOCK_SIZE).to(tl.int64)
+            entry_scale = tl.load(latent_scale_ptr + scale_slot, mask=n_valid, other=0.0)
+            s = s * (entry_scale * scale_log2)[None, :]
+        else:
+            s = s * scale_log2
         allowed = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(allowed, s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, c, m_i, l_i, acc, DOT_PRECISION)
+        if QUANT:
+            m_i, l_i, acc = _scaled_softmax_step(s, c, entry_scale, m_i, l_i, acc, DOT_PRECISION)
+        else:
+            m_i, l_i, acc = _online_softmax_step(s, c, m_i, l_i, acc, DOT_PRECISION)
 
     _store_rows(
         acc, m_i, l_i, row_valid, c_mask, offs_c, token, head, split, num_heads, num_kv_splits,
@@ -199,6 +244,9 @@ class MlaLaunch:
     decode-only batches, else enough tokens for 64 rows (16 for latents wider than 256 lanes,
     whose fp32 accumulator would not fit the registers: ``ci/aot_compile.py``); ``block_m`` =
     rows, at least 16; ``tile_n``: cache entries per inner step (32, 16 for wide latents).
+    ``quantized``: the cache holds codes (``QUANT``); with fp32 q such a launch is not software
+    pipelined (``num_stages`` 1) and may use 168 registers (``maxnreg``): without them it
+    spilled, some 5 KB, at DeepSeek-V3's shape.
     """
 
     shapes: MlaShapes
@@ -212,6 +260,9 @@ class MlaLaunch:
     dot_fp32: bool
     dot_precision: str
     fuse_merge: bool = True
+    quantized: bool = False
+    num_stages: int | None = None  # None: Triton's default pipeline depth
+    maxnreg: int | None = None  # registers per thread ptxas may use (None: its own choice)
 
     @property
     def split(self) -> bool:
@@ -240,6 +291,16 @@ class MlaLaunch:
             num_q_tiles = shapes.num_tokens // self.tokens_per_tile + shapes.num_seqs
         return num_q_tiles, self.head_blocks, self.num_kv_splits
 
+    def options(self) -> dict[str, int]:
+        """The launch's compile options: warps, and the pipeline depth and register cap where
+        they are set."""
+        options = {"num_warps": self.num_warps}
+        if self.num_stages is not None:
+            options["num_stages"] = self.num_stages
+        if self.maxnreg is not None:
+            options["maxnreg"] = self.maxnreg
+        return options
+
     def constexprs(self) -> dict[str, int | bool | str]:
         shapes = self.shapes
         return dict(
@@ -257,6 +318,7 @@ class MlaLaunch:
             MERGE=self.merge_in_kernel,
             DOT_FP32=self.dot_fp32,
             DOT_PRECISION=self.dot_precision,
+            QUANT=self.quantized,
         )
 
 
@@ -269,10 +331,12 @@ def mla_launch(
     num_kv_splits: int | None,
     num_sms: int,
     fuse_merge: bool = True,
+    quantized: bool = False,
 ) -> MlaLaunch:
     """The launch settings of one call (``num_kv_splits=None``: chosen as paged attention
     chooses, one program per (sequence, head block); ``fuse_merge``: the kernel merges its
-    splits, as paged attention's)."""
+    splits, as paged attention's; ``quantized``: the cache holds codes, the kernel's
+    ``QUANT``)."""
     decode_only = max_seqlen_q == 1
     wide = shapes.kv_lora_rank > 256
     block_h = min(16, triton.next_power_of_2(shapes.num_heads))
@@ -302,6 +366,11 @@ def mla_launch(
         dot_fp32=dot_fp32,
         dot_precision="ieee" if dtype == torch.float32 or dot_fp32 else "tf32",
         fuse_merge=fuse_merge,
+        quantized=quantized,
+        # fp32 over codes (ci/aot_compile.py, DeepSeek-V3's shape): the default depth spilled
+        # 5 KB (ptxas kept 32 registers), and split decode 8 B at ptxas' own cap of 128
+        num_stages=1 if quantized and dtype == torch.float32 else None,
+        maxnreg=168 if quantized and dtype == torch.float32 else None,
     )
 
 
@@ -323,6 +392,7 @@ def check_mla_inputs(
     kv_lora_rank: int,
     max_seqlen_q: int,
     max_seqlen_k: int,
+    latent_scale: torch.Tensor | None = None,
 ) -> MlaShapes:
     """ValueError naming what is wrong with the arguments; the sizes when nothing is."""
     if q.dim() != 3:
@@ -344,7 +414,9 @@ def check_mla_inputs(
             f"latent {kv_lora_rank} / rope {rope_dim} lanes exceed {MAX_LATENT_DIM} / "
             f"{MAX_ROPE_DIM}"
         )
-    if q.dtype not in SUPPORTED_DTYPES or latent_cache.dtype != q.dtype:
+    if latent_scale is not None:
+        _check_latent_scale(q, latent_cache, latent_scale)
+    elif q.dtype not in SUPPORTED_DTYPES or latent_cache.dtype != q.dtype:
         raise ValueError(
             f"q ({q.dtype}) and latent_cache ({latent_cache.dtype}) must share one of "
             f"{SUPPORTED_DTYPES}"
@@ -365,6 +437,29 @@ def check_mla_inputs(
     return MlaShapes(num_tokens, num_heads, kv_lora_rank, rope_dim, block_size, num_seqs)
 
 
+def _check_latent_scale(
+    q: torch.Tensor, latent_cache: torch.Tensor, latent_scale: torch.Tensor
+) -> None:
+    """ValueError unless a quantized call is well formed: q of a supported float dtype, the
+    cache of int8/fp8 codes, ``latent_scale`` fp32 ``[num_blocks, block_size]``, contiguous, on
+    q's device."""
+    if q.dtype not in SUPPORTED_DTYPES or latent_cache.dtype not in KV_CODE_DTYPES:
+        raise ValueError(
+            f"a quantized latent cache (latent_scale given) holds one of {KV_CODE_DTYPES} codes "
+            f"and q one of {SUPPORTED_DTYPES}, got {latent_cache.dtype} and {q.dtype}"
+        )
+    shape = tuple(latent_cache.shape[:2])
+    if tuple(latent_scale.shape) != shape or latent_scale.dtype != torch.float32:
+        raise ValueError(
+            f"latent_scale must be fp32 {shape} (one scale per slot), got {latent_scale.dtype} "
+            f"{tuple(latent_scale.shape)}"
+        )
+    if latent_scale.device != q.device or not latent_scale.is_contiguous():
+        raise ValueError(
+            f"latent_scale must be contiguous on {q.device}, got {latent_scale.device}"
+        )
+
+
 def mla_attention(
     q: torch.Tensor,
     latent_cache: torch.Tensor,
@@ -380,6 +475,7 @@ def mla_attention(
     workspace: torch.Tensor | None = None,
     fuse_merge: bool = True,
     tickets: torch.Tensor | None = None,
+    latent_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed-query attention over the paged latent cache; see ``mla_attention_ref``.
 
@@ -389,7 +485,10 @@ def mla_attention(
     outputs in q's dtype (the caller applies ``W_UV``). ``workspace``: optional contiguous
     fp32 scratch of at least :func:`mla_workspace_numel` elements for split-KV.
     ``fuse_merge`` / ``tickets``: as in ``paged_attention`` (one counter per (query tile, head
-    block): ``MlaLaunch.num_tickets``).
+    block): ``MlaLaunch.num_tickets``). ``latent_scale``: ``[num_blocks, block_size]`` fp32,
+    contiguous: the cache holds int8 / fp8 codes and entry ``n`` reads as ``code * scale[n]``,
+    the scale applied to its scores and its softmax weight (the codes are never dequantized
+    into a copy).
     """
     shapes = check_mla_inputs(
         q,
@@ -401,6 +500,7 @@ def mla_attention(
         kv_lora_rank=kv_lora_rank,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
+        latent_scale=latent_scale,
     )
     out = torch.empty(
         (shapes.num_tokens, shapes.num_heads, kv_lora_rank), dtype=q.dtype, device=q.device
@@ -415,6 +515,7 @@ def mla_attention(
         num_kv_splits=num_kv_splits,
         num_sms=multiprocessor_count(q.device),
         fuse_merge=fuse_merge,
+        quantized=latent_scale is not None,
     )
     if launch.split:
         numel = mla_workspace_numel(
@@ -454,8 +555,10 @@ def mla_attention(
         latent_cache.stride(0),
         latent_cache.stride(1),
         block_tables.stride(0),
+        latent_cache if latent_scale is None else latent_scale,  # unused without QUANT
+        0 if latent_scale is None else latent_scale.stride(0),
         **launch.constexprs(),
-        num_warps=launch.num_warps,
+        **launch.options(),
     )
     if launch.split and not launch.merge_in_kernel:
         merge_splits(part_out, part_lse, out, num_kv_splits=launch.num_kv_splits)

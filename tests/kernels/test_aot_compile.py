@@ -105,11 +105,15 @@ def test_the_check_sees_the_spills_of_fp16_sized_fp32_tiles():
 def test_attention_over_a_quantized_cache_builds_without_spills():
     """e4m3 codes dequantized in the tile load, at head dim 256 and group 8: fp32 (one stage)
     and bf16 (two), the stage counts ``attention_tiles`` takes for a quantized cache, where the
-    unquantized ones spilled (fp32: 700-900 B; bf16 decode: 8 B)."""
+    unquantized ones spilled (fp32: 700-900 B; bf16 decode: 8 B). MLA over an e4m3 latent cache
+    at DeepSeek-V3's shape: fp32 unpipelined with 168 registers (``mla_launch``; else 5 KB
+    spilled), bf16 as it comes."""
     rc, rows = aot_compile(
         "--dtypes", "fp32,bf16", "--head-dims", "256", "--groups", "8", "--vocabs", "",
         "--kv-codes", "e4m3",
     )  # fmt: skip
     quantized = [r for r in rows if r["config"].endswith("kv=e4m3")]
-    assert len(quantized) == 6 and all(r["ok"] for r in quantized), quantized
+    assert sum(r["config"].startswith("attention") for r in quantized) == 6
+    assert sum(r["config"].startswith("mla") for r in quantized) == 6
+    assert all(r["ok"] for r in quantized), quantized
     assert rc == 0
