@@ -10,8 +10,10 @@ Face computes it, with only the cache's rounding added.
 
 from __future__ import annotations
 
+import copy
+
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from paged_serve.engine.kv.kv_dtype import QMAX
@@ -44,3 +46,24 @@ def fake_quant_attention(code_dtype: torch.dtype, skip: tuple[int, ...] = ()) ->
 
     AttentionInterface.register(name, forward)
     return name
+
+
+def round_latent_entries(
+    model: PreTrainedModel, code_dtype: torch.dtype, skip: tuple[int, ...] = ()
+) -> PreTrainedModel:
+    """A copy of ``model`` whose latent-attention layers (but those of ``skip``) see each
+    token's ``[latent, k_rope]`` entry as a cache of ``code_dtype`` gives it back. HF caches
+    the entries before ``expand_kv`` and expands them all on every step, so rounding
+    ``expand_kv``'s inputs rounds each entry, always from its own unrounded value."""
+    reference = copy.deepcopy(model)
+    for layer in reference.model.layers:
+        attn = layer.self_attn
+        if attn.layer_idx in skip:
+            continue
+
+        def expand(latent, k_rope, original=attn.expand_kv, rank=attn.kv_lora_rank):
+            entry = round_trip(torch.cat((latent, k_rope), dim=-1), code_dtype)
+            return original(entry[..., :rank], entry[..., rank:])
+
+        attn.expand_kv = expand
+    return reference

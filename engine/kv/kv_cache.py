@@ -5,7 +5,8 @@ quantized (``--kv-cache-dtype int8`` or ``fp8``: codes of one byte, with an fp32
 and KV head beside them, ``scales``; a value is ``code * scale``, engine/kv/kv_dtype.py);
 multi-head latent attention (DeepSeek's MLA) stores one entry per token, its normalised latent
 and shared rotated key part (``kv_lora_rank + qk_rope_head_dim`` lanes, shared by every head and
-every tensor-parallel rank).
+every tensor-parallel rank), likewise in the model's dtype or as codes with one fp32 scale per
+token (the entry quantized as one head).
 ``CacheLayout`` says which a model needs; blocks, block tables, the prefix cache and
 copy-on-write are the same for both. Only softmax-attention layers have a KV cache: a hybrid
 model's linear-attention layers keep per-sequence state instead (``state_cache.py``).
@@ -82,7 +83,8 @@ def per_head_elements_per_token(hf_config: object) -> int:
 class KVCache:
     """Every attention layer's cache: ``[num_layers, sides, num_blocks, block_size,
     num_kv_heads, head_dim]``, in ``dtype`` or, with a quantized ``cache_dtype``, its codes
-    beside ``scales [num_layers, sides, num_blocks, block_size, num_kv_heads]`` fp32.
+    beside ``scales [num_layers, sides, num_blocks, block_size, num_kv_heads]`` fp32 (a latent
+    cache: one side and one "head", so one scale per token, ``latent_scales(i)``).
 
     One tensor, so the block-copy kernel copies a block for every layer in one launch;
     ``layer(i)`` returns decoder layer ``i``'s ``[num_blocks, block_size, num_kv_heads,
@@ -106,11 +108,6 @@ class KVCache:
     ):
         layer_ids = tuple(range(num_layers)) if layer_ids is None else layer_ids
         quantized = cache_dtype is not None and is_quantized(cache_dtype)
-        if quantized and layout.latent:
-            raise ValueError(
-                "--kv-cache-dtype int8/fp8 is not served for multi-head latent attention "
-                "(its latent cache stays in the model's dtype): use --kv-cache-dtype auto"
-            )
         if len(layer_ids) != num_layers:
             raise ValueError(f"{len(layer_ids)} layer ids for {num_layers} cached layers")
         self.num_blocks = num_blocks
@@ -127,16 +124,22 @@ class KVCache:
 
         self.tensor = cache(len(coded), cache_dtype) if coded else cache(len(plain), dtype)
         self.plain = cache(len(plain), dtype) if coded and plain else None
-        # per token and KV head of a coded layer: the scale of its codes (None: no codes)
+        # per token and KV head of a coded layer (per token of a latent cache, whose entry is
+        # its one "head"): the scale of its codes (None: no codes)
         self.scales = torch.ones(len(coded), *shape, device=device) if coded else None
+        values = self.tensor if not coded else self.plain
+        # The per-layer views, made once (a step asks for every layer's)
+        if layout.latent:
+            self._latents = {layer: self.tensor[i, 0, :, :, 0] for i, layer in enumerate(coded)}
+            self._latent_scales = {
+                layer: self.scales[i, 0, :, :, 0] for i, layer in enumerate(coded)
+            }
+            for i, layer in enumerate(plain):
+                self._latents[layer] = values[i, 0, :, :, 0]
+            return
         self._scales = {
             layer: (self.scales[i, 0], self.scales[i, 1]) for i, layer in enumerate(coded)
         }
-        # The per-layer views, made once (a step asks for every layer's)
-        if layout.latent:
-            self._latents = {layer: self.tensor[i, 0, :, :, 0] for i, layer in enumerate(plain)}
-            return
-        values = self.tensor if not coded else self.plain
         self._layers = {
             layer: (self.tensor[i, 0], self.tensor[i, 1]) for i, layer in enumerate(coded)
         }
@@ -152,13 +155,23 @@ class KVCache:
     def layer_scales(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Layer ``index``'s K and V scales ``[num_blocks, block_size, num_kv_heads]``, or None
         when the cache holds values, not codes."""
+        if self.layout.latent:
+            raise RuntimeError("a latent cache has no K and V scales: use latent_scales(i)")
         return self._scales.get(index)
 
     def latent(self, index: int) -> torch.Tensor:
-        """Layer ``index``'s latent entries ``[num_blocks, block_size, kv_lora_rank + rope]``."""
+        """Layer ``index``'s latent entries ``[num_blocks, block_size, kv_lora_rank + rope]``:
+        values in the model's dtype, or a quantized layer's codes."""
         if not self.layout.latent:
             raise RuntimeError("a per-head KV cache has no latent entries: use layer(i)")
         return self._latents[index]
+
+    def latent_scales(self, index: int) -> torch.Tensor | None:
+        """Layer ``index``'s latent scales ``[num_blocks, block_size]`` fp32, one per token (an
+        entry is ``code * scale``), or None when the layer holds values, not codes."""
+        if not self.layout.latent:
+            raise RuntimeError("a per-head KV cache has no latent scales: use layer_scales(i)")
+        return self._latent_scales.get(index)
 
     def block_tensors(self) -> list[torch.Tensor]:
         """Every tensor whose blocks a block copy copies, each ``[layers, sides, num_blocks,

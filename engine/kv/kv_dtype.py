@@ -10,7 +10,8 @@ A token's key (or value) of one KV head, ``x [head_dim]``, is stored as::
 ``QMAX`` is the code's largest magnitude: 127 (int8), 448 (fp8 e4m3), 57344 (fp8 e5m2). Each
 row uses its code's whole range, so int8 keeps about 2 decimal digits of every row and e4m3
 three significant bits; the KV cache's bytes per token fall to a quarter of fp32's (a half of
-bf16's), plus 4 bytes a scale.
+bf16's), plus 4 bytes a scale. A multi-head latent attention cache's entry (``kv_lora_rank +
+qk_rope_head_dim`` lanes, one per token) is quantized as one head: one scale per token.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ per token, and never expands it. Two changes per module, no forked modeling code
 
 Prefill chunks and decode tokens both attend with absorbed queries, over the cache, in one
 kernel (``kernels/triton/mla_attention.py``; the reference ``mla_attention_ref`` on the CPU).
+With ``--kv-cache-dtype int8``/``fp8`` the cache holds each entry as one-byte codes with one
+fp32 scale per token: the write quantizes, the attention dequantizes as it reads.
 Under tensor parallelism the heads are sharded (``q_proj``/``q_b_proj`` and ``kv_b_proj`` by
 output rows, ``o_proj`` by input columns); every rank caches the whole, replicated latent.
 """
@@ -79,9 +81,7 @@ def absorb_latent_attention(module: nn.Module) -> None:
     module.absorbed = True
 
 
-def _latent_as_is(
-    latent: torch.Tensor, k_rope: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _latent_as_is(latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The swapped ``expand_kv``: the latent and rope key go to the attention function as is."""
     return latent, k_rope
 
@@ -107,8 +107,11 @@ def latent_attention_flat(
     T, rope]``; returns ``[1, T, H, v_head_dim]``."""
     ctx = current_attention_context()
     cache = ctx.kv_cache.latent(module.layer_idx)
+    # a quantized cache's per-token scales [num_blocks, block_size] (engine/kv/kv_dtype.py)
+    scales = ctx.kv_cache.latent_scales(module.layer_idx)
+    quantized = {} if scales is None else {"latent_scale": scales}
     entry = torch.cat((latent[0, 0], k_rope[0, 0]), dim=-1)  # [T, R + rope]
-    ctx.backend.write_latent(entry, cache, slot_mapping=ctx.slot_mapping)
+    ctx.backend.write_latent(entry, cache, slot_mapping=ctx.slot_mapping, **quantized)
     nope = module.qk_nope_head_dim
     q = query[0]  # [H, T, nope + rope]
     q_latent = torch.bmm(q[..., :nope], module.w_uk)  # [H, T, R]
@@ -123,6 +126,7 @@ def latent_attention_flat(
         kv_lora_rank=module.kv_lora_rank,
         max_seqlen_q=ctx.max_seqlen_q,
         max_seqlen_k=ctx.max_seqlen_k,
+        **quantized,
     )  # [T, H, R]
     out = torch.bmm(out_latent.transpose(0, 1), module.w_uv_t)  # [H, T, v]
     return out.transpose(0, 1).unsqueeze(0)

@@ -130,10 +130,8 @@ def test_the_cache_holds_more_tokens_in_the_same_bytes(model):
     assert codes.num_bytes <= 1 << 20
 
 
-def test_bad_names_and_latent_attention_are_refused():
-    from tests.engine.model.test_model_coverage import tiny_architecture
-
+def test_bad_names_are_refused():
+    """An unknown name is refused. (A latent-attention model's cache is served quantized:
+    tests/engine/kv/test_quantized_latent_cache.py.)"""
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="int4")
-    with pytest.raises(ValueError, match="not served for multi-head latent attention"):
-        engine_for(tiny_architecture("deepseek_v3"), "int8")
