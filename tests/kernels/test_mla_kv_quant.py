@@ -8,7 +8,9 @@ per token, each ``[kv_lora_rank + rope]`` entry quantized as one head.
   same cache dequantized first (``code * scale``): decode, prefill chunks and mixed batches,
   split-KV with the fused merge and with the reduce kernel, int8 and fp8 e4m3, q in fp32 and
   bf16, in both interpreter reduction orders; and it stays close to attention over the values
-  before quantization, a bound a wrong scale fails.
+  before quantization, a bound a wrong scale fails. fp16 q over tiny e5m2 scales keeps its
+  relative precision (the weights are scaled relative to the tile's largest scale).
+  DeepSeek-V3's shape (128 heads, 512 + 64, bf16) runs on CUDA only.
 
 Free cache slots hold NaN scales and sentinel codes (NaN for fp8), so each case also checks
 that the kernels never read them.
@@ -257,3 +259,38 @@ def test_attention_refuses_bad_scales(device, case):
             max_seqlen_k=3,
             latent_scale=scales,
         )
+
+
+def test_fp16_weights_keep_small_scales(paged_batch, device, interpreter_order):
+    """Entries of magnitude ~1e-3 as e5m2 codes have scales near 1e-8: times a softmax weight
+    that is far below fp16's smallest subnormal (6e-8), so the kernel scales the weights by
+    each scale over the tile's largest and the dot's result by that largest; the output keeps
+    fp16's relative precision (test_mla_attention.py's fp16 bound, relative to the size)."""
+    batch, cache = _batch(paged_batch, device, MIXED, 4, seed=2)
+    codes, scales = _quantized_cache(cache * 1e-3, torch.float8_e5m2)
+    kwargs = dict(batch.kwargs(), scale=0.7 / LATENT**0.5, kv_lora_rank=LATENT)
+    q = batch.q.half()
+    out = mla_attention(q, codes, latent_scale=scales, **kwargs)
+    ref = mla_attention_ref(q.double(), dequantize_kv_ref(codes, scales).double(), **kwargs)
+    assert out.dtype == torch.float16 and not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, atol=4e-6, rtol=4e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("code_dtype", [I8, E4M3], ids=CODE_IDS.get)
+@pytest.mark.parametrize("batch_size", [1, 64])
+def test_deepseek_v3_shape_cuda(paged_batch, device, code_dtype, batch_size):
+    """128 heads over 512 + 64 entries in bf16, decode at 2K contexts: the builds
+    ``ci/aot_compile.py --kv-codes`` checks for spills."""
+    seqs = [(1, 2048 - 37 * (i % 5)) for i in range(batch_size)]
+    batch = paged_batch(
+        seqs, num_q_heads=128, num_kv_heads=1, head_dim=576, block_size=64, dtype=F32,
+        device=device,
+    )  # fmt: skip
+    codes, scales = _quantized_cache(batch.k_cache[:, :, 0], code_dtype)
+    kwargs = dict(batch.kwargs(), scale=576**-0.5, kv_lora_rank=512)
+    q = batch.q.to(BF16)
+    out = mla_attention(q, codes, latent_scale=scales, **kwargs)
+    ref = mla_attention_ref(q.double(), dequantize_kv_ref(codes, scales).double(), **kwargs)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, atol=1.6e-2, rtol=1.6e-2)
