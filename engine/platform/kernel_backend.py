@@ -19,6 +19,7 @@ from paged_serve.engine.platform.cpu.attention import PlannedTorchAttention
 from paged_serve.engine.platform.cpu.linear_attention import causal_conv1d_cpu, gated_delta_rule_cpu
 from paged_serve.engine.platform.cpu.lora import add_lora_grouped
 from paged_serve.engine.platform.cpu.moe import grouped_moe
+from paged_serve.engine.platform.cpu.ssm import ssd_scan_cpu
 from paged_serve.kernels import reference
 from paged_serve.kernels.cpu import decode_attention as cpu_decode_attention
 from paged_serve.kernels.interface import (
@@ -117,7 +118,7 @@ def make_kernels(
             causal_conv1d_cpu,
             gated_delta_rule_cpu,
             add_lora_grouped,
-            reference.ssd_scan_ref,
+            ssd_scan_cpu,
         )
     if name == "triton":
         # Imported here: triton must not load before TRITON_INTERPRET is decided.
@@ -128,6 +129,7 @@ def make_kernels(
         from paged_serve.kernels.triton.kv_write import write_kv, write_latent
         from paged_serve.kernels.triton.mla_attention import mla_attention
         from paged_serve.kernels.triton.paged_attention import paged_attention
+        from paged_serve.kernels.triton.ssd_scan import ssd_scan
 
         sample = fused_sampler(name)
         return KernelBackend(
@@ -141,7 +143,7 @@ def make_kernels(
             causal_conv1d,
             gated_delta_rule,
             add_lora_kernels,
-            reference.ssd_scan_ref,
+            ssd_scan,
             sample,
             graph_safe=True,
         )
