@@ -82,6 +82,11 @@ class EngineConfig:
     kv_cache_dtype: ``auto`` (the model's dtype) or a quantized cache's codes, ``int8``,
     ``fp8``/``fp8_e4m3``, ``fp8_e5m2`` (``engine/kv/kv_dtype.py``); kv_cache_dtype_skip_layers:
     decoder layer indices whose cache stays in the model's dtype.
+    state_snapshot_interval: tokens between the state snapshots a model with state slots
+    (gated DeltaNet, Mamba-2, short convolutions) keeps for prefix caching, a multiple of
+    ``block_size`` (0: no snapshots, so such a model gets no prefix hits);
+    num_state_snapshots: how many are kept, least recently used dropped first (None:
+    ``max_num_seqs``), their memory taken from the KV budget (``engine/sched/state_snapshots.py``).
     """
 
     model: str | None = None
@@ -111,9 +116,27 @@ class EngineConfig:
     lora: LoRAConfig | None = None
     kv_cache_dtype: str = "auto"
     kv_cache_dtype_skip_layers: tuple[int, ...] = ()
+    state_snapshot_interval: int = 256
+    num_state_snapshots: int | None = None
+
+    @property
+    def state_snapshot_rows(self) -> int:
+        """State-cache rows a model with state slots keeps for snapshots (0 without prefix
+        caching or an interval)."""
+        if not (self.enable_prefix_caching and self.state_snapshot_interval):
+            return 0
+        return self.num_state_snapshots or self.max_num_seqs
 
     def __post_init__(self) -> None:
         kv_code_dtype(self.kv_cache_dtype)  # ValueError naming the choices
+        interval = self.state_snapshot_interval
+        if interval < 0 or interval % self.block_size:
+            raise ValueError(
+                f"state_snapshot_interval must be a multiple of block_size {self.block_size} "
+                f"(tokens; 0 for none), got {interval}"
+            )
+        if self.num_state_snapshots is not None and self.num_state_snapshots < 1:
+            raise ValueError(f"num_state_snapshots must be >= 1, got {self.num_state_snapshots}")
         for name in ("grammar_compile_timeout_s", "grammar_fill_timeout_s"):
             value = getattr(self, name)
             if not 0 < value < float("inf"):

@@ -120,6 +120,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> dict[str, argparse._Argu
         "int8/fp8 (default: none)",
     )
     cache.add_argument(
+        "--state-snapshot-interval",
+        type=int,
+        default=256,
+        metavar="TOKENS",
+        help="a model with per-sequence state (gated DeltaNet, Mamba-2, LFM2) keeps its state "
+        "every TOKENS tokens (a multiple of --block-size) so prefix hits can resume there; 0: "
+        "no prefix caching for such models (default: 256)",
+    )
+    cache.add_argument(
+        "--num-state-snapshots",
+        type=int,
+        default=None,
+        metavar="N",
+        help="state snapshots kept (least recently used dropped first), from the KV cache's "
+        "memory (default: --max-num-seqs)",
+    )
+    cache.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -247,4 +264,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         lora=lora_config(args),
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_dtype_skip_layers=tuple(args.kv_cache_dtype_skip_layers),
+        state_snapshot_interval=args.state_snapshot_interval,
+        num_state_snapshots=args.num_state_snapshots,
     )

@@ -49,6 +49,7 @@ from paged_serve.engine.sched.forks import make_samples, sample_ids
 from paged_serve.engine.sched.live_request import LiveRequest
 from paged_serve.engine.sched.scheduler import Scheduler
 from paged_serve.engine.sched.state_slots import StateSlots
+from paged_serve.engine.sched.state_snapshots import state_snapshots
 from paged_serve.engine.spec.build import build_speculator
 from paged_serve.engine.step_outputs import StepOutputs
 
@@ -129,11 +130,9 @@ class LLMEngine:
         )
         logger.info("%s", self.weights.describe())
         state_cache = self.runner.state_cache
-        prefix_caching = config.enable_prefix_caching
-        if state_cache is not None and prefix_caching:
-            # A prefix hit would skip tokens whose linear-attention state was never kept.
-            logger.info("prefix caching is off: a hybrid model's recurrent state is per sequence")
-            prefix_caching = False
+        snapshots = None if state_cache is None else state_snapshots(state_cache, config)
+        # Without snapshots, a hit would skip tokens whose per-sequence state was never kept.
+        prefix_caching = config.enable_prefix_caching and (state_cache is None or snapshots)
         if whole_prompts:  # an encoder's keys depend on the tokens after them too
             prefix_caching = False
         self.block_manager = BlockManager(
@@ -141,6 +140,7 @@ class LLMEngine:
             config.block_size,
             enable_prefix_caching=prefix_caching,
             state_slots=None if state_cache is None else StateSlots(state_cache.num_slots),
+            state_snapshots=snapshots,
         )
         self.speculator = (
             None

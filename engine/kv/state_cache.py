@@ -64,18 +64,41 @@ def linear_state_shape(hf_config: object, tensor_parallel_size: int = 1) -> Line
     )
 
 
+def copy_waves(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """``(src, dst)`` copies split, in order, into runs that can each run as one gather and
+    scatter: a run ends before a pair that reads or writes a row the run already writes."""
+    waves: list[list[tuple[int, int]]] = []
+    written: set[int] = set()
+    for src, dst in pairs:
+        if not waves or src in written or dst in written:
+            waves.append([])
+            written = set()
+        waves[-1].append((src, dst))
+        written.add(dst)
+    return waves
+
+
 class StateCache:
-    """Every stateful layer's states: ``conv [layers, slots + 1, K - 1, C]`` (model dtype) and
-    ``recurrent [layers, slots + 1, *shape.recurrent]`` (fp32); slot ``num_slots`` is
-    scratch."""
+    """Every stateful layer's states: ``conv [layers, rows, K - 1, C]`` (model dtype) and
+    ``recurrent [layers, rows, *shape.recurrent]`` (fp32). Rows ``0 .. num_slots - 1`` are the
+    sequences' slots, row ``num_slots`` is scratch, and the ``num_snapshots`` rows after it hold
+    states kept at block boundaries for the prefix cache (engine/sched/state_snapshots.py)."""
 
     def __init__(
-        self, shape: LinearStateShape, *, num_slots: int, dtype: torch.dtype, device: torch.device
+        self,
+        shape: LinearStateShape,
+        *,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_snapshots: int = 0,
     ):
         self.shape = shape
         self.num_slots = num_slots
         self.scratch_slot = num_slots
-        layers, rows = len(shape.layer_ids), num_slots + 1
+        self.first_snapshot_row = num_slots + 1
+        self.num_snapshots = num_snapshots
+        layers, rows = len(shape.layer_ids), num_slots + 1 + num_snapshots
         self.conv = torch.zeros(
             layers, rows, shape.conv_width - 1, shape.conv_channels, dtype=dtype, device=device
         )
@@ -85,17 +108,21 @@ class StateCache:
         self._index = {layer: i for i, layer in enumerate(shape.layer_ids)}
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer_idx``'s ``(conv [slots + 1, K - 1, C], recurrent [slots + 1,
+        """Layer ``layer_idx``'s ``(conv [rows, K - 1, C], recurrent [rows,
         *shape.recurrent])``."""
         i = self._index[layer_idx]
         return self.conv[i], self.recurrent[i]
 
-    def copy_slots(self, pairs: torch.Tensor) -> None:
-        """Copy slot ``src`` to ``dst`` in every layer, for each ``(src, dst)`` row of ``pairs
-        [N, 2]`` int64 (a forked sequence starts from its parent's state)."""
-        src, dst = pairs[:, 0], pairs[:, 1]
-        self.conv[:, dst] = self.conv[:, src]
-        self.recurrent[:, dst] = self.recurrent[:, src]
+    def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy row ``src`` to ``dst`` in every layer for each ``(src, dst)`` of ``pairs``, in
+        order (a forked sequence starts from its parent's state; snapshots are saved from a
+        slot and restored into one, perhaps in the same step): one gather and scatter per run
+        of pairs that reads no row an earlier pair of the run writes."""
+        for wave in copy_waves(pairs):
+            index = torch.tensor(wave, dtype=torch.int64).to(self.conv.device, non_blocking=True)
+            src, dst = index[:, 0], index[:, 1]
+            self.conv[:, dst] = self.conv[:, src]
+            self.recurrent[:, dst] = self.recurrent[:, src]
 
     @property
     def num_bytes(self) -> int:

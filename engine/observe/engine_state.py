@@ -83,6 +83,9 @@ class BlockPoolState:
     # A hybrid model's linear-attention state slots beside the blocks (0 and 0 otherwise).
     state_slots_total: int = 0
     state_slots_used: int = 0
+    # Its states kept at block boundaries for prefix hits (engine/sched/state_snapshots.py)
+    state_snapshots_total: int = 0
+    state_snapshots_used: int = 0
     # What a cached K or V element is stored as: the model's dtype ("float32", "bfloat16") or a
     # quantized cache's codes ("int8", "float8_e4m3fn", ...: --kv-cache-dtype)
     cache_dtype: str = ""
@@ -154,6 +157,8 @@ def take_state(engine: LLMEngine, gauges: EngineSnapshot) -> EngineState:
         state_slots_used=0
         if bm.state_slots is None
         else bm.state_slots.num_slots - bm.state_slots.num_free,
+        state_snapshots_total=0 if bm.snapshots is None else bm.snapshots.count,
+        state_snapshots_used=0 if bm.snapshots is None else bm.snapshots.num_used,
         cache_dtype=str(engine.runner.kv_cache.tensor.dtype).removeprefix("torch."),
     )
     waiting = itertools.islice(scheduler.waiting, MAX_WAITING_LISTED)

@@ -147,7 +147,11 @@ class ModelRunner:
         shape = shape or mamba_state_shape(model) or short_conv_state_shape(model)
         if shape is not None:
             self.state_cache = StateCache(
-                shape, num_slots=config.max_num_seqs, dtype=dtype, device=device
+                shape,
+                num_slots=config.max_num_seqs,
+                dtype=dtype,
+                device=device,
+                num_snapshots=config.state_snapshot_rows,
             )
             if self.state_cache.num_bytes >= budget:
                 raise ValueError(
@@ -360,7 +364,7 @@ class ModelRunner:
 
     def _copy_states(self, state_copies: list[tuple[int, int]]) -> None:
         if state_copies and self.state_cache is not None:
-            self.state_cache.copy_slots(self._tensor([list(p) for p in state_copies], torch.int64))
+            self.state_cache.copy_slots(state_copies)
 
     @torch.inference_mode()
     def run_worker_step(self, message: StepMessage) -> None:

@@ -22,9 +22,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from paged_serve.engine.sched.block_pool import BlockPool, BlockUsage
+from paged_serve.engine.sched.block_pool import Block, BlockPool, BlockUsage
 from paged_serve.engine.sched.prefix_cache import PrefixCache, chain_root
 from paged_serve.engine.sched.state_slots import StateSlots
+from paged_serve.engine.sched.state_snapshots import StateSnapshots
 
 RECENT_COPIES = 16  # copy-on-write pairs kept for the dashboard
 
@@ -38,7 +39,9 @@ class BlockManager:
 
     num_blocks: pool size; block_size: tokens per block. ``state_slots`` (a hybrid model's
     linear-attention state, ``engine/sched/state_slots.py``): a slot goes with every table, taken
-    at ``allocate``/``fork`` and given back at ``free``.
+    at ``allocate``/``fork`` and given back at ``free``. ``state_snapshots``
+    (``state_snapshots.py``): states kept at block boundaries, without which a model with state
+    slots gets no prefix hits.
     """
 
     def __init__(
@@ -47,6 +50,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = False,
         state_slots: StateSlots | None = None,
+        state_snapshots: StateSnapshots | None = None,
     ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -56,8 +60,9 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.state_slots = state_slots
+        self.snapshots = state_snapshots if state_slots is not None else None
         self._cache = PrefixCache(block_size)
-        self._pool = BlockPool(num_blocks, forget_key=self._cache.forget)
+        self._pool = BlockPool(num_blocks, forget_key=self._forget_key)
         self._blocks = self._pool.blocks  # records by block id
         self._tables: dict[str, list[int]] = {}
         self._num_tokens: dict[str, int] = {}
@@ -98,11 +103,13 @@ class BlockManager:
         chain of ``cache_salt`` (only blocks committed under the same salt hit).
 
         Stops before the block holding the last token: that token's logits are needed, so it is
-        always recomputed, and a shared block is never written.
+        always recomputed, and a shared block is never written. With state slots, stops after
+        the last block with a state snapshot (none without snapshots).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or (self.state_slots and not self.snapshots):
             return []
-        return self._cache.lookup(self._blocks, token_ids, cache_salt)
+        hits = self._cache.lookup(self._blocks, token_ids, cache_salt)
+        return hits[: self.snapshots.resumable(hits)] if self.snapshots else hits
 
     def can_allocate(self, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
         """Whether ``allocate`` for ``num_tokens`` tokens (reusing ``cached_blocks``) would fit."""
@@ -150,7 +157,10 @@ class BlockManager:
         self._roots[request_id] = chain_root(cache_salt)
         self.append_slots(request_id, num_tokens)
         if self.state_slots is not None:
-            self.state_slots.allocate(request_id)
+            slot = self.state_slots.allocate(request_id)
+            if cached_blocks:  # resume from the state after the last cached block
+                row = self.snapshots.restore(cached_blocks[-1])
+                self.state_slots.pending_copies.append((row, slot))
         return table
 
     def append_slots(self, request_id: str, num_tokens: int) -> list[tuple[int, int]]:
@@ -227,6 +237,13 @@ class BlockManager:
                 # Blocks are keyed in order, so the block above already has its key.
                 self._cache.key(block, above, root, toks)
         self._hashed[request_id] = max(start, full)
+        snapshots = self.snapshots
+        boundary = full * self.block_size == num_computed and snapshots is not None
+        if boundary and snapshots.at_boundary(num_computed):
+            block = table[full - 1]
+            if self._blocks[block].block_hash is not None and not snapshots.has(block):
+                slot = self.state_slots.slot(request_id)
+                self.state_slots.pending_copies.append((slot, snapshots.save(block)))
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give ``child_id`` the parent's blocks, shared by reference count (copy-on-write)."""
@@ -289,8 +306,15 @@ class BlockManager:
         self._pool.check_counts(refs)
         if self.state_slots is not None:
             self.state_slots.check_integrity(set(self._tables))
+        if self.snapshots is not None:
+            self.snapshots.check_integrity(self._blocks)
 
     # ----------------------------------------------------------------- internals
+    def _forget_key(self, block: Block) -> None:
+        self._cache.forget(block)
+        if self.snapshots is not None:
+            self.snapshots.forget(block.block_id)
+
     def _fresh_blocks_needed(self, request_id: str, num_tokens: int) -> int:
         table = self._tables[request_id]
         needed = max(self.blocks_for(num_tokens) - len(table), 0)

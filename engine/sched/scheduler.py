@@ -121,7 +121,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             start = request.num_computed_tokens
-            num_new = min(request.num_tokens - start, budget)
+            num_new = self._chunk(request, start, budget)
             # Drafts ride on a decode within the budget, never at the cost of a preemption.
             draft = tuple(drafts.get(request.request_id, ())[: budget - num_new])
             if draft and bm.can_append(request.request_id, start + num_new + len(draft)):
@@ -156,7 +156,7 @@ class Scheduler:
             salt = request.prefix_chain
             cached = [] if request.skips_prefix_cache else bm.cached_prefix(tokens, salt)
             start = len(cached) * bm.block_size
-            num_new = min(request.num_tokens - start, budget)
+            num_new = self._chunk(request, start, budget)
             if self.whole_prompts and num_new < request.num_tokens - start:
                 break  # a bidirectional encoder sees its whole prompt in one pass
             if not bm.can_allocate(start + num_new, cached):
@@ -184,6 +184,14 @@ class Scheduler:
             return ScheduledBatch(scheduled, copies, preempted, lora_loads=loads)
         held = [slots.slot(s.request.request_id) for s in scheduled]
         return ScheduledBatch(scheduled, copies, preempted, held, slots.take_copies(), loads)
+
+    def _chunk(self, request: Request, start: int, budget: int) -> int:
+        """How many of the request's tokens from ``start`` this step runs: all, or as many as
+        ``budget`` allows; a chunk that crosses a state-snapshot boundary ends at its last one
+        (engine/sched/state_snapshots.py), so the state there can be kept."""
+        end = start + min(request.num_tokens - start, budget)
+        snapshots = self.block_manager.snapshots
+        return (end if snapshots is None else snapshots.chunk_end(start, end)) - start
 
     def _take_adapter(self, request: Request) -> None:
         """A request joining the running set takes its adapter's slot (if it has one)."""

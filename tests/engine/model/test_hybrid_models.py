@@ -5,8 +5,9 @@ must get right beyond tests/engine/model/test_model_coverage.py's scenarios, whi
 * A fork starts from its parent's state: sample ``i`` of a seeded ``n = 2`` request equals a
   single request with seed ``seed + i`` (which never forks).
 * The triton backend (kernels under the interpreter) and the decode-graph path give HF's tokens.
-* Only the attention layers have KV blocks; prefix caching is off; aborting mid-prefill,
-  preemption and finishing return every slot.
+* Only the attention layers have KV blocks; aborting mid-prefill, preemption and finishing
+  return every slot. Prefix hits resume from state snapshots:
+  test_hybrid_prefix_caching.py.
 """
 
 from __future__ import annotations
@@ -42,19 +43,23 @@ def test_forks_start_from_their_parents_state(hybrid) -> None:
     assert_pool_clean(llm.engine.block_manager)
 
 
-def test_kv_blocks_only_for_attention_layers_and_no_prefix_hits(hybrid) -> None:
+def test_kv_blocks_only_for_attention_layers_and_snapshot_rows(hybrid) -> None:
+    """Only the attention layer has KV; the state cache holds 8 slots, a scratch row and 8
+    snapshot rows; without a snapshot interval prefix caching is off, so nothing hits."""
     model, want = hybrid
     llm = LLM(loaded=loaded(model), kv_cache_memory=4 << 20, max_num_seqs=8)
     runner = llm.engine.runner
     assert runner.kv_cache.tensor.shape[0] == 1  # layer 1 of 3
     conv, recurrent = runner.state_cache.layer(2)
-    assert conv.shape == (9, 3, 2 * 2 * 16 + 4 * 24) and recurrent.shape == (9, 4, 16, 24)
+    assert conv.shape == (17, 3, 2 * 2 * 16 + 4 * 24) and recurrent.shape == (17, 4, 16, 24)
     assert recurrent.dtype == torch.float32
-    assert not llm.engine.block_manager.enable_prefix_caching
-    llm.generate([PROMPTS[3]], GREEDY)
-    [again] = llm.generate([PROMPTS[3]], GREEDY)
+    plain = LLM(loaded=loaded(model), kv_cache_memory=4 << 20, state_snapshot_interval=0)
+    assert not plain.engine.block_manager.enable_prefix_caching
+    assert plain.engine.runner.state_cache.num_snapshots == 0
+    plain.generate([PROMPTS[3]], GREEDY)
+    [again] = plain.generate([PROMPTS[3]], GREEDY)
     assert again.token_ids == want[3] and again.metrics.num_cached_tokens == 0
-    assert_pool_clean(llm.engine.block_manager)
+    assert_pool_clean(plain.engine.block_manager)
 
 
 def test_abort_mid_prefill_returns_the_slot(hybrid) -> None:
@@ -180,6 +185,7 @@ def test_the_dashboard_state_shows_slots_beside_blocks(hybrid) -> None:
     engine.step()
     state = take_state(engine, None)
     assert (state.kv.state_slots_total, state.kv.state_slots_used) == (8, 1)
+    assert (state.kv.state_snapshots_total, state.kv.state_snapshots_used) == (8, 0)
     [running] = state.running
     assert running.state_slot == engine.block_manager.state_slots.slot(running.id)
     assert state.kv.integrity == "ok"

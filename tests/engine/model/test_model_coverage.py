@@ -250,7 +250,7 @@ def test_batched_chunked_with_a_prefix_hit(expected) -> None:
     results = llm.generate(prompts, GREEDY)
     assert first.token_ids == want[-2]
     assert [r.token_ids for r in results] == want
-    if linear_layer_ids(model.config):  # a hybrid's per-sequence state is not prefix-cached
+    if linear_layer_ids(model.config):  # a hybrid's state is kept only every 256 tokens
         assert results[-1].metrics.num_cached_tokens == 0
     else:
         assert results[-1].metrics.num_cached_tokens >= 16
@@ -282,13 +282,16 @@ def test_preemption(expected) -> None:
 
 
 def state_bytes(model: PreTrainedModel, max_num_seqs: int) -> int:
-    """What a hybrid model's state slots take of the KV budget (0 for other models)."""
+    """What a hybrid model's state slots and snapshot rows (as many as slots, the default)
+    take of the KV budget (0 for other models)."""
     from paged_serve.engine.kv.state_cache import StateCache, linear_state_shape
 
     shape = linear_state_shape(model.config)
     if shape is None:
         return 0
-    cache = StateCache(shape, num_slots=max_num_seqs, dtype=torch.float32, device="cpu")
+    cache = StateCache(
+        shape, num_slots=max_num_seqs, dtype=torch.float32, device="cpu", num_snapshots=max_num_seqs
+    )
     return cache.num_bytes
 
 

@@ -171,7 +171,6 @@ def test_alone_and_batched_through_chunks(family) -> None:
         loaded=loaded(model), kv_cache_memory=4 << 20, max_num_batched_tokens=8, max_num_seqs=8
     )
     assert [r.token_ids for r in chunked.generate(PROMPTS, GREEDY)] == want
-    assert not chunked.engine.block_manager.enable_prefix_caching  # states are not cached
     for engine in (llm.engine, chunked.engine):
         assert_pool_clean(engine.block_manager)
         slots = engine.block_manager.state_slots
@@ -180,7 +179,9 @@ def test_alone_and_batched_through_chunks(family) -> None:
 
 def _state_bytes(model: tf.PreTrainedModel, max_num_seqs: int) -> int:
     shape = mamba_state_shape(model) or short_conv_state_shape(model)
-    cache = StateCache(shape, num_slots=max_num_seqs, dtype=torch.float32, device="cpu")
+    cache = StateCache(
+        shape, num_slots=max_num_seqs, dtype=torch.float32, device="cpu", num_snapshots=8
+    )
     return cache.num_bytes
 
 
