@@ -147,6 +147,12 @@ class PagedAttention(Protocol):
     ``|q - k| <= local_attention // 2`` (transformers' ``sliding_window_bidirectional_overlay``),
     the same keys. A decode row (``q_len`` 1, at ``seq_len - 1``) sees the same keys either way.
 
+    ``attention_chunk`` C (tokens; causal layers only, else ValueError): chunked local
+    attention (Llama 4's ``chunked_attention`` layers), the query at ``q`` also sees no key
+    before its chunk's start, ``k >= q // C * C`` (with a window, both lower bounds hold:
+    ``k >= max(q - w + 1, q // C * C)``). A decode row's chunk starts at
+    ``(seq_len - 1) // C * C``.
+
     ``k_scale``, ``v_scale`` (both or neither): the caches are quantized (``WriteKv``'s layout:
     int8/fp8 codes and fp32 ``[num_blocks, block_size, Hkv]`` scales); the attention reads
     ``code.float() * scale`` for every key and value, dequantized as each block is loaded, and
@@ -171,6 +177,7 @@ class PagedAttention(Protocol):
         causal: bool = True,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        attention_chunk: int | None = None,
     ) -> torch.Tensor: ...
 
 

@@ -62,6 +62,7 @@ def paged_attention_ref(
     causal: bool = True,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Attention of ragged query chunks over the paged KV cache, in fp32, one sequence at a time.
 
@@ -72,6 +73,8 @@ def paged_attention_ref(
     (``k > q - w``, its own included), as HF's Mistral does. ``causal=False`` (bidirectional
     encoders): it sees every key ``k`` in ``[0, seq_len)``, and with a window those with
     ``|k - q| < w`` (ModernBERT's local attention, ``w = local_attention // 2 + 1``).
+    ``attention_chunk`` C (causal only; Llama 4's chunked layers) also hides the keys before
+    the query's chunk: ``k >= q // C * C``.
     ``max_seqlen_q`` / ``max_seqlen_k`` are accepted for interface parity with the kernel.
     ``softcap`` c replaces each scaled score ``s`` by ``c * tanh(s / c)`` before masking (Gemma
     2); ``sinks [Hq]`` adds ``exp(sink_h)`` to each row's softmax denominator, a logit that
@@ -82,6 +85,7 @@ def paged_attention_ref(
     production attention is ``engine/platform/cpu/attention_plan.py``.
     """
     _check_kv_scales(k_scale, v_scale)
+    check_attention_chunk(attention_chunk, causal)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -104,7 +108,7 @@ def paged_attention_ref(
             scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - (last - first), seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        allowed = _allowed_keys(q_pos, k_pos, sliding_window, causal)
+        allowed = _allowed_keys(q_pos, k_pos, sliding_window, causal, attention_chunk)
         scores = scores.masked_fill(~allowed, float("-inf"))
         if sinks is not None:  # one more column per head, dropped after the softmax
             sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
@@ -115,8 +119,23 @@ def paged_attention_ref(
     return out.to(q.dtype)
 
 
+def check_attention_chunk(attention_chunk: int | None, causal: bool) -> None:
+    """ValueError unless ``attention_chunk`` is None or a positive number of tokens of a causal
+    layer (a chunk bounds a query's keys from below; encoders have no chunked layers)."""
+    if attention_chunk is None:
+        return
+    if attention_chunk < 1:
+        raise ValueError(f"attention_chunk must be >= 1 or None, got {attention_chunk}")
+    if not causal:
+        raise ValueError("attention_chunk applies to causal attention only")
+
+
 def _allowed_keys(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None, causal: bool
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    sliding_window: int | None,
+    causal: bool,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """``[Lq, L]`` bool: which key positions ``k_pos [1, L]`` each query position ``q_pos
     [Lq, 1]`` sees (``paged_attention_ref``'s rule)."""
@@ -124,6 +143,8 @@ def _allowed_keys(
         allowed = k_pos <= q_pos
         if sliding_window is not None:
             allowed &= k_pos > q_pos - sliding_window
+        if attention_chunk is not None:
+            allowed &= k_pos >= q_pos // attention_chunk * attention_chunk
         return allowed
     if sliding_window is None:
         return torch.ones(q_pos.shape[0], k_pos.shape[1], dtype=torch.bool, device=q_pos.device)

@@ -4,7 +4,7 @@
  * the measurements; this file holds the arithmetic and the layouts.
  *
  * Per sequence, for each query head g (of KV head g / group):
- *     scores[g][p] = scale * dot(q[g], k[p])          p in the sequence's context (window)
+ *     scores[g][p] = scale * dot(q[g], k[p])          p in the sequence's context (window, chunk)
  *     w[g][p]      = exp(scores[g][p] - max_p scores[g])
  *     out[g]       = sum_p w[g][p] * v[p] / sum_p w[g][p]
  * K and V rows are found through the block table: token p lives in block table[p / block_size]
@@ -95,7 +95,7 @@ typedef struct {
     int64_t table_stride;
     const int32_t *seq_lens;
     float scale;
-    int window;
+    int window, chunk;
     void *out;
     const float *k_scales, *v_scales; /* a quantized cache's scales (NULL otherwise) */
     int e5m2;                         /* fp8 codes: e5m2 (1) or e4m3 (0) */
@@ -180,7 +180,9 @@ __attribute__((always_inline)) static inline void attend_sequence(
     const int64_t width = (int64_t)q_heads * head_dim; /* one token's query or output row */
     const int64_t kv_width = (int64_t)num_kv_heads * head_dim;
     const int len = a->seq_lens[s];
-    const int start = (a->window > 0 && len > a->window) ? len - a->window : 0;
+    const int window_start = (a->window > 0 && len > a->window) ? len - a->window : 0;
+    const int chunk_start = (a->chunk > 0 && len > 0) ? (len - 1) / a->chunk * a->chunk : 0;
+    const int start = window_start > chunk_start ? window_start : chunk_start;
     const int n = len - start;
     const int64_t row = a->q_rows ? a->q_rows[s] : s;
     const int64_t q_first = row * a->q_stride, first = row * width;
@@ -294,7 +296,9 @@ __attribute__((always_inline)) static inline void attend_sequence(
  *   k_cache, v_cache [num_blocks, block_size, Hkv, D], blocks block_stride and tokens
  *   token_stride elements apart (a token's Hkv * D elements contiguous);
  *   group = Hq / Hkv; block_tables [S, *] int32 (rows table_stride apart); seq_lens [S] int32;
- *   window: the latest `window` tokens only (0: all); out [T, Hq, D] contiguous: the rows of
+ *   window: the latest `window` tokens only (0: all); chunk: chunked local attention, the row
+ *   (at len - 1) sees no token before its chunk's start (len - 1) / chunk * chunk (0: none);
+ *   out [T, Hq, D] contiguous: the rows of
  *   the S sequences are written, others left alone; for a cache of codes, k_scales and
  *   v_scales [num_blocks, block_size, Hkv] (strides the codes' over head_dim; NULL for the
  *   others) and e5m2 (fp8 codes: 1 for e5m2, 0 for e4m3).
@@ -305,12 +309,12 @@ __attribute__((always_inline)) static inline void attend_sequence(
               const void *v_cache, int64_t block_stride, int64_t token_stride, int block_size, \
               int num_kv_heads, int group, int head_dim, const int32_t *block_tables,          \
               int64_t table_stride, const int32_t *seq_lens, int num_seqs, float scale,        \
-              int window, void *out, int num_threads, const float *k_scales,                    \
+              int window, int chunk, void *out, int num_threads, const float *k_scales,         \
               const float *v_scales, int e5m2) {                                               \
         const decode_args a = {q,          q_stride,     q_rows,       k_cache,      v_cache, \
                                block_stride, token_stride, block_size, num_kv_heads, group,   \
                                block_tables, table_stride, seq_lens,   scale,        window,  \
-                               out,        k_scales,     v_scales,     e5m2};                  \
+                               chunk,      out,          k_scales,     v_scales,     e5m2};    \
         const int64_t width = (int64_t)num_kv_heads * group * head_dim;                        \
         _Pragma("omp parallel num_threads(num_threads)") {                                     \
             scratch t = {malloc(sizeof(float) * width), malloc(sizeof(float) * width),         \

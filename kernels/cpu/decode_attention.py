@@ -69,6 +69,7 @@ _ARGTYPES = [
     _I32,  # num_seqs
     ctypes.c_float,  # scale
     _I32,  # window (0: none)
+    _I32,  # attention chunk (0: none)
     _PTR,  # out [T, Hq, D]
     _I32,  # num_threads
     _PTR,  # k_scales [num_blocks, block_size, Hkv] fp32, or NULL
@@ -207,9 +208,11 @@ class CpuDecodeAttention:
         q_rows: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
         scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_chunk: int | None = None,
     ) -> torch.Tensor:
         """Sequence ``s``'s query row ``q[q_rows[s]]`` (``q_rows`` None: row ``s``) attends over its
-        first ``seq_lens[s]`` cached tokens (the ``sliding_window`` latest when set).
+        first ``seq_lens[s]`` cached tokens (the ``sliding_window`` latest when set; with
+        ``attention_chunk`` C none before its chunk's start ``(seq_lens[s] - 1) // C * C``).
 
         q: ``[T, Hq, D]``; k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``;
         block_tables: ``[S, max_blocks]`` int32; seq_lens: ``[S]`` int32; q_rows: ``[S]`` int64;
@@ -243,6 +246,7 @@ class CpuDecodeAttention:
             num_seqs,
             scale,
             sliding_window or 0,
+            attention_chunk or 0,
             out.data_ptr(),
             torch.get_num_threads(),
             None if scales is None else scales[0].data_ptr(),
@@ -250,7 +254,6 @@ class CpuDecodeAttention:
             int(k_cache.dtype == torch.float8_e5m2),
         )
         return out
-
 
 
 def _holds(cache: torch.Tensor, scales: tuple | None) -> str:

@@ -24,6 +24,11 @@ in tiles of ``TILE_N`` positions, keeping an online softmax (running max ``m``, 
   its last query's position (``[q_lo - w + 1, q_hi]`` with a window ``w``); not causal
   (bidirectional encoders), up to ``seq_len`` (``[q_lo - w + 1, q_hi + w)`` with a window,
   where a key is seen when ``|key_pos - query_pos| < w``), clipped to ``[0, seq_len)``.
+* **Chunked local attention** (``attention_chunk`` C, compile-time ``USE_CHUNK``; causal
+  only): a query at ``q`` also sees no key before ``q // C * C``. The tile's key range starts
+  at ``max(window bound, q_lo // C * C)`` (its first query's chunk), so key tiles wholly before
+  it are never loaded -- prefill chunks, decode rows and every split-KV run alike -- and the
+  per-key mask drops the earlier keys of rows in later chunks.
 * **Head dims** that are not powers of two (80, 96) are padded to the next power of two with
   masked loads; the padded lanes are zero so they add nothing to ``q . k``.
 
@@ -97,6 +102,7 @@ import torch
 
 import triton
 import triton.language as tl
+from paged_serve.kernels.reference import check_attention_chunk
 from paged_serve.kernels.triton.attention_checks import (
     AttentionShapes,
     check_attention_inputs,
@@ -158,10 +164,33 @@ def _key_tiles(
     USE_WINDOW: tl.constexpr,
     CAUSAL: tl.constexpr,
 ):
+    """``_bounded_key_tiles`` without a chunk bound (the latent-attention kernel's)."""
+    return _bounded_key_tiles(
+        seq_len, q_len, tile_tok0, split, num_kv_splits, sliding_window, 1,
+        TOKENS_PER_TILE, TILE_N, USE_WINDOW, False, CAUSAL,
+    )  # fmt: skip
+
+
+@triton.jit
+def _bounded_key_tiles(
+    seq_len,
+    q_len,
+    tile_tok0,
+    split,
+    num_kv_splits,
+    sliding_window,
+    attention_chunk,
+    TOKENS_PER_TILE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_CHUNK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
     """``(kv_lo, kv_hi, first, end)``: the query tile needs keys ``[kv_lo, kv_hi)`` (up to its
-    last query's position when ``CAUSAL``, else to ``seq_len``; windowed; ``kv_lo`` a multiple
-    of ``TILE_N``), and this split walks key tiles ``[first, end)`` of them, one contiguous run
-    of ``cdiv(tiles, num_kv_splits)`` tiles."""
+    last query's position when ``CAUSAL``, else to ``seq_len``; from the window's start and,
+    with ``USE_CHUNK``, no earlier than its first query's chunk start; ``kv_lo`` a multiple of
+    ``TILE_N``), and this split walks key tiles ``[first, end)`` of them, one contiguous run of
+    ``cdiv(tiles, num_kv_splits)`` tiles."""
     last_tok = tl.minimum(q_len, tile_tok0 + TOKENS_PER_TILE) - 1
     kv_hi = seq_len - q_len + last_tok + 1
     if not CAUSAL:  # keys after the queries too: |k - q| < w reaches q_hi + w - 1
@@ -169,11 +198,13 @@ def _key_tiles(
             kv_hi = tl.minimum(kv_hi - 1 + sliding_window, seq_len)
         else:
             kv_hi = seq_len
+    first_q = seq_len - q_len + tile_tok0  # the tile's first query position
+    kv_lo = first_q * 0
     if USE_WINDOW:
-        kv_lo = tl.maximum(seq_len - q_len + tile_tok0 - sliding_window + 1, 0)
-        kv_lo = (kv_lo // TILE_N) * TILE_N
-    else:
-        kv_lo = 0
+        kv_lo = tl.maximum(first_q - sliding_window + 1, 0)
+    if USE_CHUNK:  # the tile's other queries sit in this chunk or later ones
+        kv_lo = tl.maximum(kv_lo, (first_q // attention_chunk) * attention_chunk)
+    kv_lo = (kv_lo // TILE_N) * TILE_N
     num_tiles = tl.cdiv(kv_hi - kv_lo, TILE_N)
     tiles_per_split = tl.cdiv(num_tiles, num_kv_splits)
     tile_begin = split * tiles_per_split
@@ -239,6 +270,7 @@ def _attend_key_tile(
     n_valid,
     q_pos,
     sliding_window,
+    attention_chunk,
     scale_log2,
     softcap_in,
     softcap_out,
@@ -246,6 +278,7 @@ def _attend_key_tile(
     l_i,
     acc,
     USE_WINDOW: tl.constexpr,
+    USE_CHUNK: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -261,23 +294,36 @@ def _attend_key_tile(
         s = (1.0 - 2.0 / (e2x + 1.0)) * softcap_out
     else:
         s = s * scale_log2
-    allowed = _allowed_keys(offs_n, n_valid, q_pos, sliding_window, USE_WINDOW, CAUSAL)
+    allowed = _allowed_keys(
+        offs_n, n_valid, q_pos, sliding_window, attention_chunk, USE_WINDOW, USE_CHUNK, CAUSAL
+    )
     s = tl.where(allowed, s, float("-inf"))
     return _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
 
 @triton.jit
 def _allowed_keys(
-    offs_n, n_valid, q_pos, sliding_window, USE_WINDOW: tl.constexpr, CAUSAL: tl.constexpr
+    offs_n,
+    n_valid,
+    q_pos,
+    sliding_window,
+    attention_chunk,
+    USE_WINDOW: tl.constexpr,
+    USE_CHUNK: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):
     """``[rows, TILE_N]`` (``[1, TILE_N]`` when no row differs): which loaded keys
     (positions ``offs_n``) each row's query (position ``q_pos``) sees. ``CAUSAL``: ``k <= q``,
-    and ``k > q - w`` with a window; else every key, and ``|k - q| < w`` with a window."""
+    ``k > q - w`` with a window and ``k >= q // C * C`` with a chunk; else every key, and
+    ``|k - q| < w`` with a window."""
     allowed = n_valid[None, :]
     if CAUSAL:
         allowed = allowed & (offs_n[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (offs_n[None, :] > q_pos[:, None] - sliding_window)
+        if USE_CHUNK:
+            chunk_start = (q_pos // attention_chunk) * attention_chunk
+            allowed = allowed & (offs_n[None, :] >= chunk_start[:, None])
     elif USE_WINDOW:
         distance = offs_n[None, :] - q_pos[:, None]
         allowed = allowed & (distance < sliding_window) & (distance > -sliding_window)
@@ -415,6 +461,7 @@ def _paged_attention_kernel(
     num_q_heads,
     num_kv_splits,
     sliding_window,
+    attention_chunk,
     scale_log2,
     softcap_in,
     softcap_out,
@@ -440,6 +487,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     DECODE_ONLY: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_CHUNK: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -480,9 +528,9 @@ def _paged_attention_kernel(
         q = q.to(tl.float32)
 
     # -- this split's run of key tiles, one online-softmax step each
-    kv_lo, kv_hi, tile_begin, tile_end = _key_tiles(
-        seq_len, q_len, tile_tok0, split, num_kv_splits, sliding_window,
-        TOKENS_PER_TILE, TILE_N, USE_WINDOW, CAUSAL,
+    kv_lo, kv_hi, tile_begin, tile_end = _bounded_key_tiles(
+        seq_len, q_len, tile_tok0, split, num_kv_splits, sliding_window, attention_chunk,
+        TOKENS_PER_TILE, TILE_N, USE_WINDOW, USE_CHUNK, CAUSAL,
     )  # fmt: skip
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -497,8 +545,9 @@ def _paged_attention_kernel(
             stride_scale_block, stride_scale_slot, q_ptr, BLOCK_SIZE, DOT_FP32, QUANT,
         )  # fmt: skip
         m_i, l_i, acc = _attend_key_tile(
-            q, k, v, offs_n, n_valid, q_pos, sliding_window, scale_log2, softcap_in, softcap_out,
-            m_i, l_i, acc, USE_WINDOW, USE_SOFTCAP, CAUSAL, DOT_PRECISION,
+            q, k, v, offs_n, n_valid, q_pos, sliding_window, attention_chunk, scale_log2,
+            softcap_in, softcap_out, m_i, l_i, acc, USE_WINDOW, USE_CHUNK, USE_SOFTCAP, CAUSAL,
+            DOT_PRECISION,
         )  # fmt: skip
     if USE_SINKS and not SPLIT:  # (split-KV: the merge adds the sink once)
         # the head's sink logit joins the denominator like a key whose value is zero
@@ -614,7 +663,8 @@ class AttentionLaunch:
     with prefill chunks, where splits are never chosen automatically, keep the reduce: folded
     in, the merge made the head-dim-256 prefill builds spill on sm_90 (``ci/aot_compile.py``).
     ``causal``: the kernel's ``CAUSAL`` (False: bidirectional encoders). ``quantized``: the
-    kernel's ``QUANT``, int8/fp8 caches dequantized as each tile is loaded.
+    kernel's ``QUANT``, int8/fp8 caches dequantized as each tile is loaded. ``use_chunk``: the
+    kernel's ``USE_CHUNK``, a chunked local attention layer's lower key bound.
     """
 
     shapes: AttentionShapes
@@ -629,6 +679,7 @@ class AttentionLaunch:
     fuse_merge: bool = True
     causal: bool = True
     quantized: bool = False
+    use_chunk: bool = False
 
     @property
     def split(self) -> bool:
@@ -667,6 +718,7 @@ class AttentionLaunch:
             BLOCK_SIZE=self.shapes.block_size,
             DECODE_ONLY=self.decode_only,
             USE_WINDOW=self.use_window,
+            USE_CHUNK=self.use_chunk,
             USE_SOFTCAP=self.use_softcap,
             USE_SINKS=self.use_sinks,
             CAUSAL=self.causal,
@@ -697,10 +749,12 @@ def attention_launch(
     fuse_merge: bool = True,
     causal: bool = True,
     quantized: bool = False,
+    attention_chunk: int | None = None,
 ) -> AttentionLaunch:
     """The launch settings of one call (``num_kv_splits=None``: :func:`choose_num_kv_splits`
     for a GPU of ``num_sms`` multiprocessors; ``fuse_merge``, ``causal``, ``quantized``: as
-    ``AttentionLaunch``). ``dtype`` is q's (a quantized cache's tiles reach the dots in it).
+    ``AttentionLaunch``; ``attention_chunk`` set: ``use_chunk``). ``dtype`` is q's (a
+    quantized cache's tiles reach the dots in it).
 
     A fixed function of the shapes, dtype and arguments, never of tensor contents.
     """
@@ -735,6 +789,7 @@ def attention_launch(
         fuse_merge=fuse_merge,
         causal=causal,
         quantized=quantized,
+        use_chunk=attention_chunk is not None,
     )
 
 
@@ -806,6 +861,7 @@ def paged_attention(
     causal: bool = True,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Attention of ragged query chunks over the paged KV cache; see ``paged_attention_ref``.
 
@@ -828,6 +884,7 @@ def paged_attention(
     ``k_scale``, ``v_scale``: ``[num_blocks, block_size, Hkv]`` fp32, contiguous (both or
     neither): the caches hold int8 / float8_e4m3fn / float8_e5m2 codes (both the same) and
     every key and value read is ``code * scale`` (``kernels/interface.py``'s layout).
+    ``attention_chunk`` C (causal only): a query at ``q`` sees no key before ``q // C * C``.
     Returns ``[T, Hq, D]`` in ``q.dtype``. Invalid arguments raise ``ValueError``
     (``kernels/triton/attention_checks.py``).
     """
@@ -851,6 +908,7 @@ def paged_attention(
         raise ValueError(f"softcap must be > 0, got {softcap}")
     if not isinstance(causal, bool):  # a mask tensor or None here is a caller's mistake
         raise ValueError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    check_attention_chunk(attention_chunk, causal)
     out = check_out(out, q)
     if shapes.num_tokens == 0 or shapes.num_seqs == 0 or max_seqlen_q == 0:
         return out
@@ -867,6 +925,7 @@ def paged_attention(
         fuse_merge=fuse_merge,
         causal=causal,
         quantized=k_scale is not None,
+        attention_chunk=attention_chunk,
     )
     if launch.split:
         part_out, part_lse = _partials(workspace, shapes, launch.num_kv_splits, q.device)
@@ -893,6 +952,7 @@ def paged_attention(
         shapes.num_q_heads,
         launch.num_kv_splits,
         sliding_window or 0,
+        attention_chunk or 1,
         scale * _LOG2_E,
         scale / softcap if softcap else 0.0,
         softcap * _LOG2_E if softcap else 0.0,

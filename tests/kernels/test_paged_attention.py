@@ -232,6 +232,85 @@ def test_softcap_and_sinks_match_reference(
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
 
 
+CHUNK_CASES = [
+    # id, seqs, (Hq, Hkv), head_dim, dtype, num_kv_splits, sliding_window, attention_chunk
+    ("mixed-7-chunk8", MIXED_7, (8, 2), 64, torch.float32, None, None, 8),  # < a key tile
+    ("prefill-7-chunk20-window9", CHUNKED_7, (9, 3), 80, torch.float32, None, 9, 20),
+    ("decode-7-chunk24-split3", DECODE_7, (16, 2), 64, torch.float16, 3, None, 24),
+    ("mixed-3-chunk16-split2", MIXED_3, (8, 2), 64, torch.float32, 2, 30, 16),
+]
+
+
+@pytest.mark.parametrize(
+    "spec,heads,head_dim,dtype,num_kv_splits,sliding_window,attention_chunk",
+    [c[1:] for c in CHUNK_CASES],
+    ids=[c[0] for c in CHUNK_CASES],
+)
+def test_attention_chunk_matches_reference(
+    paged_batch,
+    device,
+    interpreter_order,
+    spec,
+    heads,
+    head_dim,
+    dtype,
+    num_kv_splits,
+    sliding_window,
+    attention_chunk,
+):
+    """Chunked local attention (Llama 4): a query at ``q`` sees no key before ``q // C * C``,
+    beside a window (both lower bounds) and through split-KV runs, in both reduction orders;
+    where a chunk cuts, the output differs from the unchunked one."""
+    batch = paged_batch(
+        _seqs(spec, 16),
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        block_size=16,
+        dtype=dtype,
+        device=device,
+    )
+    kwargs = dict(batch.kwargs(), scale=head_dim**-0.5, sliding_window=sliding_window)
+    out = paged_attention(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        num_kv_splits=num_kv_splits,
+        attention_chunk=attention_chunk,
+        **kwargs,
+    )
+    ref = paged_attention_ref(
+        batch.q.float(), batch.k_cache, batch.v_cache, attention_chunk=attention_chunk, **kwargs
+    )
+    assert not out.isnan().any()
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
+    unchunked = paged_attention_ref(batch.q.float(), batch.k_cache, batch.v_cache, **kwargs)
+    assert not torch.allclose(ref, unchunked, atol=0.1, rtol=0.1)
+
+
+def test_attention_chunk_never_reads_key_tiles_before_the_chunk(paged_batch, device):
+    """Decode rows whose chunk starts on a key-tile boundary (fp32 tiles of 16 keys, chunks of
+    32): every cached key and value before the chunk is NaN, and the output is still the
+    reference's over the intact cache -- those tiles are never loaded."""
+    seqs = _seqs([(1, (2, 5)), (1, (4, 1)), (1, (5, 0)), (1, BS)], 16)
+    batch = paged_batch(
+        seqs, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
+        device=device,
+    )  # fmt: skip
+    kwargs = dict(batch.kwargs(), scale=64**-0.5, attention_chunk=32)
+    ref = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, **kwargs)
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    for s, (_, ctx) in enumerate(seqs):
+        for position in range((ctx - 1) // 32 * 32):
+            block = int(batch.block_tables[s, position // 16])
+            k_cache[block, position % 16] = float("nan")
+            v_cache[block, position % 16] = float("nan")
+    for splits in (1, 2):
+        out = paged_attention(batch.q, k_cache, v_cache, num_kv_splits=splits, **kwargs)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_auto_split_kv_long_decode(paged_batch, device):
     """Few sequences with long contexts: the automatic choice splits, and the merge is exact."""
     seqs = [(1, 1100), (1, 17), (1, 600)]
@@ -442,6 +521,8 @@ BAD_INPUTS = {
     "table-too-small": lambda a, k: _replace(a, k, max_seqlen_k=33),
     "bad-window": lambda a, k: _replace(a, k, sliding_window=0),
     "causal-not-bool": lambda a, k: _replace(a, k, causal=None),
+    "bad-chunk": lambda a, k: _replace(a, k, attention_chunk=0),
+    "chunk-not-causal": lambda a, k: _replace(a, k, attention_chunk=8, causal=False),
     "bad-splits": lambda a, k: _replace(a, k, num_kv_splits=0),
     "out-dtype": lambda a, k: _replace(a, k, out=a[0].new_zeros(3, 8, 64).half()),
     "small-workspace": lambda a, k: _replace(a, k, num_kv_splits=2, workspace=a[0].new_zeros(10)),

@@ -30,6 +30,10 @@ mask, and the plan is keyed on ``causal`` too. When every sequence of such a ste
 long, that token sits at its sequence's last position and sees the same keys causal or not, so
 the C kernel, which attends a row over its whole context (the latest ``w`` with a window),
 takes it alike.
+
+A chunked local attention layer (``attention_chunk`` C, Llama 4) is planned with the chunk
+bound in its masks (and keyed on C); in a decode-only step the C kernel starts each row at its
+chunk's start, ``(seq_len - 1) // C * C`` (or the window's, whichever is later).
 """
 
 from __future__ import annotations
@@ -38,7 +42,12 @@ import torch
 
 from paged_serve.engine.platform.cpu.attention_plan import AttentionPlan
 from paged_serve.kernels.cpu.decode_attention import CpuDecodeAttention
-from paged_serve.kernels.reference import kept_slots, quantize_kv_ref, scatter_kv
+from paged_serve.kernels.reference import (
+    check_attention_chunk,
+    kept_slots,
+    quantize_kv_ref,
+    scatter_kv,
+)
 
 
 class PlannedTorchAttention:
@@ -106,11 +115,14 @@ class PlannedTorchAttention:
         causal: bool = True,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        attention_chunk: int | None = None,
     ) -> torch.Tensor:
         """As ``paged_attention_ref``: ``q [T, Hq, D]`` over the paged cache, the math in q's
         dtype (fp32 in the C kernel, which decode-only steps take: ``_decodes_in_place``).
-        ``causal=False``: each query sees its whole sequence (``kernels/interface.py``).
+        ``causal=False``: each query sees its whole sequence (``kernels/interface.py``);
+        ``attention_chunk`` C: no key before the query's chunk start ``q // C * C``.
         ``k_scale``/``v_scale``: the caches hold codes, read back as ``code * scale``."""
+        check_attention_chunk(attention_chunk, causal)
         plain = softcap is None and sinks is None  # the C kernel has neither
         scales = None if k_scale is None or v_scale is None else (k_scale, v_scale)
         if plain and self._decodes_in_place(q, k_cache, v_cache, seq_lens, scales):
@@ -123,8 +135,10 @@ class PlannedTorchAttention:
                 scale=scale,
                 sliding_window=sliding_window,
                 scales=scales,
+                attention_chunk=attention_chunk,
             )
         key = (cu_seqlens_q, seq_lens, block_tables, q.shape[0], sliding_window, causal)
+        key += (attention_chunk,)
         if self._plan is None or not _same_key(key, self._plan_key):
             self._plan = AttentionPlan.build(
                 cu_seqlens_q=cu_seqlens_q,
@@ -134,6 +148,7 @@ class PlannedTorchAttention:
                 num_tokens=q.shape[0],
                 sliding_window=sliding_window,
                 causal=causal,
+                attention_chunk=attention_chunk,
             )
             self._plan_key = key
         return self._plan.run(

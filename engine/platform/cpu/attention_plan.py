@@ -3,7 +3,9 @@ rows by similar context length, each prefill chunk alone), gathers each group's 
 into dense K and V and runs torch's ``scaled_dot_product_attention`` in Hugging Face's layout,
 so that a sequence alone gets HF's own blocking and rounding in every dtype. A plan is causal
 (decoders) or not (bidirectional encoders: every query sees its whole sequence, or the keys
-within ``|k - q| < w`` of a sliding window; ``kernels/interface.py``).
+within ``|k - q| < w`` of a sliding window; ``kernels/interface.py``). A causal plan may also
+bound each query's keys from below by its chunk's start (``attention_chunk`` C: ``k >= q // C *
+C``, Llama 4's chunked layers), in its masks.
 
 The plan is derived from a step's metadata alone (host copies of ``cu_seqlens_q``, ``seq_lens``
 and the block tables), so one plan serves every layer of the step
@@ -116,6 +118,7 @@ class UniformGroup:
         sliding_window: int | None,
         alone: bool | None = None,
         causal: bool = True,
+        attention_chunk: int | None = None,
     ) -> UniformGroup:
         device = block_tables.device
         num_seqs, max_len = len(seq_lens), max(seq_lens)
@@ -127,13 +130,14 @@ class UniformGroup:
         # The mask is built only where something is cut off: one fresh prompt runs the causal
         # fast path, decode rows of equal length need none, nor do non-causal queries that see
         # every key of their sequence.
-        window_cuts = sliding_window is not None and sliding_window < max_len
+        bounds_cut = sliding_window is not None and sliding_window < max_len
+        bounds_cut |= attention_chunk is not None and attention_chunk < max_len
         fresh = q_len == max_len and num_seqs == 1
         causal_cuts = causal and q_len > 1 and not fresh
         mask = None
-        if causal_cuts or tail is not None or window_cuts:
+        if causal_cuts or tail is not None or bounds_cut:
             q_pos = (lens - q_len)[:, None] + torch.arange(q_len, device=device)[None, :]
-            allowed = _allowed_keys(q_pos, k_pos, lens, sliding_window, causal)
+            allowed = _allowed_keys(q_pos, k_pos, lens, sliding_window, causal, attention_chunk)
             mask = allowed[:, None]  # [S, 1, Lq, Lk]
         blocks = context_blocks(block_tables, max_len, block_size)
         alone = num_seqs == 1 if alone is None else alone
@@ -241,16 +245,19 @@ def _allowed_keys(
     lens: torch.Tensor,
     sliding_window: int | None,
     causal: bool,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """``[S, Lq, Lk]`` bool: which key positions ``k_pos [Lk]`` the queries at ``q_pos [S, Lq]``
     see, of sequences ``lens [S]`` long (``kernels/interface.py``'s rule). Causal: ``k <= q``
-    (which keeps them inside their sequence), and ``k > q - w`` with a window; else every
-    ``k < len``, and ``|k - q| < w`` with a window."""
+    (which keeps them inside their sequence), ``k > q - w`` with a window and ``k >= q // C *
+    C`` with a chunk; else every ``k < len``, and ``|k - q| < w`` with a window."""
     k, q = k_pos[None, None, :], q_pos[:, :, None]
     if causal:
         allowed = k <= q
         if sliding_window is not None:
             allowed &= k > q - sliding_window
+        if attention_chunk is not None:
+            allowed &= k >= q // attention_chunk * attention_chunk
         return allowed
     inside = k < lens[:, None, None]  # [S, 1, Lk]
     if sliding_window is None:
@@ -288,7 +295,8 @@ class AttentionPlan:
     token) in groups of similar context length (``length_groups``), each prefill chunk on its
     own, so no sequence is padded far past its own length. It holds no cache data, so one plan
     serves every layer of a step. ``pure_decode``: one group holds every row, in order.
-    ``causal=False`` builds every group's masks without the causal part (encoders)."""
+    ``causal=False`` builds every group's masks without the causal part (encoders);
+    ``attention_chunk`` bounds a causal query's keys by its chunk's start."""
 
     groups: tuple[UniformGroup, ...]
     pure_decode: bool
@@ -304,11 +312,17 @@ class AttentionPlan:
         num_tokens: int,
         sliding_window: int | None,
         causal: bool = True,
+        attention_chunk: int | None = None,
     ) -> AttentionPlan:
         cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
         device = cu_seqlens_q.device
         decode = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]
-        common = {"sliding_window": sliding_window, "block_size": block_size, "causal": causal}
+        common = {
+            "sliding_window": sliding_window,
+            "block_size": block_size,
+            "causal": causal,
+            "attention_chunk": attention_chunk,
+        }
         split = [[decode[j] for j in g] for g in length_groups([lens[i] for i in decode])]
         pure_decode = len(decode) == len(lens) == num_tokens and len(split) == 1
         groups: list[UniformGroup] = []

@@ -102,6 +102,46 @@ def test_k_and_v_in_one_allocation_gather_together_to_the_same_result(
     assert torch.equal(together, apart)
 
 
+# Chunked local attention (Llama 4): decode rows of equal and unequal contexts, prefill chunks
+# that start mid-chunk and span several, a fresh prompt (which takes the mask, not is_causal).
+CHUNK_SPECS = {
+    "decode-equal": [(1, (2, 5)), (1, (2, 5))],
+    "decode-ragged": [(1, (2, 5)), (1, (0, 3)), (1, (4, 0))],
+    "mixed": [(9, (2, 7)), (1, (4, 0)), (None, (1, 4))],
+    "fresh-prompt": [(None, (2, 3))],
+}
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", sorted(CHUNK_SPECS))
+def test_attention_chunk_steps_equal_the_oracle(kind: str, dtype: torch.dtype, window: int | None):
+    """``attention_chunk`` C: a query at ``q`` sees no key before ``q // C * C`` (beside a
+    window, both bounds). The plan is keyed on it: an unchunked call on the same metadata
+    tensors after it gets its own plan."""
+    batch = _batch(CHUNK_SPECS[kind], (8, 2), 64, 16, dtype)
+    kwargs = dict(batch.kwargs(), scale=0.125, sliding_window=window)
+    planned = PlannedTorchAttention()
+    out = planned.paged_attention(
+        batch.q, batch.k_cache, batch.v_cache, attention_chunk=8, **kwargs
+    )
+    plain = planned.paged_attention(batch.q, batch.k_cache, batch.v_cache, **kwargs)
+    assert torch.equal(plain, _fresh_plan(batch.q, batch.k_cache, batch.v_cache, dtype, **kwargs))
+    oracle = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, attention_chunk=8, **kwargs)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, oracle, rtol=tol, atol=tol)
+    assert not torch.allclose(out.float(), plain.float(), atol=0.1)  # the chunks cut
+
+
+def test_attention_chunk_is_refused_on_non_causal_steps():
+    batch = _batch(CHUNK_SPECS["mixed"], (8, 2), 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="causal"):
+        PlannedTorchAttention().paged_attention(
+            batch.q, batch.k_cache, batch.v_cache, **batch.kwargs(), scale=0.125,
+            attention_chunk=8, causal=False,
+        )  # fmt: skip
+
+
 # Encoder steps: whole prompts of 17, 1, 37 and 9 tokens (block size 16), decode rows beside
 # them in one case (the same keys causal or not), and a chunk over a cached prefix.
 NONCAUSAL_SPECS = {

@@ -82,6 +82,59 @@ def test_equals_the_fp32_reference(kernel, contexts, heads, head_dim, block_size
     _assert_close_to_reference(out, _reference(batch, scale, window), dtype)
 
 
+CHUNK_CASES = [
+    # contexts, (Hq, Hkv), head_dim, block_size, window, chunk
+    ([1, 8, 9, 16, 17, 40], (8, 2), 64, 16, None, 8),  # chunk starts 0, 0, 8, 8, 16, 32
+    ([300, 31, 64], (9, 3), 64, 16, 17, 32),  # the window's start or the chunk's, the later
+    ([12, 50, 3], (8, 1), 32, 4, 8, 5),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("contexts,heads,head_dim,block_size,window,chunk", CHUNK_CASES)
+def test_attention_chunk_equals_the_fp32_reference(
+    kernel, contexts, heads, head_dim, block_size, window, chunk, dtype
+):
+    """A decode row (at ``len - 1``) sees no token before its chunk's start ``(len - 1) // C *
+    C``; with a window too, the later of the two starts."""
+    batch = _decode_batch(contexts, heads, head_dim, block_size, dtype)
+    out = _attend(kernel, batch, sliding_window=window, attention_chunk=chunk)  # scale 0.125
+    ref = paged_attention_ref(
+        batch.q.float(),
+        batch.k_cache.float(),
+        batch.v_cache.float(),
+        **batch.kwargs(),
+        scale=0.125,
+        sliding_window=window,
+        attention_chunk=chunk,
+    )
+    _assert_close_to_reference(out, ref, dtype)
+
+
+def test_the_torch_backend_takes_chunked_decode_steps(kernel, monkeypatch):
+    """Decode-only steps of a chunked layer stay on the C kernel (chunk bound in place) and
+    equal the reference; a step with a prefill chunk runs the plan, chunk bound in its mask."""
+    calls = []
+    real = kernel.attend
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("attention_chunk"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "attend", counted)
+    planned = PlannedTorchAttention(decode_kernel=kernel)
+    for spec, expected in (
+        ([(1, (0, 20)), (1, (0, 70))], [8]),
+        ([(1, (0, 20)), (5, (0, 30))], [8]),
+    ):
+        batch = _batch(spec, (8, 2), 64, 16, torch.float32)
+        kwargs = dict(batch.kwargs(), scale=0.125, attention_chunk=8)
+        out = planned.paged_attention(batch.q, batch.k_cache, batch.v_cache, **kwargs)
+        ref = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, **kwargs)
+        _assert_close_to_reference(out, ref, torch.float32)
+        assert calls == expected
+
+
 def _attend(kernel, batch, **extra):
     return kernel.attend(
         batch.q if "q" not in extra else extra.pop("q"),
