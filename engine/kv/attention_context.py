@@ -34,7 +34,9 @@ class AttentionContext:
     A hybrid model's linear-attention layers also read ``state_cache``, each sequence's
     ``state_slots [S]`` int32 and ``has_state [S]`` int32 (0: start from a zero state).
     ``lora``: each token's LoRA adapter slot (``engine/kv/lora_step.py``), None when no token of
-    the step has an adapter.
+    the step has an adapter. ``positions``: ``[T]`` int64, each token's position in its
+    sequence (the step's position ids; Llama 4's NoPE layers scale their queries by it), None
+    where a caller has none.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -49,6 +51,7 @@ class AttentionContext:
     state_slots: torch.Tensor | None = None
     has_state: torch.Tensor | None = None
     lora: LoRAStep | None = None
+    positions: torch.Tensor | None = None
 
 
 _state = threading.local()

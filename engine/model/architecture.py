@@ -54,7 +54,7 @@ FAST_BODY_ARCHITECTURES = (
     "Qwen3_5MoeForCausalLM",
     "CohereForCausalLM",  # LayerNorm, attention and MLP in parallel, rotation in pairs
 )
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 LINEAR_LAYER_TYPE = "linear_attention"  # gated DeltaNet or Mamba-2, over state slots
 PARALLEL_LAYER_TYPE = "hybrid"  # Falcon-H1: attention and a Mamba-2 mixer side by side
 FEED_FORWARD_LAYER_TYPES = ("mlp", "moe")  # Nemotron-H: a layer without a token mixer
@@ -69,6 +69,18 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
         for m in model.modules()
         if type(m).__name__.endswith("Attention") and getattr(m, "layer_idx", None) is not None
     ]
+
+
+def decoder_model(model: nn.Module) -> nn.Module:
+    """The decoder a causal LM's head sits on: ``model.base_model``, unless that is the model
+    itself (Llama 4's ``Llama4ForCausalLM`` names ``language_model`` as its base model prefix
+    but keeps its decoder at ``model.model``), then ``model.model``; the model itself when it
+    has neither (a bare encoder)."""
+    base = getattr(model, "base_model", model)
+    if base is not model:
+        return base
+    inner = getattr(model, "model", None)
+    return inner if isinstance(inner, nn.Module) else model
 
 
 def _has_layer_list(model: PreTrainedModel) -> bool:
@@ -124,7 +136,7 @@ def check_servable(model: PreTrainedModel, pooling: bool = False) -> None:
         number_attention_layers(model)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder model: paged-serve serves decoder-only LMs")
-    if not pooling and (model.get_output_embeddings() is None or model.base_model is model):
+    if not pooling and (model.get_output_embeddings() is None or decoder_model(model) is model):
         raise ValueError(f"{name} is not a causal LM: an LM head over a decoder (base_model)")
     encoder = pooling and is_bidirectional(model)
     if not encoder and not _has_layer_list(model):

@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 from transformers.integrations.moe import ExpertsInterface
 
 from paged_serve.engine.kv.attention_context import current_attention_context
+from paged_serve.engine.model.llama4_moe import install_llama4_moe
 from paged_serve.engine.quant.experts import StoredExperts
 
 EXPERTS_NAME = "paged_serve"
@@ -74,15 +75,17 @@ def experts_modules(model: nn.Module) -> list[nn.Module]:
 def install_paged_experts(model: PreTrainedModel) -> int:
     """Point every experts module of ``model`` at the fused MoE; returns how many there are
     (0: a dense model, left as it is). Experts of another shape (no gate/up pair, a norm after
-    each expert) keep HF's own forward."""
+    each expert) keep HF's own forward. Llama 4's mixtures, which transformers does not
+    dispatch, get a forward of their own over the fused MoE (``engine/model/llama4_moe.py``)."""
+    routed_inputs = install_llama4_moe(model)
     modules = experts_modules(model)
     # transformers 5.17 has no post-expert norms (nor the attribute)
     if not modules or not all(
         m.has_gate and not getattr(m, "has_post_expert_norm", False) for m in modules
     ):
-        return 0
+        return routed_inputs
     model.set_experts_implementation(EXPERTS_NAME)
-    return len(modules)
+    return routed_inputs + len(modules)
 
 
 def swap_experts(model: nn.Module, make: Callable[[torch.Tensor], nn.Module | None]) -> int:

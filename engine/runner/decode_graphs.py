@@ -43,6 +43,7 @@ from paged_serve.engine.kv.attention_context import AttentionContext, attention_
 from paged_serve.engine.kv.kv_cache import KVCache
 from paged_serve.engine.kv.lora_step import LoRAStep
 from paged_serve.engine.kv.state_cache import StateCache
+from paged_serve.engine.model.architecture import decoder_model
 from paged_serve.engine.platform.host_tensors import host_tensor
 from paged_serve.engine.platform.kernel_backend import KernelBackend
 from paged_serve.engine.runner.step_inputs import StepInputs
@@ -183,10 +184,11 @@ class DecodeGraphs:
             state_slots=self.state_slots[:size] if self.state_cache is not None else None,
             has_state=self.has_state[:size] if self.state_cache is not None else None,
             lora=self._lora_step(size),
+            positions=self.positions[0, :size],
         )
         with attention_context(ctx):
             if not self.with_logits:
-                self.model.base_model(
+                decoder_model(self.model)(
                     input_ids=self.input_ids[:, :size],
                     position_ids=self.positions[:, :size],
                     use_cache=False,

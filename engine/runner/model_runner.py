@@ -24,7 +24,12 @@ from paged_serve.engine.kv.lora_step import LoRAStep, lora_step
 from paged_serve.engine.kv.state_cache import StateCache, linear_state_shape
 from paged_serve.engine.lora.adapter_files import LoRAAdapter
 from paged_serve.engine.lora.model_adapters import ModelAdapters
-from paged_serve.engine.model.architecture import is_multimodal, runs_fast_body, text_config
+from paged_serve.engine.model.architecture import (
+    decoder_model,
+    is_multimodal,
+    runs_fast_body,
+    text_config,
+)
 from paged_serve.engine.model.body import ModelBody
 from paged_serve.engine.model.logits_head import LogitsHead
 from paged_serve.engine.model.mamba_mixer import mamba_state_shape
@@ -120,7 +125,7 @@ class ModelRunner:
         self.pooling = pooling
         self.adapters = adapters
         # what the model's forward takes besides ids and positions (an encoder has no cache)
-        forward_args = inspect.signature(model.base_model.forward).parameters
+        forward_args = inspect.signature(decoder_model(model).forward).parameters
         self._use_cache = {"use_cache": False} if "use_cache" in forward_args else {}
         self._position_offset = position_offset(model)  # every rank: RoBERTa's positions
         self.eos_token_ids = eos_token_ids  # blocked while a row is short of its min_tokens
@@ -222,6 +227,7 @@ class ModelRunner:
         """Device tensors of a flat step: (input_ids [T], position_ids [T], AttentionContext)."""
         width = max(len(t) for t in inputs.block_tables)
         padded = [t + [0] * (width - len(t)) for t in inputs.block_tables]
+        positions = self._tensor(inputs.positions, torch.long)
         ctx = AttentionContext(
             cu_seqlens_q=self._tensor(inputs.cu_seqlens, torch.int32),
             seq_lens=self._tensor(inputs.seq_lens, torch.int32),
@@ -232,13 +238,10 @@ class ModelRunner:
             kv_cache=self.kv_cache,
             backend=self.backend,
             lora=self._lora_step(inputs),
+            positions=positions,
             **self._state_context(inputs),
         )
-        return (
-            self._tensor(inputs.input_ids, torch.long),
-            self._tensor(inputs.positions, torch.long),
-            ctx,
-        )
+        return self._tensor(inputs.input_ids, torch.long), positions, ctx
 
     def _lora_step(self, inputs: StepInputs) -> LoRAStep | None:
         """Each token's adapter slot, when a request of the step has an adapter."""
@@ -277,7 +280,7 @@ class ModelRunner:
                 extra["token_type_ids"] = self._tensor(inputs.token_type_ids, torch.long)[None]
             if self._position_offset:
                 position_ids = position_ids + self._position_offset
-            out = self.model.base_model(position_ids=position_ids[None], **extra)
+            out = decoder_model(self.model)(position_ids=position_ids[None], **extra)
             return out.last_hidden_state[0]
 
     def forward(
