@@ -1,8 +1,10 @@
-"""Mamba-2 scan benchmarks at Mamba-2 2.7B's layer shape.
+"""Mamba-2 scan benchmarks at two released hybrids' Mamba-2 layer shapes.
 
-80 heads of P = 64 lanes, one group of B and C with N = 128 (d_inner 5120 on one rank), bf16
-inputs, fp32 dt, A and D, fp32 states in a pool of twice as many slots as sequences, each
-sequence on a shuffled slot:
+``SHAPES`` (heads H of P lanes, G groups of B and C with N lanes each, one rank): Granite 4.0
+H Small's and Nemotron-H 8B's mixers as their ``config.json`` files give them (written down from
+the published checkpoints; this machine cannot reach the hub to re-read them). bf16 inputs, fp32
+dt, A and D, fp32 states in a pool of twice as many slots as sequences, each sequence on a
+shuffled slot:
 
 * **decode** (the recurrent kernel), batch {1, 16, 128}: one token per sequence. GB/s over the
   state read and written plus x, dt, B, C and y, as a % of the device's copy bandwidth, and the
@@ -30,15 +32,19 @@ from perf.kernels.report import PerfReport
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
-H, G, P, N = 80, 1, 64, 128
+# (H, G, P, N) per model
+SHAPES = {"granite-4.0-h-small": (128, 1, 64, 128), "nemotron-h-8b": (128, 8, 64, 128)}
 BATCHES = (1, 16, 128)
 CONTEXTS = (1024, 8192, 32768)
 ATOL = RTOL = 3e-2
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-def _inputs(tokens: int, slots: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+def _inputs(
+    shape: tuple[int, int, int, int], tokens: int, slots: int, gen: torch.Generator
+) -> tuple[torch.Tensor, ...]:
     """x, dt, A, B, C, D, state; dt and A in trained Mamba-2's ranges (dt * A in [-1.6, 0))."""
+    H, G, P, N = shape
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=DEVICE, generator=gen)
@@ -55,19 +61,22 @@ def _inputs(tokens: int, slots: int, gen: torch.Generator) -> tuple[torch.Tensor
 def _torch_decode(x, dt, A, B, C, D, state, slots) -> torch.Tensor:
     """One token per sequence in torch ops, graph-capturable: gather, update, scatter."""
     S = state[slots]  # [b, H, P, N]
-    b, c = (t.float().repeat_interleave(H // G, dim=1) for t in (B, C))
+    group = x.shape[1] // B.shape[1]
+    b, c = (t.float().repeat_interleave(group, dim=1) for t in (B, C))
     xf = x.float()
     S = S * (dt * A).exp()[..., None, None] + (dt[..., None] * xf)[..., None] * b[:, :, None]
     state[slots] = S
     return ((S @ c[..., None]).squeeze(-1) + D[:, None] * xf).to(x.dtype)
 
 
+@pytest.mark.parametrize("model", sorted(SHAPES))
 @pytest.mark.parametrize("batch", BATCHES)
 def test_ssd_scan_decode(
-    benchmark, perf_report: PerfReport, copy_bandwidth_gbps: float, batch: int
+    benchmark, perf_report: PerfReport, copy_bandwidth_gbps: float, batch: int, model: str
 ) -> None:
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    x, dt, A, B, C, D, state = _inputs(batch, 2 * batch, gen)
+    H, G, P, N = SHAPES[model]
+    x, dt, A, B, C, D, state = _inputs(SHAPES[model], batch, 2 * batch, gen)
     slots = torch.randperm(2 * batch, device=DEVICE, generator=gen)[:batch].to(torch.int32)
     cu = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
     has = torch.ones(batch, dtype=torch.int32, device=DEVICE)
@@ -96,20 +105,21 @@ def test_ssd_scan_decode(
             "vs_torch_x": metrics["torch_us"] / t,
         }
     )
-    benchmark.extra_info.update({"batch": batch, **metrics})
+    benchmark.extra_info.update({"batch": batch, "model": model, **metrics})
     perf_report.add(
         "ssd_scan_decode",
-        f"B={batch}",
+        f"{model} B={batch}",
         metrics,
-        title=f"Mamba-2 scan decode (2.7B: {H} heads x {P}, N={N}, bf16 in, fp32 state; "
-        "recurrent kernel and torch's gather/update/scatter in CUDA graphs)",
+        title="Mamba-2 scan decode (bf16 in, fp32 state; recurrent kernel and torch's "
+        "gather/update/scatter in CUDA graphs)",
     )
 
 
+@pytest.mark.parametrize("model", sorted(SHAPES))
 @pytest.mark.parametrize("context", CONTEXTS)
-def test_ssd_scan_prefill(benchmark, perf_report: PerfReport, context: int) -> None:
+def test_ssd_scan_prefill(benchmark, perf_report: PerfReport, context: int, model: str) -> None:
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    x, dt, A, B, C, D, state = _inputs(context, 2, gen)
+    x, dt, A, B, C, D, state = _inputs(SHAPES[model], context, 2, gen)
     meta = dict(
         cu_seqlens=torch.tensor([0, context], dtype=torch.int32, device=DEVICE),
         state_slots=torch.ones(1, dtype=torch.int32, device=DEVICE),
@@ -131,11 +141,11 @@ def test_ssd_scan_prefill(benchmark, perf_report: PerfReport, context: int) -> N
     metrics.update(
         {"kernel_us": t, "mtok_per_s": context / t, "vs_torch_x": metrics["torch_us"] / t}
     )
-    benchmark.extra_info.update({"context": context, **metrics})
+    benchmark.extra_info.update({"context": context, "model": model, **metrics})
     perf_report.add(
         "ssd_scan_prefill",
-        f"T={context}",
+        f"{model} T={context}",
         metrics,
-        title=f"Mamba-2 scan prefill, one sequence (2.7B: {H} heads x {P}, N={N}, bf16 in; "
-        "chunked kernel against the CPU engine's chunked torch form on the GPU)",
+        title="Mamba-2 scan prefill, one sequence (bf16 in; chunked kernel against the CPU "
+        "engine's chunked torch form on the GPU)",
     )
