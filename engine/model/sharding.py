@@ -41,7 +41,7 @@ from paged_serve.engine.model.fused_projections import linear_from, unfuse_proje
 from paged_serve.engine.model.latent_attention import is_latent_attention
 from paged_serve.engine.model.linear_attention import is_gated_delta_net
 from paged_serve.engine.model.linear_swap import transformer_layers
-from paged_serve.engine.model.mamba_mixer import mamba2_layers
+from paged_serve.engine.model.mamba_mixer import is_mamba2_mixer
 from paged_serve.engine.model.short_conv import short_conv_layers
 from paged_serve.engine.platform.cpu.linears import restore_plain_linears
 from paged_serve.engine.platform.cpu.packed_experts import restore_plain_experts
@@ -120,10 +120,10 @@ def check_shardable(model: nn.Module, world_size: int) -> None:
     divides, and per-head q/k norms only (a norm over all heads, as OLMo 2's, would need every
     rank's heads). ``model`` has its plain projections (``plain_projections``)."""
     name = type(model).__name__
-    if mamba2_layers(model) or short_conv_layers(model):
+    if short_conv_layers(model):
         raise ValueError(
-            f"tensor parallelism does not shard {name}'s Mamba-2 or short-convolution mixers "
-            "yet: serve it with --tensor-parallel-size 1"
+            f"tensor parallelism does not shard {name}'s short-convolution mixers yet: serve "
+            "it with --tensor-parallel-size 1"
         )
     if getattr(model.config, "vision_config", None) is not None:
         raise ValueError(
@@ -135,11 +135,16 @@ def check_shardable(model: nn.Module, world_size: int) -> None:
         return
     head_dim = getattr(model.config, "head_dim", None)
     for i, layer in enumerate(model.model.layers):
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        mixer = getattr(layer, "linear_attn", None)
+        attn, mlp, mixer = getattr(layer, "self_attn", None), _mlp(layer), _mixer(layer)
+        if mixer is not None and attn is not None:
+            raise ValueError(
+                f"tensor parallelism: {name} layer {i} runs attention and a state-space mixer "
+                "side by side, which it does not shard yet"
+            )
         if attn is None and mixer is not None and is_gated_delta_net(mixer):
             _check_delta_net_shardable(mixer, f"{name} layer {i}", world_size)
-            attn = None
+        elif attn is None and mixer is not None:
+            _check_mamba2_shardable(mixer, f"{name} layer {i}", world_size)
         elif attn is None:
             raise ValueError(f"tensor parallelism: {name} layer {i} has no self_attn to shard")
         missing = (
@@ -175,6 +180,39 @@ def check_shardable(model: nn.Module, world_size: int) -> None:
                     f"tensor parallelism: {name}'s {norm_name} normalises over all heads "
                     f"({weight.numel()} wide), which needs every rank's heads"
                 )
+
+
+def _mlp(layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's feed-forward block (``mlp``, or Bamba's and Falcon-H1's
+    ``feed_forward``)."""
+    mlp = getattr(layer, "mlp", None)
+    return mlp if mlp is not None else getattr(layer, "feed_forward", None)
+
+
+def _mixer(layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's stateful token mixer: gated DeltaNet's ``linear_attn`` or a Mamba-2
+    mixer (Bamba's ``mamba``), None for an attention layer."""
+    mixer, mamba = getattr(layer, "linear_attn", None), getattr(layer, "mamba", None)
+    if mixer is None and mamba is not None and is_mamba2_mixer(mamba):
+        mixer = mamba
+    return mixer
+
+
+def _check_mamba2_shardable(mixer: nn.Module, where: str, world_size: int) -> None:
+    """Each rank needs whole heads and whole groups of B and C (its gated norm normalises
+    per group), as plain Linears."""
+    for what, count in (("heads", mixer.num_heads), ("groups", mixer.n_groups)):
+        if count % world_size:
+            raise ValueError(
+                f"tensor_parallel_size {world_size} does not divide {where}'s {count} Mamba-2 "
+                f"{what}"
+            )
+    group_size = getattr(mixer.norm, "group_size", None)
+    if group_size != mixer.intermediate_size // mixer.n_groups:
+        raise ValueError(f"tensor parallelism: {where}'s gated norm is not per group of heads")
+    missing = [n for n in ("in_proj", "out_proj") if not _linear(mixer, n)]
+    if missing:
+        raise ValueError(f"tensor parallelism: {where} has no {missing} Linear")
 
 
 def _check_delta_net_shardable(mixer: nn.Module, where: str, world_size: int) -> None:
@@ -389,9 +427,11 @@ def shard_model(
         _shard_encoder(model, rank, world_size, group)
         return shape
     for layer in model.model.layers:
-        attn, mlp = getattr(layer, "self_attn", None), layer.mlp
-        if attn is None:  # a hybrid's gated DeltaNet layer (check_shardable)
-            _shard_delta_net(layer.linear_attn, rank, world_size, group)
+        attn, mlp, mixer = getattr(layer, "self_attn", None), _mlp(layer), _mixer(layer)
+        if attn is None and is_gated_delta_net(mixer):  # a hybrid's (check_shardable)
+            _shard_delta_net(mixer, rank, world_size, group)
+        elif attn is None:
+            _shard_mamba2(mixer, rank, world_size, group)
         else:
             _shard_attention(attn, shape, rank, world_size, group)
         if _plain_experts(mlp):
@@ -457,6 +497,48 @@ def _shard_delta_net(mixer: nn.Module, rank: int, world_size: int, group: object
     mixer.out_proj = _columns(mixer.out_proj, rank, world_size, group)
     mixer.num_k_heads, mixer.num_v_heads = hk, hv
     mixer.key_dim, mixer.value_dim = hk * dk, hv * dv
+    mixer.conv_dim = conv.weight.shape[0]
+
+
+def _shard_mamba2(mixer: nn.Module, rank: int, world_size: int, group: object | None) -> None:
+    """Rank ``r`` keeps heads ``r*H/N ..`` and groups ``r*G/N ..``: its rows of ``in_proj``'s
+    gate ``z``, ``x``, ``B``, ``C`` and ``dt`` blocks (and of Falcon-H1's ``mup_vector``), the
+    matching convolution channels (``x``, ``B``, ``C``), its heads' ``A_log``, ``dt_bias`` and
+    ``D``, its lanes of the gated norm (whole groups, so each normalises as before) and
+    ``out_proj``'s input columns (all-reduced)."""
+    heads, groups = mixer.num_heads // world_size, mixer.n_groups // world_size
+    inner, lanes = mixer.intermediate_size, heads * mixer.head_dim
+    bc, state = mixer.n_groups * mixer.ssm_state_size, groups * mixer.ssm_state_size
+
+    def block(offset: int, width: int) -> tuple[int, int]:
+        return offset + rank * width, offset + (rank + 1) * width
+
+    x, b, c = block(0, lanes), block(inner, state), block(inner + bc, state)
+    channels = (x, b, c)  # of the convolution: x, B, C
+    projection = (x, *((lo + inner, hi + inner) for lo, hi in channels))
+    projection += (block(2 * inner + 2 * bc, heads),)  # z, x, B, C, dt
+    mixer.in_proj = _row_ranges(mixer.in_proj, projection)
+    mup = getattr(mixer, "mup_vector", None)
+    if mup is not None:
+        mixer.mup_vector = _take_rows(mup.reshape(-1), projection)
+    per_head = (block(0, heads),)
+    conv = mixer.conv1d
+    for module, name, ranges in (
+        (conv, "weight", channels),
+        (conv, "bias", channels),
+        (mixer, "A_log", per_head),
+        (mixer, "dt_bias", per_head),
+        (mixer, "D", per_head),
+        (mixer.norm, "weight", (x,)),
+    ):
+        full = getattr(module, name)
+        if full is None:
+            continue
+        setattr(module, name, nn.Parameter(_take_rows(full, ranges), requires_grad=False))
+        _note(getattr(module, name), ShardSource(full, 0, ranges))
+    conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
+    mixer.out_proj = _columns(mixer.out_proj, rank, world_size, group)
+    mixer.num_heads, mixer.n_groups, mixer.intermediate_size = heads, groups, lanes
     mixer.conv_dim = conv.weight.shape[0]
 
 
