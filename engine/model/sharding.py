@@ -41,7 +41,7 @@ from paged_serve.engine.model.fused_projections import linear_from, unfuse_proje
 from paged_serve.engine.model.latent_attention import is_latent_attention
 from paged_serve.engine.model.linear_attention import is_gated_delta_net
 from paged_serve.engine.model.linear_swap import transformer_layers
-from paged_serve.engine.model.mamba_mixer import is_mamba2_mixer
+from paged_serve.engine.model.mamba_mixer import is_mamba2_mixer, mamba2_layers
 from paged_serve.engine.model.short_conv import short_conv_layers
 from paged_serve.engine.platform.cpu.linears import restore_plain_linears
 from paged_serve.engine.platform.cpu.packed_experts import restore_plain_experts
@@ -84,6 +84,11 @@ class ShardShape:
 def shard_shape(hf_config: object, world_size: int) -> ShardShape:
     """Per-rank heads and MLP width; ValueError naming the numbers when ``world_size`` does not
     divide them. KV heads are never replicated: fewer KV heads than ranks is refused."""
+    if getattr(hf_config, "num_attention_heads", None) is None:
+        raise ValueError(
+            f"tensor parallelism shards attention heads, and {type(hf_config).__name__} has "
+            "none: serve it with --tensor-parallel-size 1"
+        )
     heads = int(hf_config.num_attention_heads)
     kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     intermediate = int(hf_config.intermediate_size)
@@ -130,6 +135,11 @@ def check_shardable(model: nn.Module, world_size: int) -> None:
             f"tensor parallelism does not shard {name}, a vision-language model, yet: serve it "
             "with --tensor-parallel-size 1"
         )
+    if is_encoder(model) and mamba2_layers(model):
+        raise ValueError(
+            f"tensor parallelism shards decoders whose layers are model.model.layers; {name} "
+            "keeps its own elsewhere: serve it with --tensor-parallel-size 1"
+        )
     if is_encoder(model):
         _check_encoder_shardable(model, world_size)
         return
@@ -146,7 +156,15 @@ def check_shardable(model: nn.Module, world_size: int) -> None:
         elif attn is None and mixer is not None:
             _check_mamba2_shardable(mixer, f"{name} layer {i}", world_size)
         elif attn is None:
-            raise ValueError(f"tensor parallelism: {name} layer {i} has no self_attn to shard")
+            raise ValueError(
+                f"tensor parallelism: {name} layer {i} has no self_attn, linear_attn or mamba "
+                "mixer to shard"
+            )
+        if mlp is None:
+            raise ValueError(
+                f"tensor parallelism: {name} layer {i} has no feed-forward block it knows "
+                "(mlp or feed_forward)"
+            )
         missing = (
             []
             if attn is None

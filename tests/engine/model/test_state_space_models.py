@@ -288,7 +288,13 @@ def test_tensor_parallel_equals_one_rank() -> None:
 
 
 @pytest.mark.parametrize(
-    "name,reason", [("falcon_h1", "side by side"), ("lfm2", "short-convolution")]
+    "name,reason",
+    [
+        ("falcon_h1", "side by side"),
+        ("lfm2", "short-convolution"),
+        ("granitemoehybrid", "no feed-forward block it knows"),
+        ("mamba2", "has none"),
+    ],
 )
 def test_tensor_parallel_refuses_what_it_cannot_shard(name: str, reason: str) -> None:
     with pytest.raises(ValueError, match=reason):
