@@ -110,6 +110,10 @@ static inline int cache_bytes(int kind) {
 
 enum { V_TILE = 8 };          /* tokens a V accumulation pass reads together */
 enum { PREFETCH_TOKENS = 4 }; /* how far ahead the K pass asks for K and V rows */
+/* A row attending more positions is split into pieces of this many (the last one shorter),
+ * each a work item of its own, merged in order: a fixed split, so a row's sums do not depend
+ * on the thread count or on which rows share its step. */
+enum { PIECE_TOKENS = 1024 };
 
 /* Ask for a token's K or V row (every KV head) ahead of its use: the rows of a sequence lie in
  * blocks scattered over the cache, which the hardware prefetcher does not foresee. */
@@ -127,11 +131,11 @@ __attribute__((always_inline)) static inline int64_t token_at(
            (int64_t)(p % a->block_size) * a->token_stride;
 }
 
-/* Scratch memory of one thread: the query row widened to fp32, the output accumulators, the
- * softmax sums, the scores (grown to the longest context it meets) and V_TILE widened K or V
- * rows. */
+/* Scratch memory of one thread: the query row widened to fp32, the output accumulators, each
+ * head's top score and softmax sum, the scores (grown to the longest piece it meets) and V_TILE
+ * widened K or V rows. */
 typedef struct {
-    float *qf, *acc, *sums, *scores, *kv_row;
+    float *qf, *acc, *tops, *sums, *scores, *kv_row;
     int64_t capacity;
 } scratch;
 
@@ -171,45 +175,43 @@ __attribute__((always_inline)) static inline const float *row_f32(
     return buffer;
 }
 
-/* Sequence s's decode row: scores, softmax and weighted sum, every head. Always inlined with
- * constant `head_dim`, `bf16` (the query and output) and `kind` (the cache), so that the loops
- * are vectorized for each case. */
-__attribute__((always_inline)) static inline void attend_sequence(
-    const decode_args *a, int s, scratch *t, int head_dim, int bf16, int kind) {
+/* The first position sequence s's row attends, of its `len`: the latest `window` tokens only
+ * (0: all), none before its chunk's start (len - 1) / chunk * chunk (0: no chunks). */
+static inline int first_position(const decode_args *a, int len) {
+    const int window_start = (a->window > 0 && len > a->window) ? len - a->window : 0;
+    const int chunk_start = (a->chunk > 0 && len > 0) ? (len - 1) / a->chunk * a->chunk : 0;
+    return window_start > chunk_start ? window_start : chunk_start;
+}
+
+/* Positions [begin, end) (end > begin) of sequence s's decode row, every head: scores, each
+ * head's top score tops[h], and acc[h] = sum_p exp(score_p - tops[h]) v_p with its sum
+ * sums[h] = sum_p exp(score_p - tops[h]), not yet divided. Always inlined with constant
+ * `head_dim`, `bf16` (the query) and `kind` (the cache), so that the loops are vectorized for
+ * each case. */
+__attribute__((always_inline)) static inline void attend_range(
+    const decode_args *a, int s, scratch *t, int begin, int end, float *restrict acc,
+    float *restrict tops, float *restrict sums, int head_dim, int bf16, int kind) {
     const int num_kv_heads = a->num_kv_heads, group = a->group, q_heads = num_kv_heads * group;
     const int64_t width = (int64_t)q_heads * head_dim; /* one token's query or output row */
     const int64_t kv_width = (int64_t)num_kv_heads * head_dim;
-    const int len = a->seq_lens[s];
-    const int window_start = (a->window > 0 && len > a->window) ? len - a->window : 0;
-    const int chunk_start = (a->chunk > 0 && len > 0) ? (len - 1) / a->chunk * a->chunk : 0;
-    const int start = window_start > chunk_start ? window_start : chunk_start;
-    const int n = len - start;
+    const int n = end - begin;
     const int64_t row = a->q_rows ? a->q_rows[s] : s;
-    const int64_t q_first = row * a->q_stride, first = row * width;
-    if (n <= 0) {
-        for (int64_t i = 0; i < width; i++) {
-            if (bf16)
-                ((uint16_t *)a->out)[first + i] = 0;
-            else
-                ((float *)a->out)[first + i] = 0.0f;
-        }
-        return;
-    }
+    const int64_t q_first = row * a->q_stride;
     if ((int64_t)q_heads * n > t->capacity) {
         t->capacity = (int64_t)q_heads * n;
         free(t->scores);
         t->scores = malloc(sizeof(float) * t->capacity);
     }
-    float *restrict qf = t->qf, *restrict acc = t->acc, *restrict scores = t->scores;
+    float *restrict qf = t->qf, *restrict scores = t->scores;
     for (int64_t i = 0; i < width; i++) {
         qf[i] = load(a->q, q_first + i, bf16);
         acc[i] = 0.0f;
     }
     const int32_t *table = a->block_tables + (int64_t)s * a->table_stride;
     /* Token by token, every head: a block's K (then V) rows are read in memory order. */
-    for (int p = start; p < len; p++) {
+    for (int p = begin; p < end; p++) {
         const int64_t token = token_at(a, table, p);
-        if (p + PREFETCH_TOKENS < len) {
+        if (p + PREFETCH_TOKENS < end) {
             const int64_t at = token_at(a, table, p + PREFETCH_TOKENS);
             prefetch_row(a->k_cache, at, kv_width, kind);
             prefetch_row(a->v_cache, at, kv_width, kind);
@@ -223,7 +225,7 @@ __attribute__((always_inline)) static inline void attend_sequence(
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int d = 0; d < head_dim; d++) dot += qh[d] * kh[d];
-            scores[(int64_t)head * n + (p - start)] = dot * a->scale;
+            scores[(int64_t)head * n + (p - begin)] = dot * a->scale;
         }
     }
     for (int head = 0; head < q_heads; head++) {
@@ -237,12 +239,13 @@ __attribute__((always_inline)) static inline void attend_sequence(
             sh[i] = e;
             sum += e;
         }
-        t->sums[head] = sum;
+        tops[head] = top;
+        sums[head] = sum;
     }
     /* V in tiles of V_TILE tokens: each accumulator element is loaded and stored once a tile
      * (summing the tile's tokens in order in a register), not once a token. */
-    for (int p0 = start; p0 < len; p0 += V_TILE) {
-        const int count = len - p0 < V_TILE ? len - p0 : V_TILE;
+    for (int p0 = begin; p0 < end; p0 += V_TILE) {
+        const int count = end - p0 < V_TILE ? end - p0 : V_TILE;
         const float *rows[V_TILE];
         for (int j = 0; j < count; j++) {
             const int64_t token = token_at(a, table, p0 + j);
@@ -251,7 +254,7 @@ __attribute__((always_inline)) static inline void attend_sequence(
         }
         for (int head = 0; head < q_heads; head++) {
             const int64_t offset = (int64_t)(head / group) * head_dim;
-            const float *w = scores + (int64_t)head * n + (p0 - start);
+            const float *w = scores + (int64_t)head * n + (p0 - begin);
             float *ah = acc + (int64_t)head * head_dim;
             if (count == V_TILE) {
                 const float *r0 = rows[0] + offset, *r1 = rows[1] + offset, *r2 = rows[2] + offset,
@@ -279,16 +282,99 @@ __attribute__((always_inline)) static inline void attend_sequence(
             }
         }
     }
+}
+
+/* Row s of out: each head's acc / sums (zeros where `acc` is NULL: a row that attends
+ * nothing), rounded to bf16 for a bf16 output. */
+static void store_row(const decode_args *a, int s, const float *acc, const float *sums,
+                      int head_dim, int bf16) {
+    const int q_heads = a->num_kv_heads * a->group;
+    const int64_t row = a->q_rows ? a->q_rows[s] : s;
+    const int64_t first = row * (int64_t)q_heads * head_dim;
     for (int head = 0; head < q_heads; head++) {
-        const float sum = t->sums[head];
         for (int d = 0; d < head_dim; d++) {
             const int64_t i = (int64_t)head * head_dim + d;
+            const float x = acc ? acc[i] / sums[head] : 0.0f;
             if (bf16)
-                ((uint16_t *)a->out)[first + i] = f32_to_bf16(acc[i] / sum);
+                ((uint16_t *)a->out)[first + i] = f32_to_bf16(x);
             else
-                ((float *)a->out)[first + i] = acc[i] / sum;
+                ((float *)a->out)[first + i] = x;
         }
     }
+}
+
+/* Sequence s's pieces first .. first + parts - 1 (acc, tops, sums of each, in order) merged
+ * into its row of out: each head's pieces rescaled to the largest top and summed, in order. */
+static void merge_pieces(const decode_args *a, int s, int first, int parts, const float *acc,
+                         const float *tops, const float *sums, float *merged, float *total,
+                         int head_dim, int bf16) {
+    const int q_heads = a->num_kv_heads * a->group;
+    const int64_t width = (int64_t)q_heads * head_dim;
+    for (int head = 0; head < q_heads; head++) {
+        float top = tops[(int64_t)first * q_heads + head];
+        for (int i = 1; i < parts; i++) {
+            const float t = tops[(int64_t)(first + i) * q_heads + head];
+            top = t > top ? t : top;
+        }
+        float *mh = merged + (int64_t)head * head_dim;
+        for (int d = 0; d < head_dim; d++) mh[d] = 0.0f;
+        total[head] = 0.0f;
+        for (int i = 0; i < parts; i++) {
+            const int64_t piece = first + i;
+            const float w = exp_nonpositive(tops[piece * q_heads + head] - top);
+            const float *ah = acc + piece * width + (int64_t)head * head_dim;
+            for (int d = 0; d < head_dim; d++) mh[d] += w * ah[d];
+            total[head] += w * sums[piece * q_heads + head];
+        }
+    }
+    store_row(a, s, merged, total, head_dim, bf16);
+}
+
+/* attend_range, dispatched to its copies for the common head sizes. */
+#define ATTEND_RANGE(A, S, T, BEGIN, END, ACC, TOPS, SUMS, HEAD_DIM, BF16, KIND)                 \
+    do {                                                                                         \
+        if ((HEAD_DIM) == 64)                                                                    \
+            attend_range(A, S, T, BEGIN, END, ACC, TOPS, SUMS, 64, BF16, KIND);                  \
+        else if ((HEAD_DIM) == 128)                                                              \
+            attend_range(A, S, T, BEGIN, END, ACC, TOPS, SUMS, 128, BF16, KIND);                 \
+        else                                                                                     \
+            attend_range(A, S, T, BEGIN, END, ACC, TOPS, SUMS, HEAD_DIM, BF16, KIND);            \
+    } while (0)
+
+/* A call's work items: sequence s's pieces are items first[s] .. first[s + 1] - 1 (one for a
+ * row of at most PIECE_TOKENS positions, or none), seq[i] the sequence of item i; a split row's
+ * pieces leave their acc [width], tops and sums [q_heads] in the buffers (NULL when no row is
+ * split). */
+typedef struct {
+    int count, *seq, *first;
+    float *acc, *tops, *sums;
+} pieces;
+
+static pieces plan_pieces(const decode_args *a, int num_seqs, int q_heads, int64_t width) {
+    pieces plan = {0, NULL, malloc(sizeof(int) * (num_seqs + 1)), NULL, NULL, NULL};
+    for (int s = 0; s < num_seqs; s++) {
+        const int n = a->seq_lens[s] - first_position(a, a->seq_lens[s]);
+        plan.first[s] = plan.count;
+        plan.count += n > PIECE_TOKENS ? (n + PIECE_TOKENS - 1) / PIECE_TOKENS : 1;
+    }
+    plan.first[num_seqs] = plan.count;
+    plan.seq = malloc(sizeof(int) * (plan.count > 0 ? plan.count : 1));
+    for (int s = 0; s < num_seqs; s++)
+        for (int i = plan.first[s]; i < plan.first[s + 1]; i++) plan.seq[i] = s;
+    if (plan.count > num_seqs) {
+        plan.acc = malloc(sizeof(float) * plan.count * width);
+        plan.tops = malloc(sizeof(float) * plan.count * q_heads);
+        plan.sums = malloc(sizeof(float) * plan.count * q_heads);
+    }
+    return plan;
+}
+
+static void free_pieces(pieces *plan) {
+    free(plan->seq);
+    free(plan->first);
+    free(plan->acc);
+    free(plan->tops);
+    free(plan->sums);
 }
 
 /* The exported kernels, one per query type (fp32, bf16) and cache kind, called through ctypes:
@@ -302,38 +388,57 @@ __attribute__((always_inline)) static inline void attend_sequence(
  *   the S sequences are written, others left alone; for a cache of codes, k_scales and
  *   v_scales [num_blocks, block_size, Hkv] (strides the codes' over head_dim; NULL for the
  *   others) and e5m2 (fp8 codes: 1 for e5m2, 0 for e4m3).
- * Sequences are spread over num_threads OpenMP threads; the common head sizes get loops of
- * their own. */
-#define DEFINE_KERNEL(NAME, BF16, KIND)                                                              \
+ * Rows, and the PIECE_TOKENS pieces of longer ones (merged after), are spread over num_threads
+ * OpenMP threads; the common head sizes get loops of their own. */
+#define DEFINE_KERNEL(NAME, BF16, KIND)                                                        \
     void NAME(const void *q, int64_t q_stride, const int64_t *q_rows, const void *k_cache,     \
               const void *v_cache, int64_t block_stride, int64_t token_stride, int block_size, \
               int num_kv_heads, int group, int head_dim, const int32_t *block_tables,          \
               int64_t table_stride, const int32_t *seq_lens, int num_seqs, float scale,        \
-              int window, int chunk, void *out, int num_threads, const float *k_scales,         \
+              int window, int chunk, void *out, int num_threads, const float *k_scales,        \
               const float *v_scales, int e5m2) {                                               \
         const decode_args a = {q,          q_stride,     q_rows,       k_cache,      v_cache, \
                                block_stride, token_stride, block_size, num_kv_heads, group,   \
                                block_tables, table_stride, seq_lens,   scale,        window,  \
                                chunk,      out,          k_scales,     v_scales,     e5m2};    \
-        const int64_t width = (int64_t)num_kv_heads * group * head_dim;                        \
+        const int q_heads = num_kv_heads * group;                                              \
+        const int64_t width = (int64_t)q_heads * head_dim;                                     \
+        pieces plan = plan_pieces(&a, num_seqs, q_heads, width);                               \
         _Pragma("omp parallel num_threads(num_threads)") {                                     \
-            scratch t = {malloc(sizeof(float) * width), malloc(sizeof(float) * width),         \
-                         malloc(sizeof(float) * num_kv_heads * group), NULL,                   \
-                         malloc(sizeof(float) * V_TILE * num_kv_heads * head_dim), 0};         \
-            _Pragma("omp for schedule(dynamic, 1)") for (int s = 0; s < num_seqs; s++) {       \
-                if (head_dim == 64)                                                            \
-                    attend_sequence(&a, s, &t, 64, BF16, KIND);                                      \
-                else if (head_dim == 128)                                                      \
-                    attend_sequence(&a, s, &t, 128, BF16, KIND);                                     \
-                else                                                                           \
-                    attend_sequence(&a, s, &t, head_dim, BF16, KIND);                                \
+            scratch t = {malloc(sizeof(float) * width),   malloc(sizeof(float) * width),       \
+                         malloc(sizeof(float) * q_heads), malloc(sizeof(float) * q_heads),     \
+                         NULL, malloc(sizeof(float) * V_TILE * num_kv_heads * head_dim), 0};   \
+            _Pragma("omp for schedule(dynamic, 1)") for (int i = 0; i < plan.count; i++) {    \
+                const int s = plan.seq[i], first = plan.first[s];                              \
+                const int parts = plan.first[s + 1] - first, len = seq_lens[s];                \
+                const int begin = first_position(&a, len) + (i - first) * PIECE_TOKENS;        \
+                const int end = begin + PIECE_TOKENS < len ? begin + PIECE_TOKENS : len;       \
+                if (begin >= end) {                                                            \
+                    store_row(&a, s, NULL, NULL, head_dim, BF16);                              \
+                } else if (parts == 1) {                                                       \
+                    ATTEND_RANGE(&a, s, &t, begin, end, t.acc, t.tops, t.sums, head_dim, BF16, \
+                                 KIND);                                                        \
+                    store_row(&a, s, t.acc, t.sums, head_dim, BF16);                           \
+                } else {                                                                       \
+                    ATTEND_RANGE(&a, s, &t, begin, end, plan.acc + i * width,                  \
+                                 plan.tops + (int64_t)i * q_heads,                             \
+                                 plan.sums + (int64_t)i * q_heads, head_dim, BF16, KIND);      \
+                }                                                                              \
+            }                                                                                  \
+            _Pragma("omp for schedule(dynamic, 1)") for (int s = 0; s < num_seqs; s++) {      \
+                const int parts = plan.first[s + 1] - plan.first[s];                           \
+                if (parts > 1)                                                                 \
+                    merge_pieces(&a, s, plan.first[s], parts, plan.acc, plan.tops, plan.sums,  \
+                                 t.acc, t.sums, head_dim, BF16);                               \
             }                                                                                  \
             free(t.qf);                                                                        \
             free(t.acc);                                                                       \
+            free(t.tops);                                                                      \
             free(t.sums);                                                                      \
             free(t.scores);                                                                    \
             free(t.kv_row);                                                                    \
         }                                                                                      \
+        free_pieces(&plan);                                                                    \
     }
 
 DEFINE_KERNEL(paged_decode_f32, 0, CACHE_F32)

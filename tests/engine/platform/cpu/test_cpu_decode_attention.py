@@ -82,6 +82,57 @@ def test_equals_the_fp32_reference(kernel, contexts, heads, head_dim, block_size
     _assert_close_to_reference(out, _reference(batch, scale, window), dtype)
 
 
+LONG_CASES = [
+    # rows of more than PIECE_TOKENS (1024) positions: split into pieces, merged in order
+    ([1025, 3000, 7, 1024], (9, 3), 64, 16, None, None),  # 2, 3, 1 and 1 pieces
+    ([2100, 40], (8, 2), 128, 32, 1500, None),  # a window of 1500: 2 pieces
+    ([2500], (4, 1), 80, 16, None, 2048),  # the chunk starts at 2048: one piece of 452
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("contexts,heads,head_dim,block_size,window,chunk", LONG_CASES)
+def test_long_rows_split_into_pieces_equal_the_reference(
+    kernel, contexts, heads, head_dim, block_size, window, chunk, dtype
+):
+    batch = _decode_batch(contexts, heads, head_dim, block_size, dtype)
+    out = _attend(kernel, batch, sliding_window=window, attention_chunk=chunk)  # scale 0.125
+    ref = paged_attention_ref(
+        batch.q.float(),
+        batch.k_cache.float(),
+        batch.v_cache.float(),
+        **batch.kwargs(),
+        scale=0.125,
+        sliding_window=window,
+        attention_chunk=chunk,
+    )
+    _assert_close_to_reference(out, ref, dtype)
+
+
+def test_a_long_row_gives_the_same_bits_alone_and_beside_others(kernel):
+    """Its pieces are fixed by its own length, so neither its neighbours nor the thread count
+    change its sums."""
+    batch = _decode_batch([2600, 5, 1100, 300], (9, 3), 64, 16, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _attend(kernel, batch)
+        torch.set_num_threads(2)
+        two = _attend(kernel, batch)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    alone = kernel.attend(
+        batch.q[:1],
+        batch.k_cache,
+        batch.v_cache,
+        block_tables=batch.block_tables[:1],
+        seq_lens=batch.seq_lens[:1],
+        scale=0.125,
+    )
+    assert torch.equal(alone[0], one[0])
+
+
 CHUNK_CASES = [
     # contexts, (Hq, Hkv), head_dim, block_size, window, chunk
     ([1, 8, 9, 16, 17, 40], (8, 2), 64, 16, None, 8),  # chunk starts 0, 0, 8, 8, 16, 32
@@ -167,7 +218,8 @@ def test_q_rows_pick_the_rows_and_out_keeps_the_others(kernel):
 
 
 def test_one_thread_or_two_give_the_same_bits(kernel):
-    """Each sequence is one thread's work, so the thread count changes no sum's order."""
+    """Each row (or piece of a long one) is one thread's work, so the thread count changes no
+    sum's order."""
     batch = _decode_batch([100, 3, 47, 250, 16], (9, 3), 64, 16, torch.float32)
     threads = torch.get_num_threads()
     try:

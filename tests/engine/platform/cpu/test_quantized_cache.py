@@ -32,6 +32,7 @@ def quantized(cache: torch.Tensor, code: torch.dtype) -> tuple[torch.Tensor, tor
         # (q_len or None: the whole context, (a, b): a context of a blocks and b tokens)
         ([(1, (0, 5)), (1, (2, 8)), (1, (1, 1))], None, True),  # decode rows: the C kernel
         ([(1, (2, 1)), (1, (4, 6))], 16, True),  # decode rows in a window
+        ([(1, (80, 3)), (1, (2, 2))], None, True),  # a row of 1283 tokens: two pieces
         ([(None, (0, 9)), (1, (1, 14)), (5, (1, 5))], None, False),  # a mixed step: the plan
         ([(7, (2, 8))], 8, False),  # a prefill chunk in a window
     ],
