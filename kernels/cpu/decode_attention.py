@@ -7,9 +7,10 @@ blocks
 into a dense copy and calls ``F.scaled_dot_product_attention``. For decode rows (one query token
 per sequence) the copy, the call's dispatch and its many small tiles cost more than the
 arithmetic. ``paged_decode_*`` (``cpu_decode_attention.c``) attends each sequence's decode row
-straight from its cache blocks, sequences spread over torch's OpenMP threads::
+straight from its cache blocks, rows spread over torch's OpenMP threads (a row of more than
+1,024 positions in fixed 1,024-token pieces, merged in order after)::
 
-    for each sequence s (one thread's work), token p of its context (block table order):
+    for each sequence s (or piece of one: one thread's work), token p (block table order):
         scores[h, p] = scale * q[s, h] . K[block(s, p), p % block_size, h // G]   (fp32)
     out[s, h] = softmax_p(scores[h]) @ V[...]                                     (fp32)
 
