@@ -53,6 +53,22 @@ class AttentionContext:
     lora: LoRAStep | None = None
     positions: torch.Tensor | None = None
 
+    def state_layer(self, layer_idx: int, mixer: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_idx``'s ``(windows, recurrent states)`` in the step's state cache;
+        RuntimeError naming the ``mixer`` kind when the step has no state slots."""
+        if self.state_cache is None or self.state_slots is None or self.has_state is None:
+            raise RuntimeError(f"a {mixer} layer ran in a step without state slots")
+        return self.state_cache.layer(layer_idx)
+
+    def slot_args(self) -> dict[str, torch.Tensor]:
+        """What the stateful kernels (``CausalConv``, ``GatedDeltaRule``, ``SsdScan``) take to
+        find each sequence's tokens and slot."""
+        return {
+            "cu_seqlens": self.cu_seqlens_q,
+            "state_slots": self.state_slots,
+            "has_state": self.has_state,
+        }
+
 
 _state = threading.local()
 

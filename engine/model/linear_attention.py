@@ -79,19 +79,15 @@ def gated_delta_net_flat(
     """The token mixer over the current step's flat batch ``hidden_states [1, T, H]``: its
     sequences continue from (and update) their state slots; ``[1, T, H]``."""
     ctx = current_attention_context()
-    if ctx.state_cache is None or ctx.state_slots is None or ctx.has_state is None:
-        raise RuntimeError("a gated DeltaNet layer ran in a step without state slots")
-    conv_state, recurrent = ctx.state_cache.layer(self.layer_idx)
+    conv_state, recurrent = ctx.state_layer(self.layer_idx, "gated DeltaNet")
     mixed, z, b, a = _project(self, hidden_states)
     mixed = ctx.backend.causal_conv(
         mixed.contiguous(),
         self.conv1d.weight.squeeze(1),
         self.conv1d.bias,
         conv_state,
-        cu_seqlens=ctx.cu_seqlens_q,
-        state_slots=ctx.state_slots,
-        has_state=ctx.has_state,
         silu=self.activation in ("silu", "swish"),
+        **ctx.slot_args(),
     )
     q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
     beta = b.sigmoid().float()
@@ -103,10 +99,8 @@ def gated_delta_net_flat(
         g.contiguous(),
         beta.contiguous(),
         recurrent,
-        cu_seqlens=ctx.cu_seqlens_q,
-        state_slots=ctx.state_slots,
-        has_state=ctx.has_state,
         max_seqlen_q=ctx.max_seqlen_q,
+        **ctx.slot_args(),
     )
     out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(out.reshape(1, hidden_states.shape[1], -1))

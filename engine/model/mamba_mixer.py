@@ -104,9 +104,7 @@ def mamba2_flat(
     """The mixer over the current step's flat batch ``hidden_states [1, T, hidden]``: its
     sequences continue from (and update) their state slots; ``[1, T, hidden]``."""
     ctx = current_attention_context()
-    if ctx.state_cache is None or ctx.state_slots is None or ctx.has_state is None:
-        raise RuntimeError("a Mamba-2 layer ran in a step without state slots")
-    conv_state, ssm_state = ctx.state_cache.layer(self.layer_idx)
+    conv_state, ssm_state = ctx.state_layer(self.layer_idx, "Mamba-2")
     num_tokens, dtype = hidden_states.shape[1], hidden_states.dtype
     heads, groups, state_size = self.num_heads, self.n_groups, self.ssm_state_size
     multiplier = getattr(self, "ssm_in_multiplier", None)  # Falcon-H1
@@ -119,7 +117,7 @@ def mamba2_flat(
     gate, xbc, dt = projected.split(
         [self.intermediate_size, self.intermediate_size + _bc_width(self), heads], dim=-1
     )
-    slots = dict(cu_seqlens=ctx.cu_seqlens_q, state_slots=ctx.state_slots, has_state=ctx.has_state)
+    slots = ctx.slot_args()
     xbc = ctx.backend.causal_conv(
         xbc.contiguous(), self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state, **slots
     )

@@ -499,23 +499,33 @@ def _shard_delta_net(mixer: nn.Module, rank: int, world_size: int, group: object
         for name in ("in_proj_z", "in_proj_b", "in_proj_a"):
             setattr(mixer, name, _rows(getattr(mixer, name), rank, world_size))
     heads = ((rank * hv, (rank + 1) * hv),)
+    _shard_mixer_parameters(mixer, channels, {"A_log": heads, "dt_bias": heads})
+    mixer.out_proj = _columns(mixer.out_proj, rank, world_size, group)
+    mixer.num_k_heads, mixer.num_v_heads = hk, hv
+    mixer.key_dim, mixer.value_dim = hk * dk, hv * dv
+    mixer.conv_dim = mixer.conv1d.weight.shape[0]
+
+
+def _shard_mixer_parameters(
+    mixer: nn.Module,
+    channels: tuple[tuple[int, int], ...],
+    per_head: dict[str, tuple[tuple[int, int], ...]],
+    norm: tuple[tuple[int, int], ...] | None = None,
+) -> None:
+    """A stateful mixer's parameters cut to this rank's rows: ``conv1d``'s ``channels``, each
+    of ``per_head``'s parameters its ranges, and (``norm``) the gated norm's lanes."""
     conv = mixer.conv1d
-    for module, name, ranges in (
-        (conv, "weight", channels),
-        (conv, "bias", channels),
-        (mixer, "A_log", heads),
-        (mixer, "dt_bias", heads),
-    ):
+    parts = [(conv, "weight", channels), (conv, "bias", channels)]
+    parts += [(mixer, name, ranges) for name, ranges in per_head.items()]
+    if norm is not None:
+        parts.append((mixer.norm, "weight", norm))
+    for module, name, ranges in parts:
         full = getattr(module, name)
         if full is None:
             continue
         setattr(module, name, nn.Parameter(_take_rows(full, ranges), requires_grad=False))
         _note(getattr(module, name), ShardSource(full, 0, ranges))
     conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
-    mixer.out_proj = _columns(mixer.out_proj, rank, world_size, group)
-    mixer.num_k_heads, mixer.num_v_heads = hk, hv
-    mixer.key_dim, mixer.value_dim = hk * dk, hv * dv
-    mixer.conv_dim = conv.weight.shape[0]
 
 
 def _shard_mamba2(mixer: nn.Module, rank: int, world_size: int, group: object | None) -> None:
@@ -540,24 +550,12 @@ def _shard_mamba2(mixer: nn.Module, rank: int, world_size: int, group: object | 
     if mup is not None:
         mixer.mup_vector = _take_rows(mup.reshape(-1), projection)
     per_head = (block(0, heads),)
-    conv = mixer.conv1d
-    for module, name, ranges in (
-        (conv, "weight", channels),
-        (conv, "bias", channels),
-        (mixer, "A_log", per_head),
-        (mixer, "dt_bias", per_head),
-        (mixer, "D", per_head),
-        (mixer.norm, "weight", (x,)),
-    ):
-        full = getattr(module, name)
-        if full is None:
-            continue
-        setattr(module, name, nn.Parameter(_take_rows(full, ranges), requires_grad=False))
-        _note(getattr(module, name), ShardSource(full, 0, ranges))
-    conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
+    _shard_mixer_parameters(
+        mixer, channels, {"A_log": per_head, "dt_bias": per_head, "D": per_head}, norm=(x,)
+    )
     mixer.out_proj = _columns(mixer.out_proj, rank, world_size, group)
     mixer.num_heads, mixer.n_groups, mixer.intermediate_size = heads, groups, lanes
-    mixer.conv_dim = conv.weight.shape[0]
+    mixer.conv_dim = mixer.conv1d.weight.shape[0]
 
 
 def _shard_dense_mlp(mlp: nn.Module, rank: int, world_size: int, group: object | None) -> None:

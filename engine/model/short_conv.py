@@ -69,18 +69,14 @@ def short_conv_flat(
     """The mixer over the current step's flat batch ``hidden_states [1, T, hidden]``: its
     sequences continue from (and update) their windows; ``[1, T, hidden]``."""
     ctx = current_attention_context()
-    if ctx.state_cache is None or ctx.state_slots is None or ctx.has_state is None:
-        raise RuntimeError("a short-convolution layer ran in a step without state slots")
-    window, _ = ctx.state_cache.layer(self.layer_idx)
+    window, _ = ctx.state_layer(self.layer_idx, "short-convolution")
     b, c, x = self.in_proj(hidden_states)[0].chunk(3, dim=-1)
     mixed = ctx.backend.causal_conv(
         (b * x).contiguous(),
         self.conv.weight.squeeze(1),
         self.conv.bias,
         window,
-        cu_seqlens=ctx.cu_seqlens_q,
-        state_slots=ctx.state_slots,
-        has_state=ctx.has_state,
         silu=False,
+        **ctx.slot_args(),
     )
     return self.out_proj((c * mixed)[None])
