@@ -106,10 +106,12 @@ class BlockManager:
         always recomputed, and a shared block is never written. With state slots, stops after
         the last block with a state snapshot (none without snapshots).
         """
-        if not self.enable_prefix_caching or (self.state_slots and not self.snapshots):
+        if not self.enable_prefix_caching:
             return []
+        if self.state_slots is not None and self.snapshots is None:
+            return []  # no state kept to resume from
         hits = self._cache.lookup(self._blocks, token_ids, cache_salt)
-        return hits[: self.snapshots.resumable(hits)] if self.snapshots else hits
+        return hits if self.snapshots is None else hits[: self.snapshots.resumable(hits)]
 
     def can_allocate(self, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
         """Whether ``allocate`` for ``num_tokens`` tokens (reusing ``cached_blocks``) would fit."""

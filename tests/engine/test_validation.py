@@ -77,13 +77,14 @@ REFUSED = {
             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, vocab_size=64,
         )
     ),  # fmt: skip
-    "has conv layers": lambda: transformers.Lfm2ForCausalLM(  # LFM2's short convolutions
-        transformers.Lfm2Config(
+    "state-space layers are not supported yet": lambda: transformers.JambaForCausalLM(
+        transformers.JambaConfig(  # Mamba-1 layers (selective scan with dt_rank)
             num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_attention_heads=2,
-            num_key_value_heads=1, vocab_size=64, layer_types=["conv", "full_attention"],
+            num_key_value_heads=1, vocab_size=64, attn_layer_period=2, attn_layer_offset=1,
+            expert_layer_period=2, expert_layer_offset=1, num_experts=2, mamba_d_state=8,
         )
     ),  # fmt: skip
-    "elsewhere than model.model.layers": lambda: transformers.GPT2LMHeadModel(
+    "keeps no list of decoder layers": lambda: transformers.GPT2LMHeadModel(
         transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
     ),
 }
