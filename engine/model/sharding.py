@@ -146,14 +146,9 @@ def check_shardable(model: nn.Module, world_size: int) -> None:
     head_dim = getattr(model.config, "head_dim", None)
     for i, layer in enumerate(model.model.layers):
         attn, mlp, mixer = getattr(layer, "self_attn", None), _mlp(layer), _mixer(layer)
-        if mixer is not None and attn is not None:
-            raise ValueError(
-                f"tensor parallelism: {name} layer {i} runs attention and a state-space mixer "
-                "side by side, which it does not shard yet"
-            )
-        if attn is None and mixer is not None and is_gated_delta_net(mixer):
+        if mixer is not None and is_gated_delta_net(mixer):
             _check_delta_net_shardable(mixer, f"{name} layer {i}", world_size)
-        elif attn is None and mixer is not None:
+        elif mixer is not None:  # beside attention too (Falcon-H1)
             _check_mamba2_shardable(mixer, f"{name} layer {i}", world_size)
         elif attn is None:
             raise ValueError(
@@ -225,8 +220,13 @@ def _check_mamba2_shardable(mixer: nn.Module, where: str, world_size: int) -> No
                 f"tensor_parallel_size {world_size} does not divide {where}'s {count} Mamba-2 "
                 f"{what}"
             )
-    group_size = getattr(mixer.norm, "group_size", None)
-    if group_size != mixer.intermediate_size // mixer.n_groups:
+    norm = mixer.norm
+    per_group = (
+        getattr(norm, "group_size", None) == mixer.intermediate_size // mixer.n_groups
+        or getattr(norm, "n_groups", None) == mixer.n_groups  # Falcon-H1's
+        or isinstance(norm, nn.Identity)  # Falcon-H1 without the mixer's norm
+    )
+    if not per_group:
         raise ValueError(f"tensor parallelism: {where}'s gated norm is not per group of heads")
     missing = [n for n in ("in_proj", "out_proj") if not _linear(mixer, n)]
     if missing:
@@ -446,11 +446,11 @@ def shard_model(
         return shape
     for layer in model.model.layers:
         attn, mlp, mixer = getattr(layer, "self_attn", None), _mlp(layer), _mixer(layer)
-        if attn is None and is_gated_delta_net(mixer):  # a hybrid's (check_shardable)
+        if mixer is not None and is_gated_delta_net(mixer):  # a hybrid's (check_shardable)
             _shard_delta_net(mixer, rank, world_size, group)
-        elif attn is None:
+        elif mixer is not None:
             _shard_mamba2(mixer, rank, world_size, group)
-        else:
+        if attn is not None:  # alone, or beside a Mamba-2 mixer (Falcon-H1)
             _shard_attention(attn, shape, rank, world_size, group)
         if _plain_experts(mlp):
             _shard_experts(mlp.experts, rank, world_size, group)
@@ -520,7 +520,7 @@ def _shard_mixer_parameters(
     if norm is not None:
         parts.append((mixer.norm, "weight", norm))
     for module, name, ranges in parts:
-        full = getattr(module, name)
+        full = getattr(module, name, None)  # no bias, or no norm (Falcon-H1's option)
         if full is None:
             continue
         setattr(module, name, nn.Parameter(_take_rows(full, ranges), requires_grad=False))
@@ -555,6 +555,8 @@ def _shard_mamba2(mixer: nn.Module, rank: int, world_size: int, group: object | 
     )
     mixer.out_proj = _columns(mixer.out_proj, rank, world_size, group)
     mixer.num_heads, mixer.n_groups, mixer.intermediate_size = heads, groups, lanes
+    if hasattr(mixer.norm, "n_groups"):  # Falcon-H1's norm counts its groups
+        mixer.norm.n_groups = groups
     mixer.conv_dim = mixer.conv1d.weight.shape[0]
 
 

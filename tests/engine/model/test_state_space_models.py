@@ -270,17 +270,20 @@ def test_state_shapes_and_no_kv_for_stateful_layers() -> None:
     assert mamba.engine.runner.kv_cache.tensor.shape[0] == 0
 
 
-def test_tensor_parallel_equals_one_rank() -> None:
-    """Bamba at TP=2 (gloo): each rank holds half the Mamba-2 heads, one of the two groups and
-    their states; seeded n = 2 samples through 8-token chunks equal TP=1's."""
-    model, _ = reference("bamba")
+@pytest.mark.parametrize("name", ["bamba", "falcon_h1"])
+def test_tensor_parallel_equals_one_rank(name: str) -> None:
+    """TP=2 (gloo): each rank holds half the Mamba-2 heads, one of the two groups and their
+    states (Falcon-H1: beside half the attention heads, its multipliers' rows cut alike);
+    seeded n = 2 samples through 8-token chunks equal TP=1's."""
+    model, _ = reference(name)
     params = SamplingParams(max_tokens=6, temperature=1.0, n=2, seed=3, ignore_eos=True)
     kwargs = dict(kv_cache_memory=4 << 20, max_num_batched_tokens=8, max_num_seqs=8)
     want = [r.token_ids for r in LLM(loaded=loaded(model), **kwargs).generate(PROMPTS, params)]
     tp2 = LLM(loaded=loaded(model), tensor_parallel_size=2, **kwargs)
     try:
         conv, ssm = tp2.engine.runner.state_cache.layer(0)
-        assert ssm.shape[1:] == (4, 16, 12) and conv.shape[-1] == 64 + 2 * 12
+        lanes = model.model.layers[0].mamba.intermediate_size // 2
+        assert ssm.shape[1:] == (4, 16, 12) and conv.shape[-1] == lanes + 2 * 12
         assert [r.token_ids for r in tp2.generate(PROMPTS, params)] == want
         assert_pool_clean(tp2.engine.block_manager)
     finally:
@@ -290,7 +293,6 @@ def test_tensor_parallel_equals_one_rank() -> None:
 @pytest.mark.parametrize(
     "name,reason",
     [
-        ("falcon_h1", "side by side"),
         ("lfm2", "short-convolution"),
         ("granitemoehybrid", "no feed-forward block it knows"),
         ("mamba2", "has none"),
