@@ -76,6 +76,8 @@ class EngineConfig:
     runner, convert: vLLM's ``--runner auto|generate|pooling`` and ``--convert
     auto|embed|classify``: what the model is served for (``engine/model/model_task.py``; the
     engine replaces ``auto`` by what it resolved once the model is loaded).
+    mm_processor_kwargs: keyword arguments for a vision-language model's processor call (vLLM's
+    ``--mm-processor-kwargs``: ``{"do_normalize": false}``, Qwen's ``max_pixels``), as they are.
     hf_overrides: config fields set over the checkpoint's ``config.json`` before the model is
     built (vLLM's ``--hf-overrides``: ``is_matryoshka``, ``classifier_from_token``, ...).
     lora: LoRA adapters served on the model (``engine/lora/``), None without ``--enable-lora``.
@@ -113,6 +115,7 @@ class EngineConfig:
     runner: str = "auto"
     convert: str = "auto"
     hf_overrides: dict[str, object] | None = None
+    mm_processor_kwargs: dict[str, object] | None = None
     lora: LoRAConfig | None = None
     kv_cache_dtype: str = "auto"
     kv_cache_dtype_skip_layers: tuple[int, ...] = ()

@@ -80,6 +80,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> dict[str, argparse._Argu
         '\'{"classifier_from_token": ["no", "yes"]}\' (a Qwen3-Reranker scored from its yes/no '
         "logits)",
     )
+    model.add_argument(
+        "--mm-processor-kwargs",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="keyword arguments for a vision-language model's processor call, e.g. "
+        "'{\"do_normalize\": false}' or Qwen's '{\"max_pixels\": 1003520}'",
+    )
     model.add_argument("--device", default="auto")
     model.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     model.add_argument("--max-model-len", type=int, default=None)
@@ -225,7 +233,7 @@ def _speculative_config(text: str) -> SpeculativeConfig | str | None:
 
 
 def _json_object(text: str) -> dict[str, object]:
-    """``--hf-overrides``: a JSON object."""
+    """``--hf-overrides``, ``--mm-processor-kwargs``: a JSON object."""
     try:
         value = json.loads(text)
     except ValueError as exc:
@@ -261,6 +269,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         runner=args.runner,
         convert=args.convert,
         hf_overrides=args.hf_overrides,
+        mm_processor_kwargs=args.mm_processor_kwargs,
         lora=lora_config(args),
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_dtype_skip_layers=tuple(args.kv_cache_dtype_skip_layers),

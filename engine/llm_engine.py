@@ -204,7 +204,8 @@ class LLMEngine:
         PIL ``images`` through the model's processor (engine/model/image_prompts.py)."""
         if self.loaded.processor is None or self.runner.encoder is None:
             raise InvalidRequestError(f"{self.model_name} takes no images", "images")
-        return multimodal_prompt(self.loaded.processor, self.loaded.model.config, text, images)
+        processor, config = self.loaded.processor, self.loaded.model.config
+        return multimodal_prompt(processor, config, text, images, self.config.mm_processor_kwargs)
 
     def validate(
         self,

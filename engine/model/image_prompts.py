@@ -61,12 +61,23 @@ def placeholder_spans(ids: Sequence[int], image_token_id: int, count: int) -> li
 
 
 def multimodal_prompt(
-    processor: object, config: object, text: str, images: Sequence[object]
+    processor: object,
+    config: object,
+    text: str,
+    images: Sequence[object],
+    processor_kwargs: dict[str, object] | None = None,
 ) -> MultimodalPrompt:
     """``text`` (with one image marker per image) and ``images`` (PIL images) through
-    ``processor``, for a model of ``config`` (its ``image_token_id``); ValueError when they do
-    not fit together."""
-    out = processor(text=text, images=list(images), return_tensors="pt")
+    ``processor`` with ``processor_kwargs`` (``--mm-processor-kwargs``, passed to its call as
+    they are), for a model of ``config`` (its ``image_token_id``); ValueError when they do not
+    fit together or the processor refuses the keyword arguments."""
+    kwargs = processor_kwargs or {}
+    try:
+        out = processor(text=text, images=list(images), return_tensors="pt", **kwargs)
+    except Exception as exc:  # a processor's checks raise their own kinds (huggingface_hub's)
+        if not kwargs or isinstance(exc, MemoryError):
+            raise
+        raise ValueError(f"the processor refused --mm-processor-kwargs {kwargs}: {exc}") from exc
     ids = out["input_ids"][0].tolist()
     token = getattr(config, "image_token_id", None)
     token = token if token is not None else config.image_token_index

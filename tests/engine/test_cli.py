@@ -68,6 +68,16 @@ def test_engine_flags_reach_the_config():
     assert config.enable_prefix_caching is False
     assert config.max_num_seqs == 7
     assert config.cpu_decode_kernel is False
+    assert defaults.state_snapshot_interval == 256 and defaults.mm_processor_kwargs is None
+    more = parser.parse_args(
+        [
+            "--state-snapshot-interval", "64", "--num-state-snapshots", "3",
+            "--mm-processor-kwargs", '{"do_normalize": false}',
+        ]
+    )  # fmt: skip
+    config = EngineConfig(**engine_kwargs(more))
+    assert (config.state_snapshot_interval, config.num_state_snapshots) == (64, 3)
+    assert config.mm_processor_kwargs == {"do_normalize": False}
 
 
 def test_kv_cache_memory_default_and_validation():

@@ -31,11 +31,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):
     return llava(tmp_path_factory.mktemp("llava") / "llava")
 
 
-def hf_tokens(model, folder: Path, text: str, images: list) -> list[int]:
+def hf_tokens(model, folder: Path, text: str, images: list, **processor_kwargs) -> list[int]:
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(folder)
-    inputs = processor(text=text, images=images or None, return_tensors="pt")
+    inputs = processor(text=text, images=images or None, return_tensors="pt", **processor_kwargs)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
@@ -159,3 +159,22 @@ def test_async_engine_carries_the_images_to_the_engine_thread(checkpoint) -> Non
         engine.check_integrity()
     finally:
         engine.shutdown()
+
+
+def test_processor_kwargs_reach_the_processor(checkpoint) -> None:
+    """``--mm-processor-kwargs`` go to the processor's call as they are: unnormalised pixels
+    (``do_normalize`` false) are other pixel inputs, and the tokens are HF's over the same
+    processor output; a value the processor cannot take is a ValueError naming the flag."""
+    folder, model = checkpoint
+    text, images = CASES[0]
+    plain = LLM(str(folder), **ENGINE).engine.multimodal_prompt(text, images)
+    raw = LLM(str(folder), mm_processor_kwargs={"do_normalize": False}, **ENGINE)
+    prompt = raw.engine.multimodal_prompt(text, images)
+    assert prompt.token_ids == plain.token_ids
+    pixels = [p.images[0].pixel_inputs["pixel_values"] for p in (plain, prompt)]
+    assert not torch.equal(*pixels)
+    [got] = raw.generate([prompt], GREEDY)
+    assert got.token_ids == hf_tokens(model, folder, text, images, do_normalize=False)
+    bad = LLM(str(folder), mm_processor_kwargs={"size": "large"}, **ENGINE)
+    with pytest.raises(ValueError, match="mm-processor-kwargs"):
+        bad.engine.multimodal_prompt(text, images)
