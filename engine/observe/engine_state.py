@@ -30,7 +30,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from paged_serve.engine.observe.engine_snapshot import EngineSnapshot
@@ -66,6 +66,8 @@ class RequestState:
     state_slot: int | None = None  # a hybrid model's linear-attention state slot, if it holds one
     pooling: str | None = None  # a pooling request's task (embed | classify); None when generating
     lora: str | None = None  # the LoRA adapter it runs on; None: the base model
+    image_tokens: int = 0  # prompt positions that hold its images' placeholders
+    image_blocks: list[int] = field(default_factory=list)  # its blocks holding some of them
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +127,24 @@ def _request_state(engine: LLMEngine, request: Request, now: float) -> RequestSt
         state_slot=slots.slot(rid) if slots is not None and slots.holds(rid) else None,
         pooling=pooling,
         lora=request.lora.name if request.lora is not None else None,
+        image_tokens=sum(image.length for image in request.images),
+        image_blocks=_image_blocks(request, bm),
     )
+
+
+def _image_blocks(request: Request, bm: BlockManager) -> list[int]:
+    """The blocks of ``request``'s table that hold some of its images' placeholder positions
+    (in table order; none while it holds no blocks)."""
+    if not request.images or not bm.has(request.request_id):
+        return []
+    table, size = bm.block_table(request.request_id), bm.block_size
+    held = {
+        i
+        for image in request.images
+        for i in range(image.offset // size, (image.end - 1) // size + 1)
+        if i < len(table)
+    }
+    return [table[i] for i in sorted(held)]
 
 
 def pool_integrity(bm: BlockManager) -> str:

@@ -178,3 +178,23 @@ def test_processor_kwargs_reach_the_processor(checkpoint) -> None:
     bad = LLM(str(folder), mm_processor_kwargs={"size": "large"}, **ENGINE)
     with pytest.raises(ValueError, match="mm-processor-kwargs"):
         bad.engine.multimodal_prompt(text, images)
+
+
+def test_the_dashboard_state_shows_image_tokens_and_their_blocks(checkpoint) -> None:
+    """Two images of 16 placeholders each (positions 2-17 and 19-34), blocks of 16: they lie in
+    the request's blocks 0, 1 and 2; a text request has none."""
+    from paged_serve.engine.observe.engine_state import take_state
+
+    folder, _ = checkpoint
+    llm = LLM(str(folder), **{**ENGINE, "max_num_batched_tokens": 256})
+    text, images = CASES[1]
+    prompt = llm.engine.multimodal_prompt(text, images)
+    assert [(i.offset, i.length) for i in prompt.images] == [(2, 16), (19, 16)]
+    llm.engine.add_request(prompt, GREEDY)
+    llm.engine.add_request("w8 w9 w10", GREEDY)
+    llm.engine.step()
+    state = take_state(llm.engine, None)
+    with_images, text_only = state.running
+    assert with_images.image_tokens == 32
+    assert with_images.image_blocks == with_images.blocks[:3]
+    assert (text_only.image_tokens, text_only.image_blocks) == (0, [])
