@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
-from typing import TypeVar, cast
+from typing import TypeVar
 
 import jinja2
 import jinja2.defaults
@@ -155,34 +155,6 @@ class _TemplateFailed(Exception):
         self.cause = cause
 
 
-async def chat_prompt_ids(
-    engine: AsyncEngine,
-    messages: list[dict],
-    param: str,
-    *,
-    tools: list[dict] | None = None,
-    template_kwargs: dict | None = None,
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
-    add_special_tokens: bool = False,
-) -> list[int]:
-    """Apply the chat template and tokenize: by default with the generation prompt, ``tools``
-    if given, and the request's ``chat_template_kwargs`` as template variables (e.g. Qwen3's
-    ``enable_thinking``), and without adding special tokens again (the template already has
-    them). ``continue_final_message`` leaves the last message open for the model to continue."""
-    prompt = await chat_prompt(
-        engine,
-        messages,
-        param,
-        tools=tools,
-        template_kwargs=template_kwargs,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-        add_special_tokens=add_special_tokens,
-    )
-    return cast(list[int], prompt)  # no images: token ids
-
-
 async def chat_prompt(
     engine: AsyncEngine,
     messages: list[dict],
@@ -196,10 +168,15 @@ async def chat_prompt(
     continue_final_message: bool = False,
     add_special_tokens: bool = False,
 ) -> list[int] | MultimodalPrompt:
-    """``chat_prompt_ids``, or with ``images`` (decoded PIL images, one ``image_marker`` per
-    image in the messages' text) the rendered text and the images through the model's
-    processor (``AsyncEngine.multimodal_prompt``), in the same worker thread. A template that
-    reads content as a list of parts gets text and image parts (it writes the markers)."""
+    """Apply the chat template and tokenize: by default with the generation prompt, ``tools``
+    if given, and the request's ``chat_template_kwargs`` as template variables (e.g. Qwen3's
+    ``enable_thinking``), and without adding special tokens again (the template already has
+    them); ``continue_final_message`` leaves the last message open for the model to continue.
+    With ``images`` (decoded PIL images, one ``image_marker`` per image in the messages' text)
+    the rendered text and the images go through the model's processor
+    (``AsyncEngine.multimodal_prompt``) in the same worker thread, and a ``MultimodalPrompt``
+    comes back; without, token ids. A template that reads content as a list of parts gets text
+    and image parts (it writes the markers)."""
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or ()))
     if reserved:
         raise bad_request(

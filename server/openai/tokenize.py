@@ -3,7 +3,9 @@ tokenizer, with vLLM's request and response shapes (at the server root, as vLLM 
 
 ``/tokenize`` takes either a completions ``prompt`` (a string; special tokens such as BOS added
 by default) or chat ``messages`` (through the chat template, with the generation prompt by
-default, special tokens not added again), and answers ``{"count", "max_model_len", "tokens",
+default, special tokens not added again; their images, read and checked as chat completions
+reads them, through the model's processor, so each counts as its placeholder tokens), and
+answers ``{"count", "max_model_len", "tokens",
 "token_strs"}``; the ids are exactly what ``/v1/completions`` or ``/v1/chat/completions`` would
 run for the same input. ``/detokenize`` takes ``{"tokens": [...]}`` and answers
 ``{"prompt": text}``. ``/tokenizer_info`` describes the tokenizer (its class, special tokens and
@@ -14,8 +16,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from paged_serve.server.generation.prompts import chat_message, chat_prompt_ids, tokenize_prompt
+from paged_serve.engine.multimodal_inputs import MultimodalPrompt
+from paged_serve.server.generation.prompts import chat_message, chat_prompt, tokenize_prompt
 from paged_serve.server.http.wire import json_response
+from paged_serve.server.media.images import conversation_images
 from paged_serve.server.protocol.decode import decode
 from paged_serve.server.protocol.errors import bad_request
 from paged_serve.server.protocol.tokenize import (
@@ -42,17 +46,26 @@ async def tokenize(request: web.Request) -> web.Response:
     state.check_model(body.model)
     tokenizer = _tokenizer(state)
     if body.messages is not None:
-        messages = [
-            chat_message(m.role, m.content, f"messages[{i}]") for i, m in enumerate(body.messages)
-        ]
-        ids = await chat_prompt_ids(
+        params = [f"messages[{i}]" for i in range(len(body.messages))]
+        chat = await conversation_images(  # a chat's images count as its placeholders
+            body.messages,
+            params,
+            marker=state.engine.image_marker,
+            model=state.served_model_name,
+            config=state.media,
+        )
+        messages = [chat_message(m.role, m.content, p) for m, p in zip(chat.messages, params)]
+        prompt = await chat_prompt(
             state.engine,
             messages,
             "messages",
+            images=chat.images,
+            image_marker=chat.marker,
             add_generation_prompt=body.add_generation_prompt is not False,
             continue_final_message=bool(body.continue_final_message),
             add_special_tokens=bool(body.add_special_tokens),
         )
+        ids = prompt.token_ids if isinstance(prompt, MultimodalPrompt) else prompt
     elif body.add_special_tokens is False:
         ids = list(tokenizer(body.prompt, add_special_tokens=False).input_ids)
     else:

@@ -239,3 +239,24 @@ def test_a_marker_typed_in_the_text_is_a_400(vision: Vision) -> None:
     }
     reply = http("POST", f"{vision.url}/v1/chat/completions", json=body)
     assert_error(reply, 400, param="messages")
+
+
+def test_tokenize_counts_an_image_as_its_placeholders(vision: Vision) -> None:
+    """``/tokenize`` with an image part: the ids the chat would run (the processor's, the
+    image's placeholders expanded), the count chat completions reports; a bad image is the
+    same 400 naming the part."""
+    image = gradient(60, 40)
+    content = [{"type": "text", "text": "w3 w4"}, image_part(data_url(png(image)))]
+    messages = [{"role": "user", "content": content}]
+    reply = http("POST", f"{vision.url}/tokenize", json={"messages": messages})
+    assert reply.status == 200, reply.body
+    processor = AutoProcessor.from_pretrained(vision.folder)
+    want = processor(text="w3 w4\n<image> w1", images=[image], return_tensors="pt")["input_ids"]
+    assert reply.json()["tokens"] == want[0].tolist()
+    chat = client(vision).chat.completions.create(
+        model="tiny-llava", messages=messages, max_tokens=1, temperature=0
+    )
+    assert reply.json()["count"] == chat.usage.prompt_tokens
+    bad = [{"role": "user", "content": [image_part(data_url(GOOD[:40]))]}]
+    reply = http("POST", f"{vision.url}/tokenize", json={"messages": bad})
+    assert_error(reply, 400, param="messages[0].content[0]")
