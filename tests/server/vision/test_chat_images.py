@@ -3,7 +3,7 @@ Face's ``generate`` over the processor's output for the same rendered text and i
 token; two images in one message; a text-only chat on the same model; then every way an image
 is refused (bad bytes, too many pixels, too many images, parts of other types, URLs from where
 the server may not read), each a 400 OpenAI error object naming the part, and the server still
-answering afterwards."""
+answering afterwards; ``/tokenize`` with an image, and LangChain sending one."""
 
 from __future__ import annotations
 
@@ -260,3 +260,27 @@ def test_tokenize_counts_an_image_as_its_placeholders(vision: Vision) -> None:
     bad = [{"role": "user", "content": [image_part(data_url(GOOD[:40]))]}]
     reply = http("POST", f"{vision.url}/tokenize", json={"messages": bad})
     assert_error(reply, 400, param="messages[0].content[0]")
+
+
+def test_langchain_sends_an_image_as_its_users_do(vision: Vision) -> None:
+    """LangChain's ChatOpenAI with a ``HumanMessage`` of text and an ``image_url`` block (the
+    form its docs show): the reply's text is the greedy reply to the same content."""
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+
+    image = gradient(60, 40)
+    content = [{"type": "text", "text": "w3 w4"}, image_part(data_url(png(image)))]
+    llm = ChatOpenAI(
+        base_url=f"{vision.url}/v1",
+        api_key="unused",
+        model="tiny-llava",
+        temperature=0,
+        max_tokens=8,
+        max_retries=0,
+    )
+    answer = llm.invoke([HumanMessage(content=content)])
+    direct = client(vision).chat.completions.create(
+        model="tiny-llava", messages=[{"role": "user", "content": content}], **GREEDY
+    )
+    assert answer.content and answer.content == direct.choices[0].message.content
+    assert answer.usage_metadata["input_tokens"] == direct.usage.prompt_tokens
