@@ -24,9 +24,10 @@ from paged_serve.engine.kv.state_cache import linear_layer_ids
 
 logger = logging.getLogger(__name__)
 
-# layer types without keys and values: Nemotron-H's feed-forward-only layers, LFM2's short
-# convolutions (state slots, state_cache.py)
-NO_KV_LAYER_TYPES = ("mlp", "moe", "conv")
+FEED_FORWARD_LAYER_TYPES = ("mlp", "moe")  # Nemotron-H: a layer without a token mixer
+# layer types without keys and values: those, and LFM2's short convolutions (state slots,
+# state_cache.py)
+NO_KV_LAYER_TYPES = (*FEED_FORWARD_LAYER_TYPES, "conv")
 
 
 @dataclass(frozen=True, slots=True)

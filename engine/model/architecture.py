@@ -22,6 +22,7 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from paged_serve.engine.kv.kv_cache import FEED_FORWARD_LAYER_TYPES
 from paged_serve.engine.model.latent_attention import unservable_latent_reason
 from paged_serve.engine.model.linear_attention import linear_attention_layers
 from paged_serve.engine.model.linear_swap import transformer_layers
@@ -57,7 +58,6 @@ FAST_BODY_ARCHITECTURES = (
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 LINEAR_LAYER_TYPE = "linear_attention"  # gated DeltaNet or Mamba-2, over state slots
 PARALLEL_LAYER_TYPE = "hybrid"  # Falcon-H1: attention and a Mamba-2 mixer side by side
-FEED_FORWARD_LAYER_TYPES = ("mlp", "moe")  # Nemotron-H: a layer without a token mixer
 
 
 def attention_layers(model: nn.Module) -> list[nn.Module]:
